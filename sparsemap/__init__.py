@@ -1,0 +1,12 @@
+"""SparseMAP: sparse, differentiable structured inference from a MAP oracle.
+
+Implements Niculae, Martins, Blondel and Cardie, *SparseMAP: Differentiable
+Sparse Structured Inference* (ICML 2018).
+"""
+from sparsemap._factors._base import Factor
+from sparsemap._factors._sequence import SequenceFactor
+from sparsemap._factors._generic import GenericFactor, OracleFactor
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["Factor", "SequenceFactor", "GenericFactor", "OracleFactor"]

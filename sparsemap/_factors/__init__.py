@@ -1,0 +1,1 @@
+"""Typed Cython factor classes: one module per structure family."""

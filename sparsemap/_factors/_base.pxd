@@ -1,0 +1,32 @@
+# The C-level vertex/column interface shared by every factor.
+#
+# A structure is a fixed-length array of C ints (``struct_size`` of them): the
+# compact form of DESIGN.md (tags, heads, a column per row, a column index).
+# Scores are flat C-contiguous float64 arrays of length ``n_u`` and ``n_v``.
+# Every method returns 0 on success and -1 with a Python exception set on error,
+# so factors written in Python (which need the GIL) fit the same interface;
+# typed factors never fail and the check costs one comparison.
+
+cdef class Factor:
+    cdef readonly Py_ssize_t n_u          # length of the flattened eta_u / u
+    cdef readonly Py_ssize_t n_v          # length of the flattened eta_v / v
+    cdef readonly Py_ssize_t struct_size  # ints in one compact structure
+    cdef readonly Py_ssize_t work_bytes   # scratch space c_map needs
+    cdef readonly tuple shape_u
+    cdef readonly tuple shape_v
+
+    # Called once by each subclass's __init__.
+    cdef int _set_shapes(self, tuple shape_u, tuple shape_v, Py_ssize_t struct_size,
+                         Py_ssize_t work_bytes) except -1
+
+    # Best structure for scores (eta_u, eta_v), written to out[:struct_size].
+    # work points to at least work_bytes bytes, 16-byte aligned, owned by the caller.
+    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
+                   char* work) except -1 nogil
+    # out[0] = a_s . [eta_u; eta_v]  (eta_v may be NULL when n_v == 0)
+    cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v,
+                     double* out) except -1 nogil
+    # out[0] = m_s . m_t
+    cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil
+    # u += w m_s ; v += w n_s  (v may be NULL when n_v == 0)
+    cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil

@@ -1,0 +1,315 @@
+"""Base class of all factors: the Python half of the vertex/column interface.
+
+The C half (``c_map``, ``c_score``, ``c_overlap``, ``c_add``) is declared in
+``_base.pxd``; each family implements it without the GIL. The Python methods
+here validate their input once and then call the C methods, so every family
+gets ``map``, ``vertex``, ``score``, ``overlap`` and ``add_column`` for free.
+"""
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+
+def _sizes_message(name, expected, got):
+    return f"{name}: expected shape {tuple(expected)}, got {tuple(got)}"
+
+
+cdef class Factor:
+    """Abstract base of every factor (do not instantiate directly).
+
+    A factor describes a family of structures ``s``, each a column
+    ``a_s = [m_s; n_s]`` of an implicit 0/1 matrix ``A = [M; N]``, and knows how
+    to find the best one for given scores (MAP). Scores ``eta_u`` have shape
+    :attr:`shape_u` and ``eta_v`` shape :attr:`shape_v`.
+
+    Attributes
+    ----------
+    shape_u, shape_v : tuple of int
+        Shapes of the unary scores / posteriors ``eta_u``, ``u`` and of the
+        additional scores ``eta_v``, ``v`` (size 0 when the factor has none).
+    n_u, n_v : int
+        Their flattened sizes.
+    struct_size : int
+        Number of integers in one compact structure.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self.n_u = 0
+        self.n_v = 0
+        self.struct_size = 1
+        self.work_bytes = 0
+        self.shape_u = (0,)
+        self.shape_v = (0,)
+
+    cdef int _set_shapes(self, tuple shape_u, tuple shape_v, Py_ssize_t struct_size,
+                         Py_ssize_t work_bytes) except -1:
+        self.shape_u = tuple(int(d) for d in shape_u)
+        self.shape_v = tuple(int(d) for d in shape_v)
+        self.n_u = int(np.prod(self.shape_u, dtype=np.int64))
+        self.n_v = int(np.prod(self.shape_v, dtype=np.int64))
+        self.struct_size = struct_size
+        self.work_bytes = work_bytes
+        return 0
+
+    # -- C interface: subclasses override ------------------------------------
+    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
+                   char* work) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__} does not implement MAP")
+
+    cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v,
+                     double* out) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__} does not implement score")
+
+    cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__} does not implement overlap")
+
+    cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__} does not implement add_column")
+
+    # -- validation hooks: subclasses override -------------------------------
+    def _validate_structure(self, cnp.ndarray s, str name):
+        """Raise ValueError if the int array ``s`` is not a valid structure."""
+
+    def _to_public(self, cnp.ndarray s):
+        """Turn a validated int array into the factor's public compact form."""
+        return s.astype(np.intp)
+
+    def _init_args(self):
+        raise NotImplementedError
+
+    def __reduce__(self):
+        return (type(self), self._init_args())
+
+    def __repr__(self):
+        args = ", ".join(repr(a) for a in self._init_args())
+        return f"{type(self).__name__}({args})"
+
+    # -- validation shared by every family ------------------------------------
+    def check_scores(self, eta_u, eta_v=None):
+        """Validate scores and return them as flat C-contiguous float64 arrays.
+
+        Parameters
+        ----------
+        eta_u : array_like of shape :attr:`shape_u`
+        eta_v : array_like of shape :attr:`shape_v`, or None
+            ``None`` means zeros (the only choice when the factor has no
+            ``eta_v``).
+
+        Returns
+        -------
+        eta_u, eta_v : ndarray of float64, 1-d
+            Copies are made only when the input is not already float64 and
+            C-contiguous.
+
+        Raises
+        ------
+        ValueError
+            Wrong shape, or non-finite values.
+        """
+        eu = _as_float_array(eta_u, "eta_u", self.shape_u)
+        if eta_v is None:
+            ev = np.zeros(self.n_v, dtype=np.float64)
+        else:
+            ev = _as_float_array(eta_v, "eta_v", self.shape_v)
+        return eu.reshape(-1), ev.reshape(-1)
+
+    def check_structure(self, s, name="s"):
+        """Validate a compact structure and return it as a C int array.
+
+        Parameters
+        ----------
+        s : compact structure
+            In the factor's compact form (see the factor's docstring).
+        name : str
+            Argument name used in error messages.
+
+        Returns
+        -------
+        ndarray of intc, shape (struct_size,)
+
+        Raises
+        ------
+        ValueError
+            When ``s`` has the wrong shape, is not integral, or does not
+            describe a structure of this factor.
+        """
+        try:
+            arr = np.asarray(s)
+        except Exception as exc:  # ragged lists and other junk
+            raise ValueError(f"{name}: not a structure of {type(self).__name__}: {exc}")
+        if arr.dtype == object or arr.dtype.kind not in "biuf":
+            raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+        arr = arr.reshape(-1) if arr.ndim == 0 else arr
+        if arr.shape != (self.struct_size,):
+            raise ValueError(_sizes_message(name, (self.struct_size,), arr.shape))
+        if arr.dtype.kind == "f":
+            if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+                raise ValueError(f"{name}: expected integers, got {arr!r}")
+        out = np.ascontiguousarray(arr, dtype=np.intc)
+        if np.any(out != arr):
+            raise ValueError(f"{name}: values out of range: {arr!r}")
+        self._validate_structure(out, name)
+        return out
+
+    def check_structures(self, structures, name="structures"):
+        """Validate a sequence of compact structures; return an (k, struct_size) intc array."""
+        if isinstance(structures, np.ndarray) and structures.ndim == 2 and \
+                structures.shape[1] == self.struct_size and self.struct_size > 1:
+            rows = list(structures)
+        else:
+            rows = list(structures)
+        out = np.empty((len(rows), self.struct_size), dtype=np.intc)
+        for i, s in enumerate(rows):
+            out[i] = self.check_structure(s, f"{name}[{i}]")
+        return out
+
+    # -- the public Python interface -----------------------------------------
+    def map(self, eta_u, eta_v=None):
+        """Best structure (MAP) for the given scores.
+
+        Parameters
+        ----------
+        eta_u : array_like of shape :attr:`shape_u`
+            Unary scores.
+        eta_v : array_like of shape :attr:`shape_v`, optional
+            Additional scores (zeros when omitted).
+
+        Returns
+        -------
+        structure
+            The highest-scoring structure in the factor's compact form; ties
+            are broken deterministically.
+        """
+        eu, ev = self.check_scores(eta_u, eta_v)
+        return self._to_public(self._map_flat(eu, ev))
+
+    def _map_flat(self, double[::1] eu, double[::1] ev):
+        cdef cnp.ndarray out = np.empty(self.struct_size, dtype=np.intc)
+        cdef double[::1] work = np.empty(self.work_bytes // 8 + 2, dtype=np.float64)
+        cdef int[::1] o = out
+        cdef const double* pv = &ev[0] if ev.shape[0] > 0 else NULL
+        self.c_map(&eu[0] if eu.shape[0] > 0 else NULL, pv, &o[0], <char*> &work[0])
+        return out
+
+    def vertex(self, s):
+        """Dense column of a structure.
+
+        Parameters
+        ----------
+        s : structure in the factor's compact form
+
+        Returns
+        -------
+        m : ndarray of float64, shape :attr:`shape_u`
+        n : ndarray of float64, shape :attr:`shape_v` (empty if the factor has none)
+        """
+        cdef int[::1] sa = self.check_structure(s)
+        m = np.zeros(self.n_u, dtype=np.float64)
+        n = np.zeros(self.n_v, dtype=np.float64)
+        cdef double[::1] mv = m
+        cdef double[::1] nv = n
+        self.c_add(&sa[0], 1.0, &mv[0] if self.n_u else NULL, &nv[0] if self.n_v else NULL)
+        return m.reshape(self.shape_u), n.reshape(self.shape_v)
+
+    def score(self, s, eta_u, eta_v=None):
+        """Score ``a_s . [eta_u; eta_v]`` of a structure, in time linear in its compact size.
+
+        Parameters
+        ----------
+        s : structure in compact form
+        eta_u, eta_v : array_like
+            Scores, as for :meth:`map`.
+
+        Returns
+        -------
+        float
+        """
+        cdef int[::1] sa = self.check_structure(s)
+        eu, ev = self.check_scores(eta_u, eta_v)
+        cdef double[::1] euv = eu
+        cdef double[::1] evv = ev
+        cdef double out = 0
+        self.c_score(&sa[0], &euv[0] if self.n_u else NULL,
+                     &evv[0] if self.n_v else NULL, &out)
+        return out
+
+    def overlap(self, s, t):
+        """Overlap ``m_s . m_t`` of two structures (a Gram matrix entry).
+
+        Parameters
+        ----------
+        s, t : structures in compact form
+
+        Returns
+        -------
+        float
+        """
+        cdef int[::1] sa = self.check_structure(s, "s")
+        cdef int[::1] ta = self.check_structure(t, "t")
+        cdef double out = 0
+        self.c_overlap(&sa[0], &ta[0], &out)
+        return out
+
+    def add_column(self, s, double w, u, v=None):
+        """In place: ``u += w * m_s`` and ``v += w * n_s``.
+
+        Parameters
+        ----------
+        s : structure in compact form
+        w : float
+        u : ndarray of float64, shape :attr:`shape_u`, C-contiguous, writable
+        v : ndarray of float64, shape :attr:`shape_v`, or None to skip ``n_s``
+        """
+        cdef int[::1] sa = self.check_structure(s)
+        cdef double[::1] uv = _as_out_array(u, "u", self.shape_u)
+        cdef double[::1] vv
+        cdef double* pv = NULL
+        if v is not None and self.n_v:
+            vv = _as_out_array(v, "v", self.shape_v)
+            pv = &vv[0]
+        if v is None and self.n_v:
+            vv = np.zeros(self.n_v)
+            pv = &vv[0]
+        self.c_add(&sa[0], w, &uv[0] if self.n_u else NULL, pv)
+
+
+def _as_float_array(x, name, shape):
+    """Float64 C-contiguous array of the given shape, or a ValueError naming ``name``."""
+    if x is None:
+        raise ValueError(f"{name}: expected an array of shape {tuple(shape)}, got None")
+    try:
+        arr = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: expected an array of floats of shape {tuple(shape)} ({exc})")
+    if arr.shape != tuple(shape):
+        if arr.size == 0 and int(np.prod(shape)) == 0:
+            return np.zeros(shape, dtype=np.float64)
+        raise ValueError(_sizes_message(name, shape, arr.shape))
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name}: contains non-finite values (nan or inf)")
+    return np.ascontiguousarray(arr)
+
+
+def _as_out_array(x, name, shape):
+    if not isinstance(x, np.ndarray) or x.dtype != np.float64 or not x.flags.c_contiguous \
+            or not x.flags.writeable:
+        raise ValueError(f"{name}: expected a writable C-contiguous float64 ndarray of shape "
+                         f"{tuple(shape)}")
+    if x.shape != tuple(shape):
+        raise ValueError(_sizes_message(name, shape, x.shape))
+    return x.reshape(-1)
+
+
+def check_positive_int(value, name):
+    """Return ``value`` as a positive int, or raise ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
