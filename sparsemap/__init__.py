@@ -10,3 +10,7 @@ from sparsemap._factors._generic import GenericFactor, OracleFactor
 __version__ = "0.1.0.dev0"
 
 __all__ = ["Factor", "SequenceFactor", "GenericFactor", "OracleFactor"]
+
+from sparsemap._solve import ConvergenceWarning, SparseMAPResult, solve
+
+__all__ += ["solve", "SparseMAPResult", "ConvergenceWarning"]

@@ -1,0 +1,598 @@
+"""Active-set solver for SparseMAP (Appendix A.2, Algorithm 2) and its backward pass.
+
+The solver keeps the support ``I`` as compact structures and the Cholesky factor
+``L`` of ``G_c = M_I^T M_I + c 1 1^T`` (``c > 0``). On the simplex ``1^T y = 1``
+the shift changes neither the solution nor the Jacobian, and ``G_c`` is positive
+definite exactly when the active columns are *affinely* independent, which is
+the condition under which the KKT system (eq. 12) is nonsingular (DESIGN.md).
+
+A structure entering appends a row to ``L`` (one triangular solve); one leaving
+deletes a row and restores triangular form with Givens rotations. A structure
+whose column is affinely dependent on the active ones gives its dependence
+coefficients from the same triangular solve; the weights then move along that
+null direction (``u`` unchanged) until one reaches zero, which leaves, and the
+new structure enters in its place.
+
+The loop never builds a dense column: Gram entries come from the factor's
+``c_overlap``, scores from ``c_score`` and ``u`` from ``c_add``. It holds no
+Python objects and runs without the GIL; the workspace grows geometrically.
+"""
+import numpy as np
+
+from libc.math cimport fabs, sqrt, hypot, INFINITY
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcpy, memmove, memset
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+from scipy.linalg.cython_blas cimport dtrsv
+
+from sparsemap._factors._base cimport Factor
+
+# A new column is affinely dependent on the active ones when its squared
+# distance to their affine hull is below DEP_TOL times its squared norm in G_c.
+cdef double DEP_TOL = 1e-9
+
+# Termination codes.
+cdef enum:
+    RUNNING = 0
+    CONVERGED = 1
+    MAX_ITER = 2
+    STALLED = 3   # MAP returned an active structure twice: round-off floor
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + 1e-9 * ts.tv_nsec
+
+
+cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double acc = 0
+    for i in range(n):
+        acc += a[i] * b[i]
+    return acc
+
+
+cdef inline double _sum(const double* a, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double acc = 0
+    for i in range(n):
+        acc += a[i]
+    return acc
+
+
+def gap_scale(double eta_u_dot_u, double eta_v_dot_v, double u_sq):
+    """Scale the convergence tolerance is relative to.
+
+    A solve has converged when ``gap <= tol * gap_scale(...)`` with
+    ``gap_scale = max(1, |eta_u . u| + |eta_v . v| + ||u||^2)``, so the rule is
+    absolute for scores of order one and relative for large scores, where
+    round-off in the gap grows with the magnitude of the objective's terms.
+    """
+    return _gap_scale(eta_u_dot_u, eta_v_dot_v, u_sq)
+
+
+cdef inline double _gap_scale(double eu, double ev, double usq) noexcept nogil:
+    cdef double s = fabs(eu) + fabs(ev) + usq
+    return s if s > 1.0 else 1.0
+
+
+cdef class _Workspace:
+    """Support, weights and Cholesky factor of one solve (not thread-shared)."""
+    cdef Factor f
+    cdef Py_ssize_t k, n_u, n_v
+    cdef Py_ssize_t cap, nI
+    cdef double c              # the shift in G_c
+    cdef int* S                # cap x k structures
+    cdef double* y             # weights
+    cdef double* yhat          # relaxed KKT solution
+    cdef double* theta         # scores a_t . eta, shifted by theta0
+    cdef double* L             # cap x cap, row-major lower triangular
+    cdef double* x1
+    cdef double* x2
+    cdef double theta0
+    cdef double tau
+    cdef double* u
+    cdef double* v
+    cdef double* adj           # eta_u - u
+    cdef int* snew
+    cdef char* work
+    cdef const double* eta_u
+    cdef const double* eta_v
+    cdef Py_ssize_t n_map
+
+    def __cinit__(self, Factor f, Py_ssize_t cap):
+        self.f = f
+        self.k = f.struct_size
+        self.n_u = f.n_u
+        self.n_v = f.n_v
+        self.cap = 0
+        self.nI = 0
+        self.n_map = 0
+        self.S = NULL
+        self.y = self.yhat = self.theta = self.L = self.x1 = self.x2 = NULL
+        self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
+        self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
+        self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
+        self.snew = <int*> malloc(self.k * sizeof(int))
+        # 16-byte aligned scratch for c_map
+        self.work = <char*> malloc(f.work_bytes + 16)
+        if (self.u == NULL or self.adj == NULL or self.v == NULL or self.snew == NULL
+                or self.work == NULL):
+            raise MemoryError()
+        self._grow(cap if cap > 4 else 4)
+
+    def __dealloc__(self):
+        free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.L)
+        free(self.x1); free(self.x2); free(self.u); free(self.adj); free(self.v)
+        free(self.snew); free(self.work)
+
+    cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:
+        cdef Py_ssize_t i, old = self.cap
+        cdef double* newL
+        cdef void* p
+        if new_cap <= old:
+            return 0
+        p = realloc(self.S, new_cap * self.k * sizeof(int))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.S = <int*> p
+        p = realloc(self.y, new_cap * sizeof(double))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.y = <double*> p
+        p = realloc(self.yhat, new_cap * sizeof(double))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.yhat = <double*> p
+        p = realloc(self.theta, new_cap * sizeof(double))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.theta = <double*> p
+        p = realloc(self.x1, new_cap * sizeof(double))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.x1 = <double*> p
+        p = realloc(self.x2, new_cap * sizeof(double))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.x2 = <double*> p
+        newL = <double*> malloc(new_cap * new_cap * sizeof(double))
+        if newL == NULL:
+            with gil:
+                raise MemoryError()
+        memset(newL, 0, new_cap * new_cap * sizeof(double))
+        for i in range(self.nI):
+            memcpy(newL + i * new_cap, self.L + i * old, (i + 1) * sizeof(double))
+        free(self.L)
+        self.L = newL
+        self.cap = new_cap
+        return 0
+
+    # -- triangular solves with the kept factor ----------------------------------
+    cdef void _solve_lower(self, double* x) noexcept nogil:
+        """x <- L^{-1} x (L row-major lower = column-major upper L^T)."""
+        cdef int n = <int> self.nI, lda = <int> self.cap, inc = 1
+        if n > 0:
+            dtrsv(b"U", b"T", b"N", &n, self.L, &lda, x, &inc)
+
+    cdef void _solve_upper(self, double* x) noexcept nogil:
+        """x <- L^{-T} x."""
+        cdef int n = <int> self.nI, lda = <int> self.cap, inc = 1
+        if n > 0:
+            dtrsv(b"U", b"N", b"N", &n, self.L, &lda, x, &inc)
+
+    cdef void _solve_gram(self, double* x) noexcept nogil:
+        """x <- G_c^{-1} x."""
+        self._solve_lower(x)
+        self._solve_upper(x)
+
+    cdef void _relaxed_kkt(self) noexcept nogil:
+        """Solve eq. 12 on the active set: yhat and tau."""
+        cdef Py_ssize_t t, n = self.nI
+        cdef double taup
+        for t in range(n):
+            self.x1[t] = self.theta[t]
+            self.x2[t] = 1.0
+        self._solve_gram(self.x1)
+        self._solve_gram(self.x2)
+        taup = (_sum(self.x1, n) - 1.0) / _sum(self.x2, n)
+        for t in range(n):
+            self.yhat[t] = self.x1[t] - taup * self.x2[t]
+        self.tau = taup + self.c + self.theta0
+
+    # -- support bookkeeping -------------------------------------------------------
+    cdef Py_ssize_t _find(self, const int* s) noexcept nogil:
+        cdef Py_ssize_t t, j
+        for t in range(self.nI):
+            for j in range(self.k):
+                if self.S[t * self.k + j] != s[j]:
+                    break
+            else:
+                return t
+        return -1
+
+    cdef int _append(self, const int* s, const double* lrow, double diag, double w) except -1 nogil:
+        cdef Py_ssize_t n = self.nI
+        cdef double th
+        if n == self.cap:
+            self._grow(2 * self.cap)
+        memcpy(self.S + n * self.k, s, self.k * sizeof(int))
+        memcpy(self.L + n * self.cap, lrow, n * sizeof(double))
+        self.L[n * self.cap + n] = diag
+        self.f.c_score(s, self.eta_u, self.eta_v, &th)
+        self.theta[n] = th - self.theta0
+        self.y[n] = w
+        self.nI = n + 1
+        return 0
+
+    cdef void _remove(self, Py_ssize_t r) noexcept nogil:
+        """Drop structure r: delete its row of L, then Givens on columns (j, j+1)."""
+        cdef Py_ssize_t n = self.nI, cap = self.cap, i, j
+        cdef double a, b, rho, cs, sn, xa, xb
+        cdef double* L = self.L
+        for i in range(r, n - 1):
+            memcpy(L + i * cap, L + (i + 1) * cap, (i + 2) * sizeof(double))
+        # rows r..n-2 now have one entry right of the diagonal: rotate it away
+        for j in range(r, n - 1):
+            a = L[j * cap + j]
+            b = L[j * cap + j + 1]
+            if b == 0.0:
+                continue
+            rho = hypot(a, b)
+            cs = a / rho
+            sn = b / rho
+            for i in range(j, n - 1):
+                xa = L[i * cap + j]
+                xb = L[i * cap + j + 1]
+                L[i * cap + j] = cs * xa + sn * xb
+                L[i * cap + j + 1] = -sn * xa + cs * xb
+        for i in range(n - 1):
+            L[i * cap + i + 1] = 0.0
+            if L[i * cap + i] < 0:   # keep a positive diagonal
+                for j in range(i, n - 1):
+                    L[j * cap + i] = -L[j * cap + i]
+        if r < n - 1:
+            memmove(self.S + r * self.k, self.S + (r + 1) * self.k,
+                    (n - 1 - r) * self.k * sizeof(int))
+            memmove(self.y + r, self.y + r + 1, (n - 1 - r) * sizeof(double))
+            memmove(self.theta + r, self.theta + r + 1, (n - 1 - r) * sizeof(double))
+        self.nI = n - 1
+
+    cdef int _insert(self, const int* s, double w) except -1 nogil:
+        """Add s with weight w; handle affine dependence (u is kept fixed).
+
+        Returns 1 if s entered directly, 2 if it replaced a dependent structure.
+        """
+        cdef Py_ssize_t t, n, r, tries
+        cdef double g, d, delta, alpha, ratio
+        cdef double* l
+        for tries in range(self.nI + 1):
+            n = self.nI
+            if n + 1 >= self.cap:
+                self._grow(2 * self.cap)
+            l = self.x1
+            for t in range(n):
+                self.f.c_overlap(s, self.S + t * self.k, &g)
+                l[t] = g + self.c
+            self.f.c_overlap(s, s, &d)
+            d += self.c
+            self._solve_lower(l)
+            delta = d - _dot(l, l, n)
+            if delta > DEP_TOL * d:
+                self._append(s, l, sqrt(delta), w)
+                return 1 if tries == 0 else 2
+            # [m_s; sqrt c] = sum_t z_t [m_t; sqrt c], with z = L^{-T} l and sum z = 1.
+            self._solve_upper(l)
+            r = -1
+            alpha = INFINITY
+            for t in range(n):
+                if l[t] > 1e-12:
+                    ratio = self.y[t] / l[t]
+                    if ratio < alpha:
+                        alpha = ratio
+                        r = t
+            if r < 0:   # cannot happen in exact arithmetic (sum z = 1)
+                return 0
+            for t in range(n):
+                self.y[t] -= alpha * l[t]
+            self.y[r] = 0.0
+            w += alpha
+            self._remove(r)
+        return 0
+
+    cdef int _rebuild(self) except -1 nogil:
+        """Refactorise G_c from scratch (only after round-off trouble)."""
+        cdef Py_ssize_t n = self.nI, t, i, j
+        cdef double g, acc
+        cdef double* L = self.L
+        cdef Py_ssize_t cap = self.cap
+        for i in range(n):
+            for j in range(i + 1):
+                self.f.c_overlap(self.S + i * self.k, self.S + j * self.k, &g)
+                acc = g + self.c
+                for t in range(j):
+                    acc -= L[i * cap + t] * L[j * cap + t]
+                if i == j:
+                    L[i * cap + i] = sqrt(acc) if acc > 0 else 1e-300
+                else:
+                    L[i * cap + j] = acc / L[j * cap + j]
+        return 0
+
+    # -- u, v, gap -------------------------------------------------------------------
+    cdef int _compute_uv(self) except -1 nogil:
+        cdef Py_ssize_t t
+        memset(self.u, 0, self.n_u * sizeof(double))
+        memset(self.v, 0, self.n_v * sizeof(double))
+        for t in range(self.nI):
+            self.f.c_add(self.S + t * self.k, self.y[t], self.u,
+                         self.v if self.n_v else NULL)
+        return 0
+
+    cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil:
+        """MAP at the adjusted scores eta_u - u; Wolfe gap into gap, MAP into snew."""
+        cdef Py_ssize_t j
+        cdef double best, eu, ev, usq
+        self._compute_uv()
+        for j in range(self.n_u):
+            self.adj[j] = self.eta_u[j] - self.u[j]
+        self.f.c_map(self.adj, self.eta_v, self.snew, self.work)
+        self.n_map += 1
+        self.f.c_score(self.snew, self.adj, self.eta_v, &best)
+        eu = _dot(self.eta_u, self.u, self.n_u)
+        ev = _dot(self.eta_v, self.v, self.n_v) if self.n_v else 0.0
+        usq = _dot(self.u, self.u, self.n_u)
+        # gap = max_s <a_s - x, -grad f(x)>, an upper bound on suboptimality
+        gap[0] = best - (eu - usq + ev)
+        scale[0] = _gap_scale(eu, ev, usq)
+        obj[0] = 0.5 * usq - eu - ev
+        return 0
+
+    cdef int _objective(self, double* obj) except -1 nogil:
+        self._compute_uv()
+        obj[0] = (0.5 * _dot(self.u, self.u, self.n_u) - _dot(self.eta_u, self.u, self.n_u)
+                  - (_dot(self.eta_v, self.v, self.n_v) if self.n_v else 0.0))
+        return 0
+
+
+cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
+              Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
+    """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
+    cdef Py_ssize_t it = 0, t, r, n_stall = 0
+    cdef int status = RUNNING
+    cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
+    cdef double t0 = _now()
+    cdef bint fresh_gap
+    while True:
+        # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
+        ws._relaxed_kkt()
+        ymin = INFINITY
+        for t in range(ws.nI):
+            if ws.yhat[t] < ymin:
+                ymin = ws.yhat[t]
+        fresh_gap = False
+        if ymin >= 0.0:
+            memcpy(ws.y, ws.yhat, ws.nI * sizeof(double))
+            ws._gap(&gap, &scale, &obj)
+            fresh_gap = True
+            if gap <= tol * scale:
+                status = CONVERGED
+            elif ws._find(ws.snew) >= 0:
+                # In exact arithmetic MAP cannot return an active structure here
+                # unless the gap is zero: refactorise once, then give up.
+                n_stall += 1
+                if n_stall >= 2:
+                    status = STALLED
+                else:
+                    ws._rebuild()
+            else:
+                n_stall = 0
+                ws._insert(ws.snew, 0.0)
+        else:
+            # Move towards yhat until the first weight hits zero (eq. 31), drop it.
+            gamma = 1.0
+            r = -1
+            for t in range(ws.nI):
+                if ws.yhat[t] < ws.y[t]:
+                    ratio = ws.y[t] / (ws.y[t] - ws.yhat[t])
+                    if ratio < gamma:
+                        gamma = ratio
+                        r = t
+            for t in range(ws.nI):
+                ws.y[t] = (1.0 - gamma) * ws.y[t] + gamma * ws.yhat[t]
+            if r >= 0:
+                ws.y[r] = 0.0
+                ws._remove(r)
+        it += 1
+        if hist != NULL:
+            if not fresh_gap:
+                ws._gap(&gap, &scale, &obj)
+            hist[4 * (it - 1)] = obj
+            hist[4 * (it - 1) + 1] = gap
+            hist[4 * (it - 1) + 2] = ws.nI
+            hist[4 * (it - 1) + 3] = _now() - t0
+        if status != RUNNING:
+            break
+        if it >= max_iter:
+            status = MAX_ITER
+            break
+    # Zero weights are not part of the support (their Jacobian rows vanish).
+    t = ws.nI - 1
+    while t >= 0:
+        if ws.y[t] <= 0.0 and ws.nI > 1:
+            ws._remove(t)
+        t -= 1
+    if status != CONVERGED:
+        # the reported gap is always that of the returned iterate
+        ws._gap(&gap, &scale, &obj)
+        if gap <= tol * scale:
+            status = CONVERGED
+    else:
+        ws._objective(&obj)
+    n_iter_out[0] = it
+    gap_out[0] = gap
+    obj_out[0] = obj
+    return status
+
+
+def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t max_iter,
+               double tol, init=None, bint return_history=False):
+    """Run the active-set solver on validated, flattened float64 scores.
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u, eta_v : 1-d float64 arrays of sizes ``factor.n_u`` and ``factor.n_v``
+    max_iter : int
+    tol : float
+        Converged when ``gap <= tol * gap_scale``.
+    init : (k, struct_size) intc array, optional
+        Structures to start from (warm start), with uniform weights;
+        dependent and repeated ones are skipped. Default: the MAP structure.
+    return_history : bool
+
+    Returns
+    -------
+    dict with keys structures, weights, u, v, L, c, n_iter, status, gap,
+    objective, n_map, history (or None).
+    """
+    cdef _Workspace ws = _Workspace(factor, 16)
+    cdef int[:, ::1] init_mv
+    cdef Py_ssize_t i, n_init, n_iter = 0
+    cdef double gap = 0, obj = 0, g0, w
+    cdef int status
+    cdef double[::1] hist_mv
+    cdef double* hist = NULL
+    ws.eta_u = &eta_u[0] if factor.n_u else NULL
+    ws.eta_v = &eta_v[0] if factor.n_v else NULL
+    if init is None or len(init) == 0:
+        with nogil:
+            factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
+        ws.n_map += 1
+        init_mv = np.array(<int[:ws.k]> ws.snew, dtype=np.intc).reshape(1, -1)
+    else:
+        init_mv = init
+    n_init = init_mv.shape[0]
+    factor.c_overlap(&init_mv[0, 0], &init_mv[0, 0], &g0)
+    # A shift of the order of the Gram entries keeps G_c well conditioned.
+    ws.c = g0 if g0 > 1.0 else 1.0
+    factor.c_score(&init_mv[0, 0], ws.eta_u, ws.eta_v, &ws.theta0)
+    for i in range(n_init):
+        if ws._find(&init_mv[i, 0]) < 0:
+            ws._insert(&init_mv[i, 0], 0.0)
+    w = 1.0 / ws.nI
+    for i in range(ws.nI):
+        ws.y[i] = w
+    if return_history:
+        hist_mv = np.zeros(4 * max(max_iter, 1) + 4)
+        hist = &hist_mv[0]
+    with nogil:
+        status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
+    n = ws.nI
+    structures = np.array(<int[:n * ws.k]> ws.S, dtype=np.intc).reshape(n, ws.k)
+    weights = np.array(<double[:n]> ws.y)
+    L = np.empty((n, n))
+    for i in range(n):
+        L[i, :] = np.array(<double[:ws.cap]> (ws.L + i * ws.cap))[:n]
+    u = np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
+    v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
+    history = None
+    if return_history:
+        history = np.asarray(hist_mv)[:4 * n_iter].reshape(n_iter, 4).copy()
+    return dict(structures=structures, weights=weights, u=u, v=v, L=np.tril(L), c=ws.c,
+                n_iter=n_iter, status=status, gap=gap, objective=obj, n_map=ws.n_map,
+                history=history)
+
+
+def reduce_support(Factor factor, int[:, ::1] structures, double[::1] weights,
+                   double[::1] eta_u, double[::1] eta_v):
+    """Affinely independent support with the same ``u``, and its Cholesky factor.
+
+    Used for the backward pass of solvers (conditional gradient) whose final
+    support may be affinely dependent. Structures are inserted one at a time;
+    a dependent one shifts weight along the null direction (Caratheodory).
+
+    Returns
+    -------
+    structures, weights, L, c
+    """
+    cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
+    cdef Py_ssize_t i
+    cdef double g0
+    ws.eta_u = &eta_u[0] if factor.n_u else NULL
+    ws.eta_v = &eta_v[0] if factor.n_v else NULL
+    factor.c_overlap(&structures[0, 0], &structures[0, 0], &g0)
+    ws.c = g0 if g0 > 1.0 else 1.0
+    ws.theta0 = 0.0
+    for i in range(structures.shape[0]):
+        if weights[i] > 0:
+            ws._insert(&structures[i, 0], weights[i])
+    t = ws.nI - 1
+    while t >= 0:
+        if ws.y[t] <= 0.0 and ws.nI > 1:
+            ws._remove(t)
+        t -= 1
+    n = ws.nI
+    out_s = np.array(<int[:n * ws.k]> ws.S, dtype=np.intc).reshape(n, ws.k)
+    out_w = np.array(<double[:n]> ws.y)
+    L = np.empty((n, n))
+    for i in range(n):
+        L[i, :] = np.array(<double[:ws.cap]> (ws.L + i * ws.cap))[:n]
+    return out_s, out_w / out_w.sum(), np.tril(L), ws.c
+
+
+cdef void _jacobian_transform(double[:, ::1] L, double* x, double* ones) noexcept nogil:
+    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1)."""
+    cdef int n = <int> L.shape[0], lda = <int> L.shape[1], inc = 1
+    cdef Py_ssize_t t
+    cdef double a
+    for t in range(n):
+        ones[t] = 1.0
+    dtrsv(b"U", b"T", b"N", &n, &L[0, 0], &lda, x, &inc)
+    dtrsv(b"U", b"N", b"N", &n, &L[0, 0], &lda, x, &inc)
+    dtrsv(b"U", b"T", b"N", &n, &L[0, 0], &lda, ones, &inc)
+    dtrsv(b"U", b"N", b"N", &n, &L[0, 0], &lda, ones, &inc)
+    a = _sum(x, n) / _sum(ones, n)
+    for t in range(n):
+        x[t] -= a * ones[t]
+
+
+def jvp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] d_eta_u,
+        double[::1] d_eta_v):
+    """Jacobian-vector product ``du = M_I D A_I^T d_eta`` in O(|I| n + |I|^2)."""
+    cdef Py_ssize_t n = structures.shape[0], t
+    cdef double[::1] x = np.empty(n), ones = np.empty(n)
+    du = np.zeros(factor.n_u)
+    cdef double[::1] du_mv = du
+    cdef const double* pv = &d_eta_v[0] if factor.n_v else NULL
+    with nogil:
+        for t in range(n):
+            factor.c_score(&structures[t, 0], &d_eta_u[0], pv, &x[t])
+        _jacobian_transform(L, &x[0], &ones[0])
+        for t in range(n):
+            factor.c_add(&structures[t, 0], x[t], &du_mv[0], NULL)
+    return du
+
+
+def vjp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] g_u):
+    """Vector-Jacobian product ``(g_eta_u, g_eta_v) = A_I D M_I^T g_u``."""
+    cdef Py_ssize_t n = structures.shape[0], t
+    cdef double[::1] x = np.empty(n), ones = np.empty(n)
+    gu = np.zeros(factor.n_u)
+    gv = np.zeros(factor.n_v)
+    cdef double[::1] gu_mv = gu
+    cdef double[::1] gv_mv = gv
+    cdef double* pv = &gv_mv[0] if factor.n_v else NULL
+    with nogil:
+        for t in range(n):
+            factor.c_score(&structures[t, 0], &g_u[0], NULL, &x[t])
+        _jacobian_transform(L, &x[0], &ones[0])
+        for t in range(n):
+            factor.c_add(&structures[t, 0], x[t], &gu_mv[0], pv)
+    return gu, gv

@@ -1,0 +1,211 @@
+"""``solve``: the single entry point to every SparseMAP solver, and its result type."""
+import numbers
+import warnings
+
+import numpy as np
+
+from sparsemap import _active_set
+from sparsemap._factors._base import Factor
+
+METHODS = ("active_set", "cg", "away_cg", "pairwise_cg")
+DEFAULT_TOL = 1e-12
+DEFAULT_MAX_ITER = {"active_set": 10_000, "cg": 10_000, "away_cg": 10_000, "pairwise_cg": 10_000}
+
+_STATUS = {1: "converged", 2: "maximum number of iterations reached",
+           3: "stalled at the round-off floor"}
+
+
+class ConvergenceWarning(UserWarning):
+    """A solver stopped before its duality gap reached the tolerance."""
+
+
+class SparseMAPResult:
+    """Outcome of :func:`solve`.
+
+    Attributes
+    ----------
+    u : ndarray, shape ``factor.shape_u``
+        SparseMAP posterior ``M y*``.
+    v : ndarray, shape ``factor.shape_v``
+        ``N y*`` (empty when the factor has no ``eta_v``).
+    structures : list
+        The support: structures in the factor's compact form.
+    weights : ndarray
+        Their weights ``y*`` (positive, summing to one).
+    n_iter : int
+        Iterations run.
+    n_map : int
+        Calls to the MAP oracle.
+    converged : bool
+        Whether ``gap <= tol * gap_scale`` (see :func:`solve`).
+    gap : float
+        Wolfe duality gap of the returned point, an upper bound on
+        ``objective - min objective``. Always computed at return.
+    objective : float
+        ``1/2 ||u||^2 - eta_u . u - eta_v . v`` (eq. 6 as a minimisation).
+    history : dict of ndarray or None
+        With ``return_history=True``: per iteration ``"objective"``, ``"gap"``,
+        ``"support_size"`` and ``"seconds"`` (elapsed since the start).
+    method : str
+    message : str
+    """
+
+    def __init__(self, factor, raw, method, eta_u, eta_v):
+        self.factor = factor
+        self.method = method
+        self._S = np.ascontiguousarray(raw["structures"], dtype=np.intc)
+        self.weights = np.asarray(raw["weights"], dtype=np.float64)
+        self.structures = [factor._to_public(s) for s in self._S]
+        self.u = np.asarray(raw["u"]).reshape(factor.shape_u)
+        self.v = np.asarray(raw["v"]).reshape(factor.shape_v)
+        self.n_iter = int(raw["n_iter"])
+        self.n_map = int(raw["n_map"])
+        self.converged = bool(raw["status"] == 1)
+        self.gap = float(raw["gap"])
+        self.objective = float(raw["objective"])
+        self.message = _STATUS.get(raw["status"], str(raw["status"]))
+        h = raw.get("history")
+        self.history = None if h is None else {
+            "objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
+            "support_size": h[:, 2].astype(int), "seconds": h[:, 3].copy()}
+        self._L = raw.get("L")
+        self._eta = (eta_u, eta_v)
+
+    def __repr__(self):
+        return (f"SparseMAPResult(method={self.method!r}, converged={self.converged}, "
+                f"n_iter={self.n_iter}, support={len(self.structures)}, "
+                f"gap={self.gap:.3g}, objective={self.objective:.10g})")
+
+    def _backward_state(self):
+        if self._L is None:
+            # Solvers other than the active set may end on an affinely dependent
+            # support: reduce it (same u) and factorise once.
+            S, w, L, _ = _active_set.reduce_support(self.factor, self._S, self.weights,
+                                                    *self._eta)
+            self._S_bw, self._L = S, L
+        return getattr(self, "_S_bw", self._S), self._L
+
+    def jvp(self, d_eta_u, d_eta_v=None):
+        """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.
+
+        Parameters
+        ----------
+        d_eta_u : array_like, shape ``factor.shape_u``
+        d_eta_v : array_like, shape ``factor.shape_v``, optional (zeros)
+
+        Returns
+        -------
+        du : ndarray, shape ``factor.shape_u``
+
+        Notes
+        -----
+        Proposition 1: ``du = M_I D A_I^T d_eta`` with
+        ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
+        support, from the kept Cholesky factor in O(|I| n + |I|^2).
+        """
+        du, dv = self.factor.check_scores(d_eta_u, d_eta_v)
+        S, L = self._backward_state()
+        return _active_set.jvp(self.factor, S, L, du, dv).reshape(self.factor.shape_u)
+
+    def vjp(self, du):
+        """Transpose Jacobian product, for backpropagation.
+
+        Parameters
+        ----------
+        du : array_like, shape ``factor.shape_u``
+            Gradient of a downstream loss with respect to ``u``.
+
+        Returns
+        -------
+        g_eta_u : ndarray, shape ``factor.shape_u``
+        g_eta_v : ndarray, shape ``factor.shape_v``
+        """
+        from sparsemap._factors._base import _as_float_array
+        g = _as_float_array(du, "du", self.factor.shape_u).reshape(-1)
+        S, L = self._backward_state()
+        gu, gv = _active_set.vjp(self.factor, S, L, g)
+        return gu.reshape(self.factor.shape_u), gv.reshape(self.factor.shape_v)
+
+
+def _check_init(factor, init):
+    if init is None:
+        return None
+    if isinstance(init, SparseMAPResult):
+        if init.factor is not factor and repr(init.factor) != repr(factor):
+            raise ValueError("init: the result comes from a different factor")
+        return init._S
+    try:
+        seq = list(init)
+    except TypeError:
+        raise ValueError(f"init: expected a SparseMAPResult or a list of structures, got {init!r}")
+    if len(seq) == 0:
+        return None
+    return factor.check_structures(seq, "init")
+
+
+def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
+          init=None, return_history=False):
+    """Solve SparseMAP: ``argmax_{y in simplex} eta^T A y - 1/2 ||M y||^2`` (eq. 6).
+
+    Parameters
+    ----------
+    factor : Factor
+        Any factor (:class:`SequenceFactor`, :class:`TreeFactor`,
+        :class:`MatchingFactor`, :class:`GenericFactor`, :class:`OracleFactor`, ...).
+    eta_u : array_like, shape ``factor.shape_u``
+        Unary scores.
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Additional scores (zeros when omitted).
+    method : {"active_set", "cg", "away_cg", "pairwise_cg"}
+        The active set (Cython, exact) or a conditional-gradient variant
+        (pure Python, Appendix A.1).
+    max_iter : int, optional
+        Iteration limit (default 10000).
+    tol : float, default 1e-12
+        The solve has converged when the Wolfe gap satisfies
+        ``gap <= tol * max(1, |eta_u . u| + |eta_v . v| + ||u||^2)``:
+        absolute for scores of order one, relative for large ones.
+    init : SparseMAPResult or list of structures, optional
+        Warm start: the active set starts from these structures with uniform
+        weights (dependent or repeated ones are skipped). Active set only.
+    return_history : bool, default False
+        Record objective, gap, support size and seconds at every iteration
+        (this costs one extra MAP call on iterations that make none).
+
+    Returns
+    -------
+    SparseMAPResult
+
+    Warns
+    -----
+    ConvergenceWarning
+        When the gap is above tolerance at return (``converged=False``); the
+        best iterate is still returned, with its gap.
+    """
+    if not isinstance(factor, Factor):
+        raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if max_iter is None:
+        max_iter = DEFAULT_MAX_ITER[method]
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
+        raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
+    if not isinstance(tol, numbers.Real) or not np.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    S0 = _check_init(factor, init)
+    if method == "active_set":
+        raw = _active_set.active_set(factor, eu, ev, int(max_iter), float(tol), S0,
+                                     bool(return_history))
+    else:
+        if S0 is not None:
+            raise ValueError(f"init: warm starts are supported by method='active_set' only")
+        from sparsemap._cg import conditional_gradient
+        raw = conditional_gradient(factor, eu, ev, variant=method, max_iter=int(max_iter),
+                                   tol=float(tol), return_history=bool(return_history))
+    result = SparseMAPResult(factor, raw, method, eu, ev)
+    if not result.converged:
+        warnings.warn(f"SparseMAP ({method}) stopped after {result.n_iter} iterations with "
+                      f"gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
+                      ConvergenceWarning, stacklevel=2)
+    return result
