@@ -6,10 +6,12 @@ Sparse Structured Inference* (ICML 2018).
 from sparsemap._factors._base import Factor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._generic import GenericFactor, OracleFactor
+from sparsemap._factors._matching import MatchingFactor
 
 __version__ = "0.1.0.dev0"
 
 __all__ = ["Factor", "SequenceFactor", "GenericFactor", "OracleFactor"]
+__all__ += ["MatchingFactor"]
 
 from sparsemap._solve import ConvergenceWarning, SparseMAPResult, solve
 
