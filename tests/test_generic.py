@@ -1,0 +1,130 @@
+"""GenericFactor and OracleFactor: explicit columns and user oracles."""
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import sparsemap as sm
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 3), st.integers(1, 8), st.integers(0, 2**32 - 1),
+       st.booleans())
+def test_generic_map_is_argmax_of_column_scores(n_u, n_v, d, seed, ties):
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 2, (n_u, d)).astype(float)
+    N = rng.integers(0, 2, (n_v, d)).astype(float) if n_v else None
+    f = sm.GenericFactor(M, N)
+    eu = rng.integers(-1, 2, n_u) * 1.0 if ties else rng.standard_normal(n_u)
+    ev = (rng.integers(-1, 2, n_v) * 1.0 if ties else rng.standard_normal(n_v)) if n_v else None
+    theta = M.T @ eu + (N.T @ ev if n_v else 0)
+    s = f.map(eu, ev)
+    assert isinstance(s, int)
+    assert s == int(np.flatnonzero(theta == theta.max())[0])  # lowest index on ties
+    assert f.score(s, eu, ev) == pytest.approx(theta[s])
+    t = int(rng.integers(d))
+    assert f.overlap(s, t) == pytest.approx(M[:, s] @ M[:, t])
+    m, n = f.vertex(t)
+    np.testing.assert_array_equal(m, M[:, t])
+    assert n.shape == (n_v,)
+
+
+def test_generic_validation():
+    with pytest.raises(ValueError, match="M"):
+        sm.GenericFactor(np.zeros(3))
+    with pytest.raises(ValueError, match="M"):
+        sm.GenericFactor(np.zeros((3, 0)))
+    with pytest.raises(ValueError, match="M.*non-finite"):
+        sm.GenericFactor(np.array([[np.nan, 1.0]]))
+    with pytest.raises(ValueError, match="N"):
+        sm.GenericFactor(np.eye(3), np.ones((2, 4)))
+    f = sm.GenericFactor(np.eye(3))
+    with pytest.raises(ValueError, match="s"):
+        f.vertex(3)
+    with pytest.raises(ValueError, match="s"):
+        f.vertex(-1)
+    with pytest.raises(ValueError, match=r"eta_u.*\(3,\)"):
+        f.map(np.zeros(4))
+
+
+def test_generic_is_immutable_and_picklable():
+    M = np.eye(3)
+    f = sm.GenericFactor(M)
+    M[0, 0] = 5.0  # the factor keeps its own copy
+    assert f.vertex(0)[0][0] == 1.0
+    with pytest.raises(ValueError):
+        f.M[0, 0] = 2.0
+    g = pickle.loads(pickle.dumps(f))
+    assert g.map([0.0, 2.0, 1.0]) == 1
+
+
+class ArgmaxOracle(sm.OracleFactor):
+    """Sparsemax as a subclassed oracle: structures are the basis vectors."""
+
+    def __init__(self, d):
+        super().__init__(shape_u=d)
+        self.d = d
+
+    def oracle_map(self, eta_u, eta_v):
+        return int(np.argmax(eta_u))
+
+    def oracle_vertex(self, s):
+        return np.eye(self.d)[s]
+
+
+def test_oracle_factor_callables_and_subclass_agree_with_generic():
+    rng = np.random.default_rng(3)
+    d = 5
+    via_callables = sm.OracleFactor(lambda eu, ev: int(np.argmax(eu)),
+                                    lambda s: np.eye(d)[s], shape_u=d)
+    for f in (via_callables, ArgmaxOracle(d)):
+        for _ in range(5):
+            z = rng.standard_normal(d)
+            assert f.map(z) == int(np.argmax(z))
+            r = sm.solve(f, z)
+            ref = sm.solve(sm.GenericFactor(np.eye(d)), z)
+            np.testing.assert_allclose(r.u, ref.u, atol=1e-12)
+            g = rng.standard_normal(d)
+            np.testing.assert_allclose(r.vjp(g)[0], ref.vjp(g)[0], atol=1e-12)
+
+
+def test_oracle_factor_with_array_structures_and_eta_v():
+    # Two binary variables as a 2-int structure; v scores the product z1*z2.
+    def vertex(s):
+        z1, z2 = s
+        return np.array([z1, z2], float), np.array([z1 * z2], float)
+
+    def best(eu, ev):
+        cands = [(a, b) for a in (0, 1) for b in (0, 1)]
+        vals = [eu @ vertex(c)[0] + ev @ vertex(c)[1] for c in cands]
+        return np.array(cands[int(np.argmax(vals))])
+
+    f = sm.OracleFactor(best, vertex, shape_u=2, shape_v=1, structure_size=2)
+    M = np.array([[0, 0, 1, 1], [0, 1, 0, 1]], float)
+    N = np.array([[0, 0, 0, 1]], float)
+    g = sm.GenericFactor(M, N)
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        eu, ev = rng.standard_normal(2), rng.standard_normal(1)
+        np.testing.assert_allclose(sm.solve(f, eu, ev).u, sm.solve(g, eu, ev).u, atol=1e-12)
+
+
+def test_oracle_errors_propagate_and_are_validated():
+    def boom(eu, ev):
+        raise RuntimeError("oracle failed")
+
+    f = sm.OracleFactor(boom, lambda s: np.eye(2)[s], shape_u=2)
+    with pytest.raises(RuntimeError, match="oracle failed"):
+        sm.solve(f, np.zeros(2))
+    bad = sm.OracleFactor(lambda eu, ev: 7, lambda s: np.eye(2)[s], shape_u=2)
+    # 7 is a valid int: the vertex callable is what rejects it
+    with pytest.raises((ValueError, IndexError)):
+        sm.solve(bad, np.zeros(2))
+    wrong = sm.OracleFactor(lambda eu, ev: [0, 1], lambda s: np.eye(2)[s], shape_u=2)
+    with pytest.raises(ValueError, match="oracle_map"):
+        sm.solve(wrong, np.zeros(2))
+    with pytest.raises(ValueError, match="shape_u"):
+        sm.OracleFactor(lambda eu, ev: 0, lambda s: 0, shape_u=0)
+    with pytest.raises(ValueError, match="map_fn"):
+        sm.OracleFactor(3, lambda s: 0, shape_u=2)
