@@ -7,11 +7,13 @@ from sparsemap._factors._base import Factor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._generic import GenericFactor, OracleFactor
 from sparsemap._factors._matching import MatchingFactor
+from sparsemap._factors._tree import TreeFactor
 
 __version__ = "0.1.0.dev0"
 
 __all__ = ["Factor", "SequenceFactor", "GenericFactor", "OracleFactor"]
 __all__ += ["MatchingFactor"]
+__all__ += ["TreeFactor"]
 
 from sparsemap._solve import ConvergenceWarning, SparseMAPResult, solve
 

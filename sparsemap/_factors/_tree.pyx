@@ -1,0 +1,597 @@
+"""Dependency-tree factor: arborescences over ``n`` words rooted at node 0.
+
+MAP is Chu-Liu-Edmonds in Tarjan's O(n^2) dense form (non-projective) or
+Eisner's O(n^3) dynamic program (projective), each with an exact single-root
+variant.
+"""
+import numpy as np
+
+from libc.math cimport INFINITY
+
+from sparsemap._factors._base cimport Factor
+from sparsemap._factors._base import check_positive_int
+
+# Slot states in the Chu-Liu-Edmonds contraction.
+cdef enum:
+    DEAD = 0        # slot no longer holds a supernode (merged into another slot)
+    UNVISITED = 1   # best in-arc not chosen yet
+    ONPATH = 2      # on the path being grown
+    DONE = 3        # connected to the root; in-arc final at this level
+    INCYCLE = 4     # transient: member of the cycle being contracted
+    # Sentinel count for forbidden entries in the lexicographic (single-root)
+    # mode; any real count lies in [-n, n].
+    NEG_CNT = -1073741824
+    # (n + 1)^2 arc codes must fit in a C int.
+    MAX_WORDS = 46339
+
+
+cdef inline bint _lex_gt(int c1, double s1, int c2, double s2) noexcept nogil:
+    return c1 > c2 or (c1 == c2 and s1 > s2)
+
+
+cdef class TreeFactor(Factor):
+    """Dependency trees (arborescences) over ``n_words`` words, rooted at node 0.
+
+    A structure is a head array ``heads`` (int array of shape ``(n + 1,)``)
+    with ``heads[0] == -1`` and ``heads[m]`` in ``[0, n]`` the head of word
+    ``m``; following heads from any word reaches the root 0. Its column is the
+    ``(n + 1, n + 1)`` 0/1 arc matrix ``m_s[h, m] = 1`` iff ``heads[m] == h``
+    (column 0 and the diagonal are always zero). There are no ``eta_v``.
+
+    Parameters
+    ----------
+    n_words : int
+        Number of words ``n`` (>= 1).
+    projective : bool, default False
+        Restrict to projective trees (no crossing arcs, the root being at
+        position 0 to the left of every word).
+    single_root : bool, default False
+        Restrict to trees in which the root has exactly one child.
+
+    Attributes
+    ----------
+    n_words : int
+    projective : bool
+    single_root : bool
+
+    Notes
+    -----
+    Scores: ``eta_u`` of shape ``(n + 1, n + 1)``, ``eta_u[h, m]`` scoring the
+    arc ``h -> m``; column 0 and the diagonal are ignored (they must still be
+    finite).
+
+    MAP:
+
+    * non-projective: maximum spanning arborescence by Chu-Liu-Edmonds in
+      Tarjan's (1977) dense form, O(n^2) time: greedy in-arcs are chosen along
+      a growing path; a cycle is contracted by merging the score rows
+      (in-arcs, reduced by the in-arc each member would give up) and columns
+      (out-arcs) of its members into one slot, O(n |C|); the tree is then
+      recovered by expanding the contraction forest in O(n).
+    * non-projective, ``single_root=True``: the same algorithm, exact, with
+      lexicographic arc weights ``(-[h == 0], eta_u[h, m])``. The best tree
+      for these weights first minimises the number of root arcs (one is
+      always possible) and then maximises the score, so it is the best
+      single-root tree. Arc counts are integers, so no precision is lost (as
+      it would be with a big-constant penalty). Still O(n^2).
+    * projective: Eisner's algorithm, O(n^3) time, O(n^2) memory.
+    * projective, ``single_root=True``: Eisner over the words ``1..n``, then
+      the root attaches the best single word ``m`` whose left and right
+      complete spans cover the sentence, O(n^3).
+
+    Ties are broken deterministically (lowest index at every argmax: the root
+    first among heads in the non-projective case, the lowest split point in
+    Eisner). ``score``, ``overlap`` and ``add_column`` are O(n). ``n_words`` is
+    at most 46339 so that arc codes fit in a C int (the O(n^2) scratch space
+    would be tens of gigabytes long before that).
+    """
+    cdef readonly int n_words
+    cdef readonly bint projective
+    cdef readonly bint single_root
+
+    def __init__(self, n_words, projective=False, single_root=False):
+        n = check_positive_int(n_words, "n_words")
+        if n > MAX_WORDS:
+            raise ValueError(f"n_words: expected at most {MAX_WORDS}, got {n}")
+        self.n_words = n
+        self.projective = _check_bool(projective, "projective")
+        self.single_root = _check_bool(single_root, "single_root")
+        cdef Py_ssize_t N = n + 1, nb
+        if self.projective:
+            # 3 tables of doubles, 2 of split points, a backtracking stack
+            nb = 8 * 3 * N * N + 4 * 2 * N * N + 4 * 3 * (6 * N + 8)
+        else:
+            # scores T (doubles), arc codes A (ints), counts (lexicographic mode);
+            # per id (2N): in-score, in-arc, in-count, parent, first child,
+            # next sibling, slot, path, expansion stack; per slot: id, state,
+            # cycle, and one merged row (double, arc, count)
+            nb = 8 * N * N + 4 * N * N + (4 * N * N if self.single_root else 0)
+            nb += 8 * 2 * N + 4 * 8 * 2 * N + 8 * N + 4 * 5 * N + 64
+        self._set_shapes((N, N), (0,), N, nb)
+
+    def _init_args(self):
+        return (self.n_words, bool(self.projective), bool(self.single_root))
+
+    def _validate_structure(self, s, name):
+        msg = _tree_error(s, self.n_words, self.projective, self.single_root)
+        if msg is not None:
+            raise ValueError(f"{name}: {msg}, got heads {s.tolist()!r}")
+
+    # -- MAP ------------------------------------------------------------------
+    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
+                   char* work) except -1 nogil:
+        if self.projective:
+            _eisner(eta_u, self.n_words, self.single_root, out, work)
+        else:
+            _cle(eta_u, self.n_words, self.single_root, out, work)
+        return 0
+
+    # -- vertex/column interface, O(n) --------------------------------------
+    cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v,
+                     double* out) except -1 nogil:
+        cdef int N = self.n_words + 1, m
+        cdef double acc = 0
+        for m in range(1, N):
+            acc += eta_u[s[m] * N + m]
+        out[0] = acc
+        return 0
+
+    cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil:
+        cdef int m, k = 0
+        for m in range(1, self.n_words + 1):
+            if s[m] == t[m]:
+                k += 1
+        out[0] = k
+        return 0
+
+    cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil:
+        cdef int N = self.n_words + 1, m
+        if u != NULL:
+            for m in range(1, N):
+                u[s[m] * N + m] += w
+        return 0
+
+
+def _check_bool(value, name):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+# ---------------------------------------------------------------------------
+# Non-projective: Chu-Liu-Edmonds, Tarjan's O(n^2) dense version.
+#
+# Supernodes get ids: 0..n are the words (0 the root), n+1.. the contracted
+# cycles. Each live supernode occupies a slot (a row and a column of the
+# N x N matrices); a contracted cycle reuses the slot of its first member.
+# T[y*N + x] is the score of the best arc from supernode (slot) x into y,
+# reduced by the in-arc scores given up inside y; A holds the original arc
+# h*N + m achieving it, C (lexicographic mode) its root-arc count, negated.
+# Invariant: in every slot that is not DONE, the row has -inf at its own
+# slot and at dead slots, so the best in-arc is a plain row argmax.
+# ---------------------------------------------------------------------------
+cdef void _cle(const double* eta, int n, bint lex, int* out, char* work) noexcept nogil:
+    cdef int N = n + 1
+    cdef Py_ssize_t NN = <Py_ssize_t> N * N
+    cdef double* T = <double*> work
+    cdef double* in_score = T + NN                    # per id (2N)
+    cdef double* tmp = in_score + 2 * N               # merged row (N)
+    cdef int* A = <int*> (tmp + N)
+    cdef int* C = A + NN                              # only used when lex
+    cdef int* ip = C + (NN if lex else 0)
+    cdef int* in_arc = ip
+    cdef int* in_cnt = ip + 2 * N
+    cdef int* parent = ip + 4 * N
+    cdef int* first_child = ip + 6 * N
+    cdef int* next_sib = ip + 8 * N
+    cdef int* id_slot = ip + 10 * N
+    cdef int* path = ip + 12 * N
+    cdef int* stack = ip + 14 * N
+    cdef int* slot_id = ip + 16 * N
+    cdef int* state = ip + 17 * N
+    cdef int* cyc = ip + 18 * N
+    cdef int* tmpA = ip + 19 * N
+    cdef int* tmpC = ip + 20 * N
+
+    cdef int h, m, x, y, v, j, b, k, s, top, p, c, cs, ncyc, n_ids, st, bc, ba, z
+    cdef double bs, val, off
+    cdef int coff, cval
+    cdef double* row
+    cdef int* arow
+    cdef int* crow
+
+    # transposed copy: row m = scores of arcs into m
+    for m in range(1, N):
+        row = T + m * N
+        arow = A + m * N
+        for h in range(N):
+            row[h] = eta[h * N + m]
+            arow[h] = h * N + m
+        row[m] = -INFINITY
+        if lex:
+            crow = C + m * N
+            crow[0] = -1
+            for h in range(1, N):
+                crow[h] = 0
+            crow[m] = NEG_CNT
+    for j in range(N):
+        slot_id[j] = j
+        id_slot[j] = j
+        state[j] = UNVISITED
+    state[0] = DONE
+    for j in range(2 * N):
+        parent[j] = -1
+        first_child[j] = -1
+        next_sib[j] = -1
+    n_ids = N
+
+    for s in range(1, N):
+        if state[s] != UNVISITED:
+            continue
+        top = 0
+        path[top] = s
+        top += 1
+        state[s] = ONPATH
+        while True:
+            x = path[top - 1]
+            cs = id_slot[x]
+            # best in-arc of x: row argmax, ties to the lowest slot
+            row = T + cs * N
+            b = 0
+            bs = row[0]
+            if lex:
+                crow = C + cs * N
+                bc = crow[0]
+                for j in range(1, N):
+                    if _lex_gt(crow[j], row[j], bc, bs):
+                        bc = crow[j]
+                        bs = row[j]
+                        b = j
+                in_cnt[x] = bc
+            else:
+                for j in range(1, N):
+                    if row[j] > bs:
+                        bs = row[j]
+                        b = j
+            in_score[x] = bs
+            in_arc[x] = A[cs * N + b]
+            st = state[b]
+            if st == DONE:
+                for k in range(top):
+                    state[id_slot[path[k]]] = DONE
+                break
+            if st == UNVISITED:
+                state[b] = ONPATH
+                path[top] = slot_id[b]
+                top += 1
+                continue
+            # st == ONPATH: the path from slot b to x closes a cycle; contract it
+            p = top - 1
+            while path[p] != slot_id[b]:
+                p -= 1
+            c = n_ids
+            n_ids += 1
+            ncyc = 0
+            for k in range(p, top):
+                v = path[k]
+                parent[v] = c
+                next_sib[v] = first_child[c]
+                first_child[c] = v
+                cyc[ncyc] = id_slot[v]
+                state[id_slot[v]] = INCYCLE
+                ncyc += 1
+            cs = cyc[0]
+
+            # in-arcs of c: best over members of (arc into v) - (in-arc of v)
+            for j in range(N):
+                tmp[j] = -INFINITY
+            if lex:
+                for j in range(N):
+                    tmpC[j] = NEG_CNT
+                for k in range(ncyc):
+                    v = cyc[k]
+                    off = in_score[slot_id[v]]
+                    coff = in_cnt[slot_id[v]]
+                    row = T + v * N
+                    arow = A + v * N
+                    crow = C + v * N
+                    for j in range(N):
+                        val = row[j] - off
+                        cval = crow[j] - coff
+                        if _lex_gt(cval, val, tmpC[j], tmp[j]):
+                            tmp[j] = val
+                            tmpC[j] = cval
+                            tmpA[j] = arow[j]
+            else:
+                for k in range(ncyc):
+                    v = cyc[k]
+                    off = in_score[slot_id[v]]
+                    row = T + v * N
+                    arow = A + v * N
+                    for j in range(N):
+                        val = row[j] - off
+                        if val > tmp[j]:
+                            tmp[j] = val
+                            tmpA[j] = arow[j]
+            row = T + cs * N
+            arow = A + cs * N
+            for j in range(N):
+                if state[j] == DEAD or state[j] == INCYCLE:
+                    row[j] = -INFINITY
+                else:
+                    row[j] = tmp[j]
+                    arow[j] = tmpA[j]
+            if lex:
+                crow = C + cs * N
+                for j in range(N):
+                    if state[j] == DEAD or state[j] == INCYCLE:
+                        crow[j] = NEG_CNT
+                    else:
+                        crow[j] = tmpC[j]
+
+            # out-arcs of c, in every row still to be scanned or merged
+            for y in range(1, N):
+                if state[y] != UNVISITED and state[y] != ONPATH:
+                    continue
+                row = T + y * N
+                arow = A + y * N
+                v = cyc[0]
+                bs = row[v]
+                ba = arow[v]
+                if lex:
+                    crow = C + y * N
+                    bc = crow[v]
+                    for k in range(1, ncyc):
+                        v = cyc[k]
+                        if _lex_gt(crow[v], row[v], bc, bs):
+                            bs = row[v]
+                            bc = crow[v]
+                            ba = arow[v]
+                    for k in range(ncyc):
+                        crow[cyc[k]] = NEG_CNT
+                    crow[cs] = bc
+                else:
+                    for k in range(1, ncyc):
+                        v = cyc[k]
+                        if row[v] > bs:
+                            bs = row[v]
+                            ba = arow[v]
+                for k in range(ncyc):
+                    row[cyc[k]] = -INFINITY
+                row[cs] = bs
+                arow[cs] = ba
+
+            for k in range(ncyc):
+                state[cyc[k]] = DEAD
+            state[cs] = ONPATH
+            slot_id[cs] = c
+            id_slot[c] = cs
+            top = p
+            path[top] = c
+            top += 1
+
+    # Expansion: every top-level supernode keeps its in-arc (h, m); inside
+    # it, the members on the way down to m give up theirs, all others keep
+    # theirs and are expanded in turn.
+    top = 0
+    for j in range(1, N):
+        if state[j] != DEAD:
+            stack[top] = slot_id[j]
+            top += 1
+    out[0] = -1
+    while top > 0:
+        top -= 1
+        x = stack[top]
+        h = in_arc[x] // N
+        m = in_arc[x] - h * N
+        out[m] = h
+        z = m
+        while z != x:
+            p = parent[z]
+            v = first_child[p]
+            while v != -1:
+                if v != z:
+                    stack[top] = v
+                    top += 1
+                v = next_sib[v]
+            z = p
+
+
+# ---------------------------------------------------------------------------
+# Projective: Eisner's algorithm.
+#
+# Positions lo..n (lo = 1 for single root: the root is attached at the end).
+# Each N x N table holds two kinds of spans, one in each triangle, so that
+# every inner loop over split points reads two contiguous rows:
+#   Cr[s*N + t] (s <= t): complete span s..t headed at s; Cr[t*N + s] the same value
+#   Cl[s*N + t] (s <= t): complete span s..t headed at t; Cl[t*N + s] the same value
+#   I[s*N + t]  (s < t):  incomplete span with arc s -> t
+#   I[t*N + s]  (s < t):  incomplete span with arc t -> s
+# Split points: B[s*N + t] for incomplete spans, Bc[s*N + t] for right-headed
+# complete spans and Bc[t*N + s] for left-headed ones.
+# ---------------------------------------------------------------------------
+cdef void _eisner(const double* eta, int n, bint single_root, int* out,
+                  char* work) noexcept nogil:
+    cdef int N = n + 1
+    cdef Py_ssize_t NN = <Py_ssize_t> N * N
+    cdef double* Cr = <double*> work
+    cdef double* Cl = Cr + NN
+    cdef double* I = Cl + NN
+    cdef int* B = <int*> (I + NN)
+    cdef int* Bc = B + NN
+    cdef int* stack = Bc + NN
+    cdef int lo = 1 if single_root else 0
+    cdef int s, t, r, k, br, top, kind, m, bm
+    cdef double best, val
+    cdef double* rs
+    cdef double* rt
+
+    for s in range(lo, N):
+        Cr[s * N + s] = 0
+        Cl[s * N + s] = 0
+    for k in range(1, N - lo):
+        for s in range(lo, N - k):
+            t = s + k
+            # incomplete spans s..t: the same split for both arc directions
+            rs = Cr + s * N
+            rt = Cl + t * N
+            best = rs[s] + rt[s + 1]
+            br = s
+            for r in range(s + 1, t):
+                val = rs[r] + rt[r + 1]
+                if val > best:
+                    best = val
+                    br = r
+            B[s * N + t] = br
+            I[s * N + t] = best + eta[s * N + t]
+            I[t * N + s] = best + eta[t * N + s] if s > 0 else -INFINITY
+            # complete, headed at s: I(s -> r) + Cr(r..t)
+            rs = I + s * N
+            rt = Cr + t * N
+            best = rs[s + 1] + rt[s + 1]
+            br = s + 1
+            for r in range(s + 2, t + 1):
+                val = rs[r] + rt[r]
+                if val > best:
+                    best = val
+                    br = r
+            Cr[s * N + t] = best
+            Cr[t * N + s] = best
+            Bc[s * N + t] = br
+            # complete, headed at t: Cl(s..r) + I(t -> r)
+            rs = Cl + s * N
+            rt = I + t * N
+            best = rs[s] + rt[s]
+            br = s
+            for r in range(s + 1, t):
+                val = rs[r] + rt[r]
+                if val > best:
+                    best = val
+                    br = r
+            Cl[s * N + t] = best
+            Cl[t * N + s] = best
+            Bc[t * N + s] = br
+
+    # Backtracking with an explicit stack of (kind, s, t):
+    # kind 0: complete headed at s, 1: complete headed at t,
+    #      2: incomplete s -> t,    3: incomplete t -> s
+    out[0] = -1
+    top = 0
+    if single_root:
+        bm = 1
+        best = Cl[1 * N + 1] + Cr[1 * N + n] + eta[1]
+        for m in range(2, N):
+            val = Cl[1 * N + m] + Cr[m * N + n] + eta[m]
+            if val > best:
+                best = val
+                bm = m
+        out[bm] = 0
+        stack[0] = 1; stack[1] = 1; stack[2] = bm
+        stack[3] = 0; stack[4] = bm; stack[5] = n
+        top = 2
+    else:
+        stack[0] = 0; stack[1] = 0; stack[2] = n
+        top = 1
+    while top > 0:
+        top -= 1
+        kind = stack[3 * top]
+        s = stack[3 * top + 1]
+        t = stack[3 * top + 2]
+        if s == t:
+            continue
+        if kind == 0:
+            r = Bc[s * N + t]
+            stack[3 * top] = 2; stack[3 * top + 1] = s; stack[3 * top + 2] = r
+            stack[3 * top + 3] = 0; stack[3 * top + 4] = r; stack[3 * top + 5] = t
+            top += 2
+        elif kind == 1:
+            r = Bc[t * N + s]
+            stack[3 * top] = 1; stack[3 * top + 1] = s; stack[3 * top + 2] = r
+            stack[3 * top + 3] = 3; stack[3 * top + 4] = r; stack[3 * top + 5] = t
+            top += 2
+        else:
+            if kind == 2:
+                out[t] = s
+            else:
+                out[s] = t
+            r = B[s * N + t]
+            stack[3 * top] = 0; stack[3 * top + 1] = s; stack[3 * top + 2] = r
+            stack[3 * top + 3] = 1; stack[3 * top + 4] = r + 1; stack[3 * top + 5] = t
+            top += 2
+
+
+# ---------------------------------------------------------------------------
+# Validation of head arrays, O(n).
+# ---------------------------------------------------------------------------
+def _tree_error(s_arr, int n, bint projective, bint single_root):
+    """Return None if ``s_arr`` (intc, shape (n+1,)) is a valid tree, else a message."""
+    cdef const int[::1] s = s_arr
+    cdef int N = n + 1, m, h, k, z, n_root = 0, top, head
+    if s[0] != -1:
+        return f"heads[0] must be -1 (the root has no head), got {s[0]}"
+    for m in range(1, N):
+        h = s[m]
+        if h < 0 or h > n:
+            return f"heads[{m}] must lie in [0, {n}], got {h}"
+        if h == m:
+            return f"heads[{m}] is a self-loop"
+        if h == 0:
+            n_root += 1
+    if single_root and n_root != 1:
+        return f"expected exactly one word attached to the root (single_root=True), got {n_root}"
+    # acyclicity: walk up from each word; mark 1 = on the current walk, 2 = reaches 0
+    cdef int[::1] mark = np.zeros(N, dtype=np.intc)
+    mark[0] = 2
+    for m in range(1, N):
+        z = m
+        while mark[z] == 0:
+            mark[z] = 1
+            z = s[z]
+        if mark[z] == 1:
+            return f"heads contain a cycle through word {z} (not every word reaches the root)"
+        z = m
+        while mark[z] == 1:
+            mark[z] = 2
+            z = s[z]
+    if not projective:
+        return None
+    # projectivity: every subtree covers a contiguous range of positions.
+    # Breadth-first order from the root over children in CSR form, then
+    # accumulate spans and sizes bottom-up.
+    cdef int[::1] start = np.zeros(N + 1, dtype=np.intc)
+    cdef int[::1] kids = np.empty(N, dtype=np.intc)
+    cdef int[::1] fill = np.empty(N, dtype=np.intc)
+    cdef int[::1] order = np.empty(N, dtype=np.intc)
+    cdef int[::1] lo = np.arange(N, dtype=np.intc)
+    cdef int[::1] hi = np.arange(N, dtype=np.intc)
+    cdef int[::1] size = np.ones(N, dtype=np.intc)
+    for m in range(1, N):
+        start[s[m] + 1] += 1
+    for h in range(N):
+        start[h + 1] += start[h]
+        fill[h] = start[h]
+    for m in range(1, N):
+        kids[fill[s[m]]] = m
+        fill[s[m]] += 1
+    order[0] = 0
+    top = 1
+    k = 0
+    while k < top:
+        h = order[k]
+        k += 1
+        for z in range(start[h], start[h + 1]):
+            order[top] = kids[z]
+            top += 1
+    for k in range(N - 1, 0, -1):
+        m = order[k]
+        if hi[m] - lo[m] + 1 != size[m]:
+            return f"the tree is not projective (the subtree of word {m} is not contiguous)"
+        head = s[m]
+        size[head] += size[m]
+        if lo[m] < lo[head]:
+            lo[head] = lo[m]
+        if hi[m] > hi[head]:
+            hi[head] = hi[m]
+    return None
