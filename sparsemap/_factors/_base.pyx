@@ -7,10 +7,6 @@ gets ``map``, ``vertex``, ``score``, ``overlap`` and ``add_column`` for free.
 """
 import numpy as np
 
-cimport numpy as cnp
-
-cnp.import_array()
-
 
 def _sizes_message(name, expected, got):
     return f"{name}: expected shape {tuple(expected)}, got {tuple(got)}"
@@ -73,10 +69,10 @@ cdef class Factor:
             raise NotImplementedError(f"{type(self).__name__} does not implement add_column")
 
     # -- validation hooks: subclasses override -------------------------------
-    def _validate_structure(self, cnp.ndarray s, str name):
+    def _validate_structure(self, s, str name):
         """Raise ValueError if the int array ``s`` is not a valid structure."""
 
-    def _to_public(self, cnp.ndarray s):
+    def _to_public(self, s):
         """Turn a validated int array into the factor's public compact form."""
         return s.astype(np.intp)
 
@@ -190,11 +186,13 @@ cdef class Factor:
         return self._to_public(self._map_flat(eu, ev))
 
     def _map_flat(self, double[::1] eu, double[::1] ev):
-        cdef cnp.ndarray out = np.empty(self.struct_size, dtype=np.intc)
+        cdef out = np.empty(self.struct_size, dtype=np.intc)
         cdef double[::1] work = np.empty(self.work_bytes // 8 + 2, dtype=np.float64)
         cdef int[::1] o = out
+        cdef const double* pu = &eu[0] if eu.shape[0] > 0 else NULL
         cdef const double* pv = &ev[0] if ev.shape[0] > 0 else NULL
-        self.c_map(&eu[0] if eu.shape[0] > 0 else NULL, pv, &o[0], <char*> &work[0])
+        with nogil:
+            self.c_map(pu, pv, &o[0], <char*> &work[0])
         return out
 
     def vertex(self, s):
@@ -291,7 +289,7 @@ def _as_float_array(x, name, shape):
         if arr.size == 0 and int(np.prod(shape)) == 0:
             return np.zeros(shape, dtype=np.float64)
         raise ValueError(_sizes_message(name, shape, arr.shape))
-    if not np.all(np.isfinite(arr)):
+    if not np.isfinite(arr).all():
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
     return np.ascontiguousarray(arr)
 
