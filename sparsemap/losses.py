@@ -1,0 +1,380 @@
+"""Structured Fenchel-Young losses (Section 4): SparseMAP, margin SparseMAP, and the
+MAP-based baselines of Table 1 (structured perceptron, structured SVM).
+
+Notation. A structure ``s`` is a column ``a_s = [m_s; n_s]`` of ``A = [M; N]``;
+scores are ``eta = [eta_u; eta_v]`` and ``theta = A^T eta``. A target ``y_t`` is
+a distribution over structures (a single structure is a point mass); it enters
+every loss only through ``m_t = M y_t``, ``n_t = N y_t``. Every loss here is
+
+    l(eta, y_t) = Omega*_simplex(A^T eta) + Omega(y_t) - eta . A y_t      (eq. 7)
+
+for a convex ``Omega``, hence non-negative and convex in ``eta`` with (sub)gradient
+``A (y* - y_t)`` where ``y*`` attains the max in ``Omega*`` (Proposition 2).
+
+Hamming cost. For factors whose columns are 0/1 (sequences, trees, matchings,
+``GenericFactor(np.eye(d))``), the cost of predicting ``s`` when the target is
+the 0/1 structure ``t`` is ``cost(s) = (1 - m_t) . m_s``: the number of parts of
+``s`` that are not in ``t``, i.e. wrong tags for a sequence, wrong heads for a
+tree, wrong pairs for a matching, and the 0/1 cost for sparsemax. It is linear
+in ``m_s``, so cost-augmented inference only adds ``scale * (1 - m_t)`` to
+``eta_u``, and it vanishes at ``t``. For a soft target the same formula is the
+expected Hamming cost ``sum_k w_k (1 - m_k) . m_s``.
+"""
+import numbers
+
+import numpy as np
+
+from sparsemap._factors._base import Factor
+from sparsemap._solve import SparseMAPResult, solve
+
+__all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]
+
+# Soft-target weights must sum to one within this (then they are renormalised).
+_WEIGHT_SUM_TOL = 1e-6
+
+
+# -- validation ---------------------------------------------------------------------
+def _check_factor(factor):
+    if not isinstance(factor, Factor):
+        raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+
+
+def _check_nonneg(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not np.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite non-negative float, got {value!r}")
+    return float(value)
+
+
+def _is_structure_list(factor, first):
+    """Whether ``first`` (the head of a 2-tuple) is a list of structures."""
+    if not isinstance(first, (list, tuple, np.ndarray)):
+        return False
+    if factor.struct_size == 1:
+        return True
+    if isinstance(first, np.ndarray):
+        return first.ndim >= 2
+    return len(first) == 0 or isinstance(first[0], (list, tuple, np.ndarray))
+
+
+def _split_target(factor, target):
+    """Return ``(structures, weights)`` for any accepted target form (unvalidated)."""
+    if isinstance(target, SparseMAPResult):
+        return target.structures, target.weights
+    if isinstance(target, dict):
+        return list(target.keys()), list(target.values())
+    if isinstance(target, (tuple, list)) and len(target) == 2 and \
+            _is_structure_list(factor, target[0]):
+        return target[0], target[1]
+    return [target], [1.0]
+
+
+def _target_columns(factor, target):
+    """Validate ``target`` and return flat ``(m_t, n_t)``.
+
+    Raises ValueError naming ``target`` on a malformed structure or weights
+    that are not a distribution.
+    """
+    if target is None:
+        raise ValueError("target: expected a structure or (structures, weights), got None")
+    structures, weights = _split_target(factor, target)
+    try:
+        k = len(structures)
+    except TypeError:
+        raise ValueError(f"target: expected a list of structures, got {structures!r}")
+    if k == 0:
+        raise ValueError("target: expected at least one structure, got none")
+    S = factor.check_structures(structures, "target")
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"target: weights must be floats ({exc})")
+    if w.shape != (k,):
+        raise ValueError(f"target: expected {k} weights (one per structure), got shape {w.shape}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"target: weights must be finite and non-negative, got {w!r}")
+    total = w.sum()
+    if abs(total - 1.0) > _WEIGHT_SUM_TOL:
+        raise ValueError(f"target: weights must sum to 1 (a distribution), got sum {total!r}")
+    w = w / total
+    m = np.zeros(factor.shape_u)
+    n = np.zeros(factor.shape_v)
+    for s, ws in zip(S, w):
+        if ws > 0:
+            factor.add_column(s, float(ws), m, n)
+    return m.reshape(-1), n.reshape(-1)
+
+
+def _setup(factor, eta_u, eta_v, target):
+    _check_factor(factor)
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    mt, nt = _target_columns(factor, target)
+    return eu, ev, mt, nt
+
+
+def _map_columns(factor, eu, ev):
+    """Flat dense column ``(m_s, n_s)`` of the MAP structure for flat scores."""
+    s = factor.map(eu.reshape(factor.shape_u), ev.reshape(factor.shape_v))
+    m, n = factor.vertex(s)
+    return m.reshape(-1), n.reshape(-1)
+
+
+# -- losses -----------------------------------------------------------------------
+def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
+    r"""SparseMAP loss and margin SparseMAP loss (Section 4), with their gradient.
+
+    The Fenchel-Young loss (eq. 7) with ``Omega(y) = 1/2 ||M y||^2 - rho(y)`` on
+    the simplex, where ``rho(y) = margin * (1 - m_t) . (M y)`` is the Hamming
+    cost of ``y`` against the target (see the module notes; ``rho = 0`` when
+    ``margin == 0``). With ``u*, v*`` the SparseMAP solution at the
+    cost-augmented scores ``eta_u' = eta_u + margin * (1 - m_t)`` and ``eta_v``:
+
+    .. math::
+
+        \ell = [\eta_u'\cdot u^* + \eta_v\cdot v^* - \tfrac12\|u^*\|^2]
+               - [\eta_u'\cdot m_t + \eta_v\cdot n_t - \tfrac12\|m_t\|^2]
+             = \eta\cdot(a^* - a_t) + \mathrm{margin}\,(1-m_t)\cdot(u^*-m_t)
+               + \tfrac12\|m_t\|^2 - \tfrac12\|u^*\|^2 .
+
+    Each bracket is the cost-augmented SparseMAP objective, at its maximiser and
+    at the target, so ``loss >= 0`` and ``loss == 0`` exactly when the target is a
+    SparseMAP solution of the cost-augmented problem: the target *wins by the
+    margin*. (For sparsemax, ``GenericFactor(np.eye(d))`` and a one-hot target
+    ``t``: exactly when ``eta_t - max_{j != t} eta_j >= 1 + margin``.) For a 0/1
+    target the cost is zero at the target and non-negative elsewhere, so the
+    margin loss is at least the plain loss (``margin = 0``) and increases with
+    ``margin``. (The paper writes ``+ rho``; the sign here is the one that makes
+    the loss cost-augmented, as for the structured SVM.)
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u : array_like, shape ``factor.shape_u``
+    eta_v : array_like, shape ``factor.shape_v``, or None
+        ``None`` means zeros.
+    target : structure, or (structures, weights), dict, or SparseMAPResult
+        The gold output: one structure in the factor's compact form, or a
+        distribution over structures (``y_t``) given as a pair
+        ``(structures, weights)``, a dict ``{structure: weight}`` (structures as
+        ints or tuples), or a :class:`SparseMAPResult` (its support and
+        weights). Weights must be non-negative and sum to one. A soft target
+        enters only through ``m_t = sum_k w_k m_k`` and ``n_t = sum_k w_k n_k``,
+        with ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming
+        cost; for soft targets ``loss >= plain loss`` is not guaranteed).
+    margin : float, default 0
+        Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
+    **solve_kwargs
+        Passed to :func:`sparsemap.solve` (``method``, ``max_iter``, ``tol``,
+        ``init``).
+
+    Returns
+    -------
+    loss : float
+        Clipped at 0 from below, to absorb round-off of the solver.
+    grad_eta_u : ndarray, shape ``factor.shape_u``
+        ``u* - m_t``.
+    grad_eta_v : ndarray, shape ``factor.shape_v``
+        ``v* - n_t``.
+
+    Notes
+    -----
+    The gradient is ``A (y* - y_t)`` (Proposition 2, property 2). The loss is
+    differentiable because ``u*`` is unique, even when ``y*`` is not; with
+    ``eta_v`` present, ``v*`` is unique whenever the maximiser is (ties among
+    structures with equal ``m_s`` but different ``n_s`` are a measure-zero
+    event). The value is evaluated as
+    ``1/2 ||u* - m_t||^2 + (eta'.(a* - a_t) - u*.(u* - m_t))`` (equal to the
+    formula above), whose two terms are non-negative at an exact solution and
+    cancel exactly when ``u* = m_t`` and ``v* = n_t``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.GenericFactor(np.eye(3))
+    >>> loss, gu, gv = sm.sparsemap_loss(f, np.array([1.0, 0.5, -1.0]), None, 1)
+    >>> round(loss, 6), gu
+    (0.5625, array([ 0.75, -0.75,  0.  ]))
+    """
+    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
+    margin = _check_nonneg(margin, "margin")
+    if margin > 0:
+        eu = eu + margin * (1.0 - mt)
+    r = solve(factor, eu.reshape(factor.shape_u), ev.reshape(factor.shape_v), **solve_kwargs)
+    u = r.u.reshape(-1)
+    v = r.v.reshape(-1)
+    gu = u - mt
+    gv = v - nt
+    loss = 0.5 * gu.dot(gu) + ((eu.dot(gu) + ev.dot(gv)) - u.dot(gu))
+    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+
+
+def perceptron_loss(factor, eta_u, eta_v, target):
+    """Structured perceptron loss (Table 1, ``Omega = 0``) and a subgradient.
+
+    ``loss = max_s a_s . eta - a_t . eta``, with subgradient ``a_s - a_t`` at
+    the MAP structure ``s`` (``a_t = A y_t`` for a soft target).
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u : array_like, shape ``factor.shape_u``
+    eta_v : array_like, shape ``factor.shape_v``, or None
+        ``None`` means zeros.
+    target : structure, or (structures, weights), dict, or SparseMAPResult
+        As in :func:`sparsemap_loss`.
+
+    Returns
+    -------
+    loss : float
+        Non-negative; exactly 0 when the MAP structure is the target.
+    grad_eta_u : ndarray, shape ``factor.shape_u``
+        ``m_s - m_t``.
+    grad_eta_v : ndarray, shape ``factor.shape_v``
+        ``n_s - n_t``.
+
+    Notes
+    -----
+    The loss is not differentiable where MAP has ties; the subgradient then
+    uses the factor's deterministic tie-breaking.
+    """
+    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
+    ms, ns = _map_columns(factor, eu, ev)
+    gu, gv = ms - mt, ns - nt
+    loss = eu.dot(gu) + ev.dot(gv)
+    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+
+
+def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
+    """Structured SVM loss with the Hamming cost (Table 1) and a subgradient.
+
+    Cost-augmented MAP ``s = MAP(eta_u + cost_scale * (1 - m_t), eta_v)``, then
+
+    ``loss = a_s . eta + cost(s) - a_t . eta - cost(y_t)`` with
+    ``cost(s) = cost_scale * (1 - m_t) . m_s``,
+
+    the Hamming cost of the module notes (wrong heads for trees, wrong tags for
+    sequences, wrong pairs for matchings); for a 0/1 target ``cost(y_t) = 0``,
+    giving the usual ``max_s [a_s . eta + cost(s)] - a_t . eta``. For a soft
+    target ``cost(y_t) = cost_scale * (1 - m_t) . m_t`` (the Fenchel-Young form
+    with ``Omega(y) = -cost . y``, which keeps the loss non-negative). The
+    subgradient is ``a_s - a_t``.
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u : array_like, shape ``factor.shape_u``
+    eta_v : array_like, shape ``factor.shape_v``, or None
+        ``None`` means zeros.
+    target : structure, or (structures, weights), dict, or SparseMAPResult
+        As in :func:`sparsemap_loss`.
+    cost_scale : float, default 1
+        Multiplier of the Hamming cost (non-negative); 0 gives the perceptron.
+
+    Returns
+    -------
+    loss : float
+        Non-negative; 0 when the target beats every other structure ``s`` by
+        at least ``cost(s)``.
+    grad_eta_u : ndarray, shape ``factor.shape_u``
+        ``m_s - m_t``.
+    grad_eta_v : ndarray, shape ``factor.shape_v``
+        ``n_s - n_t``.
+    """
+    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
+    cost_scale = _check_nonneg(cost_scale, "cost_scale")
+    eu_aug = eu + cost_scale * (1.0 - mt) if cost_scale > 0 else eu
+    ms, ns = _map_columns(factor, eu_aug, ev)
+    gu, gv = ms - mt, ns - nt
+    loss = eu_aug.dot(gu) + ev.dot(gv)
+    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+
+
+# -- batches ----------------------------------------------------------------------
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwargs):
+    """Apply a loss to a batch of examples, one after the other.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        :func:`sparsemap_loss`, :func:`perceptron_loss`,
+        :func:`structured_svm_loss`, or any callable with their signature
+        ``loss_fn(factor, eta_u, eta_v, target, **kwargs) -> (loss, g_u, g_v)``.
+    factor : Factor or sequence of Factor
+        One factor shared by all examples, or one per example (e.g. sentences of
+        different lengths).
+    etas_u : sequence of array_like, or ndarray of shape ``(B,) + shape_u``
+        Unary scores, one entry per example.
+    etas_v : sequence of (array_like or None), ndarray, or None
+        Additional scores per example; ``None`` means zeros for every example.
+    targets : sequence
+        One target per example, in any form the loss accepts.
+    reduction : {"mean", "sum", "none"}, default "mean"
+        What to return as the loss: the mean over the batch, the sum, or the
+        per-example losses. The gradients are those *of the returned value*:
+        per-example gradients divided by ``B`` for ``"mean"``, unscaled for
+        ``"sum"`` and ``"none"``.
+    **kwargs
+        Passed to ``loss_fn`` (e.g. ``margin``, ``method``, ``cost_scale``).
+
+    Returns
+    -------
+    loss : float, or ndarray of shape (B,) with ``reduction="none"``
+    grads_u : ndarray of shape ``(B,) + shape_u``, or list
+        Gradient with respect to each example's ``eta_u``; a list when each
+        example has its own factor.
+    grads_v : ndarray of shape ``(B,) + shape_v``, or list
+        Likewise for ``eta_v``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.GenericFactor(np.eye(3))
+    >>> loss, gu, gv = sm.batch_loss(sm.sparsemap_loss, f, np.eye(3) * 2, None, [0, 1, 0])
+    >>> round(loss, 6), gu.shape
+    (0.666667, (3, 3))
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn: expected a callable, got {loss_fn!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    try:
+        B = len(etas_u)
+    except TypeError:
+        raise ValueError(f"etas_u: expected a sequence of score arrays, got {type(etas_u).__name__}")
+    if B == 0:
+        raise ValueError("etas_u: expected at least one example, got an empty batch")
+    shared = isinstance(factor, Factor)
+    factors = [factor] * B if shared else _as_list(factor, "factor", B)
+    for i, f in enumerate(factors):
+        if not isinstance(f, Factor):
+            raise ValueError(f"factor[{i}]: expected a sparsemap Factor, got {type(f).__name__}")
+    evs = [None] * B if etas_v is None else _as_list(etas_v, "etas_v", B)
+    tgts = _as_list(targets, "targets", B)
+    losses = np.empty(B)
+    gus, gvs = [], []
+    for i in range(B):
+        losses[i], gu, gv = loss_fn(factors[i], etas_u[i], evs[i], tgts[i], **kwargs)
+        gus.append(gu)
+        gvs.append(gv)
+    if reduction == "mean":
+        gus = [g / B for g in gus]
+        gvs = [g / B for g in gvs]
+    if shared:
+        gus = np.stack(gus).reshape((B,) + factor.shape_u)
+        gvs = np.stack(gvs).reshape((B,) + factor.shape_v)
+    value = {"mean": lambda: float(losses.mean()), "sum": lambda: float(losses.sum()),
+             "none": lambda: losses}[reduction]()
+    return value, gus, gvs
+
+
+def _as_list(x, name, B):
+    try:
+        out = list(x)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence of length {B}, got {type(x).__name__}")
+    if len(out) != B:
+        raise ValueError(f"{name}: expected {B} entries (one per example), got {len(out)}")
+    return out

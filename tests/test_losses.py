@@ -1,0 +1,551 @@
+"""SparseMAP, margin SparseMAP, perceptron and structured SVM losses.
+
+References are independent of ``sparsemap.solve`` and of the factors' columns:
+structures are enumerated and their columns built here, the QP over the simplex
+is solved with SciPy (SLSQP, with a certified Wolfe gap), Hamming costs are
+counted from the compact forms, gradients are checked by finite differences.
+"""
+import itertools
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+from scipy.optimize import minimize
+
+import sparsemap as sm
+from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
+
+
+# -- brute force ------------------------------------------------------------------
+class Case:
+    """A factor with all its structures enumerated and their columns built here.
+
+    ``M`` is (D, n_u), ``N`` is (D, n_v) (rows are columns a_s, flattened C-order),
+    ``H[s, t]`` is the Hamming cost of predicting structure s for target t.
+    """
+
+    def __init__(self, factor, structures, M, N, H):
+        self.f = factor
+        self.S = structures
+        self.M = np.asarray(M, dtype=float).reshape(len(structures), -1)
+        self.N = np.asarray(N, dtype=float).reshape(len(structures), -1)
+        self.H = np.asarray(H, dtype=float)
+        self.D = len(structures)
+
+    def theta(self, eu, ev):
+        th = self.M @ eu.ravel()
+        return th + self.N @ ev.ravel() if ev is not None and ev.size else th
+
+    def __repr__(self):
+        return repr(self.f)
+
+
+def sequence_case(n, m):
+    S = [np.array(t) for t in itertools.product(range(m), repeat=n)]
+    M = np.zeros((len(S), n, m))
+    N = np.zeros((len(S), max(n - 1, 0), m, m))
+    for k, t in enumerate(S):
+        M[k, np.arange(n), t] = 1
+        for i in range(n - 1):
+            N[k, i, t[i], t[i + 1]] = 1
+    H = np.array([[np.sum(s != t) for t in S] for s in S])
+    return Case(sm.SequenceFactor(n, m), S, M, N, H)
+
+
+def generic_case(M, N=None):
+    M = np.asarray(M, float)
+    D = M.shape[1]
+    Nm = np.zeros((0, D)) if N is None else np.asarray(N, float)
+    # Hamming cost of 0/1 columns: parts of s absent from t
+    H = np.array([[np.sum((M[:, s] == 1) & (M[:, t] == 0)) for t in range(D)] for s in range(D)])
+    return Case(sm.GenericFactor(M, N), list(range(D)), M.T, Nm.T, H)
+
+
+def _is_projective(heads):
+    n = len(heads) - 1
+    for m in range(1, n + 1):
+        h = heads[m]
+        for k in range(min(h, m) + 1, max(h, m)):
+            a = k  # k must descend from h
+            while a not in (h, 0):
+                a = heads[a]
+            if a != h:
+                return False
+    return True
+
+
+def tree_case(n, projective=False, single_root=False):
+    S = []
+    for hs in itertools.product(range(n + 1), repeat=n):
+        heads = np.array((-1,) + hs)
+        if any(heads[m] == m for m in range(1, n + 1)):
+            continue
+        ok = True
+        for m in range(1, n + 1):  # following heads reaches the root
+            a, steps = m, 0
+            while a != 0 and steps <= n:
+                a, steps = heads[a], steps + 1
+            ok &= a == 0
+        if not ok:
+            continue
+        if single_root and np.sum(heads[1:] == 0) != 1:
+            continue
+        if projective and not _is_projective(heads):
+            continue
+        S.append(heads)
+    M = np.zeros((len(S), n + 1, n + 1))
+    for k, h in enumerate(S):
+        M[k, h[1:], np.arange(1, n + 1)] = 1
+    H = np.array([[np.sum(s[1:] != t[1:]) for t in S] for s in S])  # wrong heads
+    f = sm.TreeFactor(n, projective=projective, single_root=single_root)
+    return Case(f, S, M, np.zeros((len(S), 0)), H)
+
+
+def matching_case(r, c):
+    k = min(r, c)
+    S = []
+    for rows in itertools.combinations(range(r), k):
+        for cols in itertools.permutations(range(c), k):
+            s = -np.ones(r, dtype=int)
+            s[list(rows)] = cols
+            S.append(s)
+    M = np.zeros((len(S), r, c))
+    for j, s in enumerate(S):
+        for i in range(r):
+            if s[i] >= 0:
+                M[j, i, s[i]] = 1
+    H = np.array([[np.sum((s >= 0) & (s != t)) for t in S] for s in S])  # wrong pairs
+    return Case(sm.MatchingFactor(r, c), S, M, np.zeros((len(S), 0)), H)
+
+
+def _rng_generic(seed):
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 2, (4, 6))
+    return generic_case(M, rng.standard_normal((2, 6)))
+
+
+CASE_BUILDERS = {
+    "seq3x2": lambda: sequence_case(3, 2),
+    "seq3x3": lambda: sequence_case(3, 3),
+    "seq1x3": lambda: sequence_case(1, 3),
+    "sparsemax4": lambda: generic_case(np.eye(4)),
+    "generic01": lambda: _rng_generic(7),
+    "tree3": lambda: tree_case(3),
+    "tree3_proj": lambda: tree_case(3, projective=True),
+    "tree3_single": lambda: tree_case(3, single_root=True),
+    "tree3_proj_single": lambda: tree_case(3, projective=True, single_root=True),
+    "match3x3": lambda: matching_case(3, 3),
+    "match3x2": lambda: matching_case(3, 2),
+    "match2x3": lambda: matching_case(2, 3),
+}
+_NEEDS = {"tree": "TreeFactor", "match": "MatchingFactor"}
+
+
+def _case_params():
+    out = []
+    for name in CASE_BUILDERS:
+        cls = next((c for p, c in _NEEDS.items() if name.startswith(p)), None)
+        marks = [] if cls is None or hasattr(sm, cls) else \
+            [pytest.mark.skip(reason=f"sparsemap.{cls} not available yet")]
+        out.append(pytest.param(name, id=name, marks=marks))
+    return out
+
+
+_CACHE = {}
+
+
+def get_case(name):
+    if name not in _CACHE:
+        _CACHE[name] = CASE_BUILDERS[name]()
+    return _CACHE[name]
+
+
+def qp_max(theta, M, t=1.0):
+    """max_{y in simplex} theta.y - t/2 ||M^T y||^2 by SLSQP; returns (value, y).
+
+    M is (D, n_u) (rows are the m_s). The Wolfe gap certifies the value.
+    """
+    D = len(theta)
+    G = M @ M.T
+
+    def fun(y):
+        return -theta @ y + 0.5 * t * y @ G @ y
+
+    def jac(y):
+        return -theta + t * G @ y
+
+    best = None
+    for y0 in (np.full(D, 1.0 / D), np.eye(D)[int(np.argmax(theta))]):
+        res = minimize(fun, y0, jac=jac, method="SLSQP", bounds=[(0, 1)] * D,
+                       constraints=[{"type": "eq", "fun": lambda y: y.sum() - 1,
+                                     "jac": lambda y: np.ones(D)}],
+                       options={"ftol": 1e-16, "maxiter": 1000})
+        y = np.clip(res.x, 0, None)
+        y /= y.sum()
+        if best is None or fun(y) < fun(best):
+            best = y
+    y = _polish(best, theta, G, t)
+    grad = theta - t * G @ y                  # gradient of the maximised objective
+    gap = grad.max() - grad @ y               # Wolfe gap >= value* - value(y)
+    assert gap < 1e-9, f"reference QP not solved accurately (gap {gap})"
+    return -fun(y), y
+
+
+def _polish(y, theta, G, t):
+    """Refine SLSQP's point: solve the KKT system on its support (least squares, so
+    dependent columns are fine), keep the result if feasible and better."""
+    D = len(y)
+    for thresh in (1e-10, 1e-8, 1e-6, 1e-4):
+        I = np.flatnonzero(y > thresh)
+        k = len(I)
+        K = np.zeros((k + 1, k + 1))
+        K[:k, :k] = t * G[np.ix_(I, I)]
+        K[:k, k] = K[k, :k] = 1.0
+        sol = np.linalg.lstsq(K, np.concatenate([theta[I], [1.0]]), rcond=1e-12)[0]
+        if np.all(sol[:k] >= -1e-14):
+            z = np.zeros(D)
+            z[I] = np.clip(sol[:k], 0, None)
+            z /= z.sum()
+            gz, gy = theta - t * G @ z, theta - t * G @ y
+            if gz.max() - gz @ z <= gy.max() - gy @ y:
+                y = z
+    return y
+
+
+def reference_loss(case, eu, ev, y_t, margin=0.0, t=1.0):
+    """Fenchel-Young loss with Omega = t/2||My||^2 - margin * cost.y, from its definition."""
+    theta = case.theta(eu, ev) + margin * case.H @ y_t   # expected Hamming cost of each s
+    value, y = qp_max(theta, case.M, t)
+    m_t = case.M.T @ y_t
+    loss = value - (theta @ y_t - 0.5 * t * m_t @ m_t)
+    return loss, case.M.T @ y, case.N.T @ y
+
+
+def random_target(case, rng, soft):
+    """Return (target argument, y_t as a length-D distribution)."""
+    if not soft:
+        k = int(rng.integers(case.D))
+        return case.S[k], np.eye(case.D)[k]
+    K = min(3, case.D)
+    idx = rng.choice(case.D, K, replace=False)
+    w = rng.dirichlet(np.ones(K))
+    y = np.zeros(case.D)
+    y[idx] = w
+    return ([case.S[i] for i in idx], w), y
+
+
+def random_scores(case, rng, scale=1.0):
+    f = case.f
+    eu = scale * rng.standard_normal(f.shape_u)
+    ev = scale * rng.standard_normal(f.shape_v) if f.n_v else None
+    return eu, ev
+
+
+# -- values against brute force ----------------------------------------------------
+@pytest.mark.parametrize("name", _case_params())
+@pytest.mark.parametrize("margin", [0.0, 0.7])
+@pytest.mark.parametrize("soft", [False, True])
+def test_sparsemap_loss_matches_brute_force(name, margin, soft):
+    case = get_case(name)
+    rng = np.random.default_rng(zlib.crc32(f'{name}{margin}{soft}'.encode()))
+    for _ in range(3):
+        eu, ev = random_scores(case, rng, scale=1.5)
+        target, y_t = random_target(case, rng, soft)
+        loss, gu, gv = sparsemap_loss(case.f, eu, ev, target, margin=margin)
+        ref, u_ref, v_ref = reference_loss(case, eu, ev, y_t, margin)
+        assert loss == pytest.approx(ref, abs=1e-6)
+        assert gu.shape == case.f.shape_u and gv.shape == case.f.shape_v
+        # gradient u* - m_t: u* is unique, compare with the SciPy solution
+        np.testing.assert_allclose(gu.ravel(), u_ref - case.M.T @ y_t, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", _case_params())
+@pytest.mark.parametrize("soft", [False, True])
+def test_perceptron_and_svm_match_brute_force(name, soft):
+    case = get_case(name)
+    rng = np.random.default_rng(zlib.crc32(f'{name}{soft}map'.encode()))
+    for _ in range(4):
+        eu, ev = random_scores(case, rng)
+        target, y_t = random_target(case, rng, soft)
+        theta = case.theta(eu, ev)
+        a_t = np.concatenate([case.M.T @ y_t, case.N.T @ y_t])
+        eta = np.concatenate([eu.ravel(), ev.ravel() if ev is not None else []])
+
+        loss, gu, gv = perceptron_loss(case.f, eu, ev, target)
+        assert loss == pytest.approx(theta.max() - theta @ y_t, abs=1e-9)
+        g = np.concatenate([gu.ravel(), gv.ravel()])
+        # the subgradient is a_s - a_t for a maximiser s
+        assert eta @ (g + a_t) == pytest.approx(theta.max(), abs=1e-9)
+        assert np.any(np.all(np.isclose(np.hstack([case.M, case.N]), g + a_t), axis=1))
+
+        for scale in (1.0, 2.5):
+            cost = scale * case.H @ y_t
+            loss, gu, gv = structured_svm_loss(case.f, eu, ev, target, cost_scale=scale)
+            aug = theta + cost
+            assert loss == pytest.approx(aug.max() - aug @ y_t, abs=1e-9)
+            g = np.concatenate([gu.ravel(), gv.ravel()])
+            rows = np.flatnonzero(np.all(np.isclose(np.hstack([case.M, case.N]), g + a_t),
+                                         axis=1))
+            assert rows.size and aug[rows].max() == pytest.approx(aug.max(), abs=1e-9)
+        if not soft:
+            # 0/1 target: the cost of the target is zero, svm >= perceptron
+            assert structured_svm_loss(case.f, eu, ev, target)[0] >= \
+                perceptron_loss(case.f, eu, ev, target)[0] - 1e-12
+
+
+# -- Proposition 2 ---------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.floats(-2.0, 2.0), st.floats(0.0, 2.0), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_zero_exactly_when_target_wins_by_the_margin(delta, margin, t, seed):
+    """Sparsemax, one-hot target t: with eta_t - max_j eta_j = 1 + margin - delta and the
+    third-best far below, the loss is 0 for delta <= 0 and delta^2/4 for 0 < delta <= 2
+    (closed form of sparsemax on two active coordinates)."""
+    assume(not 0 < delta < 1e-3)  # keep delta resolvable after rounding eta
+    rng = np.random.default_rng(seed)
+    f = sm.GenericFactor(np.eye(4))
+    others = [j for j in range(4) if j != t]
+    j = others[int(rng.integers(3))]
+    eta = np.full(4, -10.0)
+    eta[j] = rng.uniform(-1, 1)
+    eta[t] = eta[j] + 1 + margin - delta
+    loss, gu, gv = sparsemap_loss(f, eta, None, t, margin=margin)
+    if delta <= 0:
+        assert loss == pytest.approx(0.0, abs=1e-10)
+        np.testing.assert_allclose(gu, 0, atol=1e-10)
+    else:
+        assert loss == pytest.approx(delta ** 2 / 4, rel=1e-7, abs=1e-12)
+        assert loss > 0
+        assert gu[t] == pytest.approx(-delta / 2) and gu[j] == pytest.approx(delta / 2)
+
+
+@pytest.mark.parametrize("gap,wins", [(1.0 + 1e-9, True), (2.0, True), (1.0 - 1e-3, False)])
+def test_sparsemax_threshold(gap, wins):
+    f = sm.GenericFactor(np.eye(3))
+    eta = np.array([0.3, 0.3 + gap, -0.2])
+    loss = sparsemap_loss(f, eta, None, 1)[0]
+    if wins:
+        assert loss <= 1e-10
+    else:
+        assert loss > 1e-8
+    # margin: the target must win by 1 + margin
+    assert (sparsemap_loss(f, eta + [0, 0.5, 0], None, 1, margin=0.5)[0] <= 1e-10) == wins
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["seq3x3", "generic01", "tree3", "match3x3"]), st.booleans(),
+       st.floats(0.0, 2.0), st.integers(0, 2**32 - 1))
+def test_nonnegative_and_convex_along_lines(name, soft, margin, seed):
+    if name.startswith("tree") and not hasattr(sm, "TreeFactor"):
+        return
+    case = get_case(name)
+    rng = np.random.default_rng(seed)
+    target, _ = random_target(case, rng, soft)
+    (eu0, ev0), (eu1, ev1) = random_scores(case, rng, 2.0), random_scores(case, rng, 2.0)
+    mid_u = (eu0 + eu1) / 2
+    mid_v = None if ev0 is None else (ev0 + ev1) / 2
+    l0, gu0, gv0 = sparsemap_loss(case.f, eu0, ev0, target, margin=margin)
+    l1, _, _ = sparsemap_loss(case.f, eu1, ev1, target, margin=margin)
+    lm, _, _ = sparsemap_loss(case.f, mid_u, mid_v, target, margin=margin)
+    assert min(l0, l1, lm) >= 0
+    assert lm <= (l0 + l1) / 2 + 1e-9
+    # first-order condition of convexity: the gradient is a subgradient
+    lin = l0 + np.sum(gu0 * (eu1 - eu0)) + (0 if ev0 is None else np.sum(gv0 * (ev1 - ev0)))
+    assert l1 >= lin - 1e-9
+    # margin loss >= plain loss for a 0/1 target, increasing in the margin
+    if not soft:
+        plain = sparsemap_loss(case.f, eu0, ev0, target)[0]
+        more = sparsemap_loss(case.f, eu0, ev0, target, margin=margin + 0.5)[0]
+        assert plain - 1e-10 <= l0 <= more + 1e-10
+
+
+@pytest.mark.parametrize("name", ["seq3x2", "sparsemax4", "generic01", "match3x2"])
+@pytest.mark.parametrize("t", [0.25, 3.0])
+def test_scaling_property(name, t):
+    """l_{t Omega}(eta, y) = t l_Omega(eta / t, y), with the left side by brute force."""
+    case = get_case(name)
+    rng = np.random.default_rng(int(t * 100) + len(name))
+    for soft in (False, True):
+        eu, ev = random_scores(case, rng, 1.5)
+        target, y_t = random_target(case, rng, soft)
+        ref, _, _ = reference_loss(case, eu, ev, y_t, t=t)
+        got = t * sparsemap_loss(case.f, eu / t, None if ev is None else ev / t, target)[0]
+        assert got == pytest.approx(ref, abs=1e-6)
+
+
+def test_loss_is_zero_at_the_sparsemap_solution():
+    """Property 1: equality when y_t itself is a SparseMAP solution (a soft target)."""
+    case = get_case("seq3x3")
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        eu, ev = random_scores(case, rng)
+        r = sm.solve(case.f, eu, ev)
+        for target in (r, (r.structures, r.weights),
+                       {tuple(s): w for s, w in zip(r.structures, r.weights)}):
+            loss, gu, gv = sparsemap_loss(case.f, eu, ev, target)
+            assert loss == pytest.approx(0.0, abs=1e-10)
+            np.testing.assert_allclose(gu, 0, atol=1e-10)
+
+
+# -- gradients --------------------------------------------------------------------
+def _central_differences(fun, x, eps=1e-5):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += eps
+        xm[i] -= eps
+        g[i] = (fun(xp) - fun(xm)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("name", ["seq3x3", "generic01", "tree3", "match3x2"])
+@pytest.mark.parametrize("margin,soft", [(0.0, False), (0.0, True), (0.6, False), (0.6, True)])
+def test_gradient_matches_finite_differences(name, margin, soft):
+    if name.startswith("tree") and not hasattr(sm, "TreeFactor"):
+        pytest.skip("sparsemap.TreeFactor not available yet")
+    case = get_case(name)
+    rng = np.random.default_rng(len(name) * 31 + int(10 * margin) + soft)
+    eu, ev = random_scores(case, rng, 1.5)
+    target, _ = random_target(case, rng, soft)
+    _, gu, gv = sparsemap_loss(case.f, eu, ev, target, margin=margin)
+    fd_u = _central_differences(lambda x: sparsemap_loss(case.f, x, ev, target, margin=margin)[0],
+                                eu)
+    np.testing.assert_allclose(gu, fd_u, atol=1e-5)
+    if ev is not None:
+        fd_v = _central_differences(
+            lambda x: sparsemap_loss(case.f, eu, x, target, margin=margin)[0], ev)
+        np.testing.assert_allclose(gv, fd_v, atol=1e-5)
+
+
+def test_map_losses_gradients_match_finite_differences_away_from_ties():
+    case = get_case("seq3x3")
+    rng = np.random.default_rng(11)
+    eu, ev = random_scores(case, rng)
+    target, _ = random_target(case, rng, False)
+    for fn in (perceptron_loss, structured_svm_loss):
+        _, gu, gv = fn(case.f, eu, ev, target)
+        fd_u = _central_differences(lambda x: fn(case.f, x, ev, target)[0], eu, 1e-7)
+        fd_v = _central_differences(lambda x: fn(case.f, eu, x, target)[0], ev, 1e-7)
+        np.testing.assert_allclose(gu, fd_u, atol=1e-6)
+        np.testing.assert_allclose(gv, fd_v, atol=1e-6)
+
+
+def test_eta_v_none_means_zeros():
+    case = get_case("seq3x2")
+    rng = np.random.default_rng(0)
+    eu = rng.standard_normal((3, 2))
+    target = np.array([1, 0, 1])
+    for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+        a = fn(case.f, eu, None, target)
+        b = fn(case.f, eu, np.zeros((2, 2, 2)), target)
+        assert a[0] == pytest.approx(b[0], abs=1e-12)
+        np.testing.assert_allclose(a[1], b[1], atol=1e-12)
+        np.testing.assert_allclose(a[2], b[2], atol=1e-12)
+        assert a[2].shape == (2, 2, 2)
+
+
+def test_solve_kwargs_are_passed_through():
+    f = sm.GenericFactor(np.eye(3))
+    with pytest.raises(ValueError, match="method"):
+        sparsemap_loss(f, np.zeros(3), None, 0, method="nope")
+    with pytest.raises(ValueError, match="max_iter"):
+        sparsemap_loss(f, np.zeros(3), None, 0, max_iter=0)
+
+
+# -- batches ----------------------------------------------------------------------
+def test_batch_loss_matches_loop():
+    case = get_case("seq3x3")
+    rng = np.random.default_rng(5)
+    B = 4
+    EU = rng.standard_normal((B, 3, 3))
+    EV = rng.standard_normal((B, 2, 3, 3))
+    T = [case.S[int(i)] for i in rng.integers(case.D, size=B)]
+    for fn, kw in ((sparsemap_loss, {"margin": 0.3}), (perceptron_loss, {}),
+                   (structured_svm_loss, {"cost_scale": 2.0})):
+        per = [fn(case.f, EU[i], EV[i], T[i], **kw) for i in range(B)]
+        mean, GU, GV = batch_loss(fn, case.f, EU, EV, T, **kw)
+        assert mean == pytest.approx(np.mean([p[0] for p in per]), abs=1e-12)
+        assert GU.shape == (B, 3, 3) and GV.shape == (B, 2, 3, 3)
+        np.testing.assert_allclose(GU, np.stack([p[1] for p in per]) / B, atol=1e-12)
+        total, GU, GV = batch_loss(fn, case.f, list(EU), list(EV), T, reduction="sum", **kw)
+        assert total == pytest.approx(sum(p[0] for p in per), abs=1e-12)
+        np.testing.assert_allclose(GV, np.stack([p[2] for p in per]), atol=1e-12)
+        losses, _, _ = batch_loss(fn, case.f, EU, EV, T, reduction="none", **kw)
+        np.testing.assert_allclose(losses, [p[0] for p in per], atol=1e-12)
+    # one factor per example (different lengths), eta_v None
+    fs = [sm.SequenceFactor(n, 2) for n in (1, 2, 4)]
+    eus = [rng.standard_normal((n, 2)) for n in (1, 2, 4)]
+    ts = [np.zeros(n, dtype=int) for n in (1, 2, 4)]
+    val, gus, gvs = batch_loss(sparsemap_loss, fs, eus, None, ts, reduction="sum")
+    assert isinstance(gus, list) and [g.shape for g in gus] == [(1, 2), (2, 2), (4, 2)]
+    assert val == pytest.approx(sum(sparsemap_loss(f, e, None, t)[0]
+                                    for f, e, t in zip(fs, eus, ts)), abs=1e-12)
+
+
+def test_batch_loss_validation():
+    f = sm.GenericFactor(np.eye(3))
+    E = np.zeros((2, 3))
+    with pytest.raises(ValueError, match="loss_fn"):
+        batch_loss("sparsemap", f, E, None, [0, 1])
+    with pytest.raises(ValueError, match="reduction"):
+        batch_loss(sparsemap_loss, f, E, None, [0, 1], reduction="max")
+    with pytest.raises(ValueError, match="targets"):
+        batch_loss(sparsemap_loss, f, E, None, [0])
+    with pytest.raises(ValueError, match="etas_v"):
+        batch_loss(sparsemap_loss, f, E, [None], [0, 1])
+    with pytest.raises(ValueError, match="etas_u"):
+        batch_loss(sparsemap_loss, f, [], None, [])
+    with pytest.raises(ValueError, match="factor"):
+        batch_loss(sparsemap_loss, [f, "f"], E, None, [0, 1])
+
+
+# -- validation -------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [sparsemap_loss, perceptron_loss, structured_svm_loss])
+def test_input_validation(fn):
+    f = sm.SequenceFactor(3, 2)
+    eu = np.zeros((3, 2))
+    with pytest.raises(ValueError, match="factor"):
+        fn("not a factor", eu, None, [0, 0, 0])
+    with pytest.raises(ValueError, match="eta_u"):
+        fn(f, np.zeros((2, 3)), None, [0, 0, 0])
+    with pytest.raises(ValueError, match="eta_v"):
+        fn(f, eu, np.zeros(3), [0, 0, 0])
+    with pytest.raises(ValueError, match="eta_u"):
+        fn(f, eu + np.nan, None, [0, 0, 0])
+    bad_targets = [None, [0, 0], [0, 0, 2], [0.5, 0, 0], "abc", ([], []),
+                   ([[0, 0, 0], [1, 1, 1]], [0.5, 0.6]),      # not a distribution
+                   ([[0, 0, 0], [1, 1, 1]], [1.5, -0.5]),     # negative weight
+                   ([[0, 0, 0], [1, 1, 1]], [1.0]),           # length mismatch
+                   ([[0, 0, 0], [1, 1, 1]], [np.nan, 1.0]),
+                   ([[0, 0, 0], [1, 1, 3]], [0.5, 0.5]),      # bad structure inside
+                   {(0, 0, 0): 0.2}]
+    for target in bad_targets:
+        with pytest.raises(ValueError, match="target"):
+            fn(f, eu, None, target)
+
+
+def test_margin_and_cost_scale_validation():
+    f = sm.GenericFactor(np.eye(3))
+    for bad in (-0.1, np.nan, np.inf, "1", True, None):
+        with pytest.raises(ValueError, match="margin"):
+            sparsemap_loss(f, np.zeros(3), None, 0, margin=bad)
+        with pytest.raises(ValueError, match="cost_scale"):
+            structured_svm_loss(f, np.zeros(3), None, 0, cost_scale=bad)
+
+
+def test_target_forms_agree():
+    f = sm.SequenceFactor(3, 2)
+    rng = np.random.default_rng(1)
+    eu, ev = rng.standard_normal((3, 2)), rng.standard_normal((2, 2, 2))
+    ref = sparsemap_loss(f, eu, ev, [1, 0, 1])
+    for target in (np.array([1, 0, 1]), (1, 0, 1), ([[1, 0, 1]], [1.0]),
+                   (np.array([[1, 0, 1], [0, 0, 0]]), np.array([1.0, 0.0])),
+                   {(1, 0, 1): 1.0}):
+        got = sparsemap_loss(f, eu, ev, target)
+        assert got[0] == pytest.approx(ref[0], abs=1e-12)
+        np.testing.assert_allclose(got[1], ref[1], atol=1e-12)
+    g = sm.GenericFactor(np.eye(3))
+    a = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), None, ([0, 2], [0.25, 0.75]))
+    b = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), None, {0: 0.25, 2: 0.75})
+    assert a[0] == pytest.approx(b[0], abs=1e-12)
+    np.testing.assert_allclose(a[1], np.array([0.9, 0.1, 0.0]) - [0.25, 0, 0.75], atol=1e-12)
