@@ -1,0 +1,631 @@
+"""Tools to property-test SparseMAP factors, your own included.
+
+The checks here rely on nothing but the public interface (``solve``,
+``factor.vertex``, ``factor.check_structure``) and on the mathematics of the
+SparseMAP QP (eq. 6), so they are usable for a factor you wrote yourself:
+
+- :func:`enumerate_structures` lists every structure of a small factor by
+  brute force, and :func:`dense_columns` stacks their columns ``a_s``;
+- :func:`check_kkt` checks a result against the optimality (KKT) conditions
+  over all structures;
+- :func:`check_jacobian` compares ``result.jvp`` with central finite
+  differences and checks ``result.vjp`` against it (adjoint identity);
+- :func:`factors`, :func:`scores` and :func:`problems` are
+  `hypothesis <https://hypothesis.readthedocs.io>`_ strategies drawing small
+  factors of every built-in family and scores at many scales.
+
+Hypothesis is needed only by the strategies and is imported when one of them
+is called; it is part of the ``test`` extra (``pip install sparsemap[test]``).
+
+Examples
+--------
+>>> import numpy as np, sparsemap as sm
+>>> from sparsemap.testing import check_kkt, check_jacobian
+>>> f = sm.SequenceFactor(4, 3)
+>>> rng = np.random.default_rng(0)
+>>> eta_u, eta_v = rng.normal(size=f.shape_u), rng.normal(size=f.shape_v)
+>>> r = sm.solve(f, eta_u, eta_v)
+>>> report = check_kkt(f, eta_u, eta_v, r)          # raises AssertionError if violated
+>>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # raises AssertionError on mismatch
+"""
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import sparsemap
+
+__all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
+           "KKTReport", "finite_difference_jvp", "check_jacobian", "JacobianReport",
+           "factors", "scores", "problems", "FAMILIES"]
+
+#: Family names understood by :func:`factors`.
+FAMILIES = ("sequence", "tree", "matching", "generic")
+
+_FAMILY_CLASS = {"sequence": "SequenceFactor", "tree": "TreeFactor",
+                 "matching": "MatchingFactor", "generic": "GenericFactor"}
+
+
+def _family_class(family):
+    """The public class of a family, or None while it is not available."""
+    return getattr(sparsemap, _FAMILY_CLASS[family], None)
+
+
+# -- brute force over structures ----------------------------------------------------
+
+def _candidate_values(factor):
+    """Per position of the compact form, the integers it may take (a superset)."""
+    def isa(family):
+        cls = _family_class(family)
+        return cls is not None and isinstance(factor, cls)
+
+    if isa("generic"):
+        return [range(factor.n_structures)]
+    if isa("sequence"):
+        return [range(factor.n_states)] * factor.n_positions
+    if isa("tree"):
+        n = factor.n_words
+        return [[-1]] + [[h for h in range(n + 1) if h != m] for m in range(1, n + 1)]
+    if isa("matching"):
+        low = -1 if factor.n_rows > factor.n_cols else 0
+        return [range(low, factor.n_cols)] * factor.n_rows
+    return None
+
+
+def enumerate_structures(factor, values=None, max_candidates=1_000_000):
+    """Every structure of a small factor, by brute force.
+
+    Candidates are all integer arrays of length ``factor.struct_size`` whose
+    entries are drawn from ``values``; those that ``factor.check_structure``
+    rejects (with ``ValueError``) are dropped.
+
+    Parameters
+    ----------
+    factor : Factor
+        A built-in factor (the candidate values are known), or any factor
+        together with ``values``.
+    values : sequence of iterables of int, optional
+        ``values[i]``: the integers entry ``i`` of a compact structure may take.
+        Required for factors other than the built-in families.
+    max_candidates : int, default 1_000_000
+        Refuse (``ValueError``) when the number of candidates exceeds this.
+
+    Returns
+    -------
+    list
+        The structures in the factor's compact form, in lexicographic order of
+        their integer entries.
+
+    Raises
+    ------
+    ValueError
+        ``values`` is needed but missing or has the wrong length, or there are
+        too many candidates.
+
+    Examples
+    --------
+    >>> import sparsemap as sm
+    >>> len(enumerate_structures(sm.SequenceFactor(3, 2)))
+    8
+    """
+    if values is None:
+        values = _candidate_values(factor)
+        if values is None:
+            raise ValueError(f"values: cannot infer the compact form of "
+                             f"{type(factor).__name__}; pass values, one iterable of ints "
+                             f"per entry of a structure ({factor.struct_size} entries)")
+    values = [list(v) for v in values]
+    if len(values) != factor.struct_size:
+        raise ValueError(f"values: expected {factor.struct_size} iterables (one per entry of "
+                         f"a structure), got {len(values)}")
+    n_candidates = int(np.prod([len(v) for v in values], dtype=float))
+    if n_candidates > max_candidates:
+        raise ValueError(f"max_candidates: the factor has {n_candidates} candidate structures, "
+                         f"more than max_candidates={max_candidates}")
+    out = []
+    for cand in itertools.product(*values):
+        try:
+            arr = factor.check_structure(np.array(cand, dtype=np.intc), "s")
+        except ValueError:
+            continue
+        out.append(factor._to_public(arr))
+    return out
+
+
+def dense_columns(factor, structures):
+    """Stack the dense columns of structures.
+
+    Parameters
+    ----------
+    factor : Factor
+    structures : sequence of structures in compact form
+
+    Returns
+    -------
+    M : ndarray, shape ``(factor.n_u, len(structures))``
+        Column ``j`` is ``m_s`` of ``structures[j]``, flattened.
+    N : ndarray, shape ``(factor.n_v, len(structures))``
+        Column ``j`` is ``n_s``, flattened.
+    """
+    M = np.zeros((factor.n_u, len(structures)))
+    N = np.zeros((factor.n_v, len(structures)))
+    for j, s in enumerate(structures):
+        m, n = factor.vertex(s)
+        M[:, j] = m.reshape(-1)
+        N[:, j] = n.reshape(-1)
+    return M, N
+
+
+def support_key(structures):
+    """A hashable, order-free key of a set of structures.
+
+    Parameters
+    ----------
+    structures : sequence of structures in compact form
+
+    Returns
+    -------
+    frozenset of bytes
+        The int64 bytes of each structure; two supports are the same set of
+        structures exactly when their keys are equal.
+    """
+    return frozenset(np.asarray(s, dtype=np.int64).reshape(-1).tobytes() for s in structures)
+
+
+# -- optimality -----------------------------------------------------------------------
+
+@dataclass
+class KKTReport:
+    """Outcome of :func:`check_kkt`.
+
+    Attributes
+    ----------
+    tau : float
+        The multiplier of ``1^T y = 1``: the weighted mean adjusted score on the support.
+    max_violation : float
+        ``max_s (adjusted score of s) - tau`` over all structures (<= tol when optimal).
+    support_spread : float
+        ``max |adjusted score - tau|`` over the support (0 when optimal).
+    u_error, v_error : float
+        ``max |u - sum_s w_s m_s|`` and the same for ``v``.
+    gap : float
+        The Wolfe duality gap of the result computed by enumeration,
+        ``max_s adj_s - (eta_u . u + eta_v . v - ||u||^2)``.
+    tol : float
+        The tolerance used for the score conditions (``atol + rtol * scale``).
+    n_structures : int
+        Number of structures compared.
+    """
+    tau: float
+    max_violation: float
+    support_spread: float
+    u_error: float
+    v_error: float
+    gap: float
+    tol: float
+    n_structures: int
+
+
+def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-9):
+    """Check a SparseMAP solution against the KKT conditions over all structures.
+
+    With ``theta_s = eta_u . m_s + eta_v . n_s``, ``y`` solves eq. 6 exactly when
+    there is a ``tau`` such that every structure's adjusted score
+    ``(eta_u - u) . m_s + eta_v . n_s = theta_s - m_s . u`` is at most ``tau``,
+    with equality on the support (``y_s > 0``), and ``u = sum_s y_s m_s``.
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u : array_like, shape ``factor.shape_u``
+    eta_v : array_like, shape ``factor.shape_v``, or None (zeros)
+    result : SparseMAPResult
+        Or any object with ``u``, ``v``, ``structures`` and ``weights``.
+    structures : sequence of structures, optional
+        All structures of the factor (default: :func:`enumerate_structures`).
+    atol, rtol : float
+        The score conditions hold up to ``atol + rtol * scale``, where
+        ``scale = max(1, max_s |eta| . |a_s| + max_s ||m_s||_1)`` is the size of
+        the terms that make up an adjusted score; ``u`` and ``v`` must match the
+        weighted columns to ``atol + rtol * max(1, max_s ||m_s||_1)``.
+
+    Returns
+    -------
+    KKTReport
+
+    Raises
+    ------
+    AssertionError
+        When a condition fails; the message says which and by how much.
+    """
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    if structures is None:
+        structures = enumerate_structures(factor)
+    M, N = dense_columns(factor, structures)
+    S = list(result.structures)
+    w = np.asarray(result.weights, dtype=np.float64)
+    u = np.asarray(result.u, dtype=np.float64).reshape(-1)
+    v = np.asarray(result.v, dtype=np.float64).reshape(-1)
+    if len(S) == 0 or len(S) != w.shape[0]:
+        raise AssertionError(f"support: {len(S)} structures but {w.shape[0]} weights")
+    if not np.all(w > 0) or abs(w.sum() - 1) > 1e-12 * len(w) + atol:
+        raise AssertionError(f"weights: expected positive weights summing to 1, got {w!r} "
+                             f"(sum {w.sum()!r})")
+    MS, NS = dense_columns(factor, S)
+    col_scale = max(1.0, float(np.abs(M).sum(axis=0).max(initial=0.0)))
+    u_error = float(np.abs(MS @ w - u).max(initial=0.0))
+    v_error = float(np.abs(NS @ w - v).max(initial=0.0))
+    adj_all = M.T @ (eu - u) + N.T @ ev
+    adj_sup = MS.T @ (eu - u) + NS.T @ ev
+    tau = float(w @ adj_sup)
+    scale = max(1.0, float((np.abs(M).T @ np.abs(eu) + np.abs(N).T @ np.abs(ev)).max(initial=0.0))
+                + col_scale)
+    tol = atol + rtol * scale
+    report = KKTReport(
+        tau=tau,
+        max_violation=float(adj_all.max() - tau) if len(structures) else 0.0,
+        support_spread=float(np.abs(adj_sup - tau).max()),
+        u_error=u_error, v_error=v_error,
+        gap=float(adj_all.max() - (eu @ u + ev @ v - u @ u)) if len(structures) else np.nan,
+        tol=tol, n_structures=len(structures))
+    problems = []
+    if u_error > atol + rtol * col_scale:
+        problems.append(f"u != sum_s w_s m_s (max error {u_error:.3g})")
+    if v_error > atol + rtol * col_scale:
+        problems.append(f"v != sum_s w_s n_s (max error {v_error:.3g})")
+    if report.support_spread > tol:
+        i = int(np.argmax(np.abs(adj_sup - tau)))
+        problems.append(f"adjusted scores differ on the support by up to "
+                        f"{report.support_spread:.3g} (structure {S[i]!r}: {adj_sup[i]!r}, "
+                        f"tau {tau!r})")
+    if report.max_violation > tol:
+        i = int(np.argmax(adj_all))
+        problems.append(f"structure {structures[i]!r} has adjusted score {adj_all[i]!r} > "
+                        f"tau {tau!r} by {report.max_violation:.3g}")
+    if problems:
+        raise AssertionError(f"KKT conditions fail for {factor!r} (tolerance {tol:.3g}): "
+                             + "; ".join(problems))
+    return report
+
+
+# -- Jacobian -------------------------------------------------------------------------
+
+def _solve(factor, eta_u, eta_v, method, solve_kwargs):
+    return sparsemap.solve(factor, eta_u, eta_v, method=method, **solve_kwargs)
+
+
+def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None, eps=1e-6,
+                          method="active_set", return_results=False, **solve_kwargs):
+    """Central finite difference of ``u`` along a direction of the scores.
+
+    ``(u(eta + eps d) - u(eta - eps d)) / (2 eps)``. On a region where the
+    support does not change, ``u`` is affine in ``eta``, so the difference is
+    exact up to round-off; across a change of support it is not a derivative.
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u, eta_v : array_like
+        The scores (``eta_v`` None means zeros).
+    d_eta_u, d_eta_v : array_like, optional
+        The direction (None means zeros).
+    eps : float, default 1e-6
+        The absolute step.
+    method : str, default "active_set"
+        Passed to :func:`sparsemap.solve`, with ``solve_kwargs``.
+    return_results : bool, default False
+        Also return the two results (to compare their supports).
+
+    Returns
+    -------
+    du : ndarray, shape ``factor.shape_u``
+    r_minus, r_plus : SparseMAPResult
+        Only with ``return_results=True``.
+    """
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    du_dir = np.zeros(factor.n_u) if d_eta_u is None else \
+        factor.check_scores(d_eta_u, None)[0]
+    dv_dir = np.zeros(factor.n_v) if d_eta_v is None else \
+        factor.check_scores(np.zeros(factor.shape_u), d_eta_v)[1]
+    shp_u, shp_v = factor.shape_u, factor.shape_v
+    r_plus = _solve(factor, (eu + eps * du_dir).reshape(shp_u), (ev + eps * dv_dir).reshape(shp_v),
+                    method, solve_kwargs)
+    r_minus = _solve(factor, (eu - eps * du_dir).reshape(shp_u),
+                     (ev - eps * dv_dir).reshape(shp_v), method, solve_kwargs)
+    du = (r_plus.u - r_minus.u) / (2 * eps)
+    if return_results:
+        return du, r_minus, r_plus
+    return du
+
+
+@dataclass
+class JacobianReport:
+    """Outcome of :func:`check_jacobian`.
+
+    Attributes
+    ----------
+    n_directions : int
+        Directions drawn.
+    n_checked : int
+        Directions compared against finite differences.
+    skipped : list of bool
+        Per direction, whether the support changed within the step (then the
+        finite difference is not a derivative and the direction is skipped).
+    max_error : float
+        Largest ``max |fd - jvp|`` over checked directions.
+    max_adjoint_error : float
+        Largest ``|<vjp(g), d> - <g, jvp(d)>|`` over all directions.
+    max_symmetry_error : float
+        Largest ``max |vjp(g)_u - jvp(g, 0)|``: the Jacobian of ``u`` with
+        respect to ``eta_u`` is symmetric (a Hessian of a convex function).
+    step : float
+        The absolute finite-difference step.
+    """
+    n_directions: int
+    n_checked: int
+    skipped: list = field(default_factory=list)
+    max_error: float = 0.0
+    max_adjoint_error: float = 0.0
+    max_symmetry_error: float = 0.0
+    step: float = 0.0
+
+    @property
+    def n_skipped(self):
+        """Directions skipped because the support changed within the step."""
+        return int(sum(self.skipped))
+
+
+def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_directions=3,
+                   rng=None, method="active_set", **solve_kwargs):
+    """Check ``result.jvp`` and ``result.vjp`` of a factor at given scores.
+
+    For each of ``n_directions`` random directions ``d = (d_eta_u, d_eta_v)``
+    (standard normal, scaled to unit max-norm):
+
+    1. solve at ``eta`` and at ``eta +/- h d`` with
+       ``h = eps * max(1, max |eta|)``; if the support at either end differs
+       from the centre's (compared as sets of structures), the direction is
+       *skipped*: ``u`` is piecewise affine and the difference would straddle
+       a kink;
+    2. otherwise require ``max |fd - jvp(d)| <= atol + rtol * max |jvp(d)|``;
+    3. for a random ``g``, require the adjoint identity
+       ``<vjp(g), d> == <g, jvp(d)>`` and the symmetry
+       ``vjp(g)_u == jvp(g, 0)`` (the Jacobian of ``u`` in ``eta_u`` is the
+       Hessian of a convex function), up to ``atol + rtol * scale``.
+
+    Parameters
+    ----------
+    factor : Factor
+    eta_u : array_like, shape ``factor.shape_u``
+    eta_v : array_like, shape ``factor.shape_v``, optional (zeros)
+    eps : float, default 1e-6
+        Relative finite-difference step.
+    rtol, atol : float
+        Tolerances of the comparisons.
+    n_directions : int, default 3
+    rng : None, int or numpy.random.Generator
+        Source of the random directions.
+    method : str, default "active_set"
+        Passed to :func:`sparsemap.solve`, with ``solve_kwargs``.
+
+    Returns
+    -------
+    JacobianReport
+        Check ``report.n_checked`` (or ``report.n_skipped``) if you need a
+        minimum number of finite-difference comparisons: a direction whose
+        support changes is skipped, not failed.
+
+    Raises
+    ------
+    AssertionError
+        On a mismatch, with the direction and both values in the message.
+    """
+    rng = np.random.default_rng(rng)
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    shp_u, shp_v = factor.shape_u, factor.shape_v
+    r0 = _solve(factor, eu.reshape(shp_u), ev.reshape(shp_v), method, solve_kwargs)
+    key0 = support_key(r0.structures)
+    eta_max = max(float(np.abs(eu).max(initial=0.0)), float(np.abs(ev).max(initial=0.0)))
+    h = eps * max(1.0, eta_max)
+    report = JacobianReport(n_directions=int(n_directions), n_checked=0, step=h)
+    for _ in range(int(n_directions)):
+        du_dir = rng.standard_normal(factor.n_u)
+        dv_dir = rng.standard_normal(factor.n_v)
+        norm = max(float(np.abs(du_dir).max(initial=0.0)), float(np.abs(dv_dir).max(initial=0.0)))
+        du_dir /= norm
+        dv_dir /= norm
+        jvp = np.asarray(r0.jvp(du_dir.reshape(shp_u), dv_dir.reshape(shp_v))).reshape(-1)
+        fd, r_minus, r_plus = finite_difference_jvp(
+            factor, eu.reshape(shp_u), ev.reshape(shp_v), du_dir.reshape(shp_u),
+            dv_dir.reshape(shp_v), eps=h, method=method, return_results=True, **solve_kwargs)
+        fd = fd.reshape(-1)
+        skipped = support_key(r_minus.structures) != key0 or support_key(r_plus.structures) != key0
+        report.skipped.append(bool(skipped))
+        if not skipped:
+            report.n_checked += 1
+            err = float(np.abs(fd - jvp).max(initial=0.0))
+            report.max_error = max(report.max_error, err)
+            if err > atol + rtol * float(np.abs(jvp).max(initial=0.0)):
+                raise AssertionError(
+                    f"jvp does not match central finite differences for {factor!r} "
+                    f"(step {h:.3g}, max error {err:.3g}):\n d_eta_u={du_dir!r}\n "
+                    f"d_eta_v={dv_dir!r}\n jvp={jvp!r}\n fd={fd!r}")
+        g = rng.standard_normal(factor.n_u)
+        gu, gv = r0.vjp(g.reshape(shp_u))
+        gu = np.asarray(gu).reshape(-1)
+        gv = np.asarray(gv).reshape(-1)
+        lhs = float(gu @ du_dir + gv @ dv_dir)
+        rhs = float(g @ jvp)
+        scale = max(1.0, float(np.linalg.norm(g)) * float(np.linalg.norm(np.r_[du_dir, dv_dir])))
+        err = abs(lhs - rhs)
+        report.max_adjoint_error = max(report.max_adjoint_error, err)
+        if err > atol + rtol * scale:
+            raise AssertionError(f"adjoint identity <vjp(g), d> == <g, jvp(d)> fails for "
+                                 f"{factor!r}: {lhs!r} != {rhs!r} (g={g!r})")
+        jg = np.asarray(r0.jvp(g.reshape(shp_u), np.zeros(shp_v))).reshape(-1)
+        err = float(np.abs(jg - gu).max(initial=0.0))
+        report.max_symmetry_error = max(report.max_symmetry_error, err)
+        if err > atol + rtol * max(1.0, float(np.abs(g).max(initial=0.0))):
+            raise AssertionError(f"the Jacobian of u in eta_u is not symmetric for {factor!r}: "
+                                 f"jvp(g)={jg!r} != vjp(g)_u={gu!r} (g={g!r})")
+    return report
+
+
+# -- hypothesis strategies --------------------------------------------------------------
+
+def _hypothesis():
+    try:
+        import hypothesis.strategies as st
+        from hypothesis.extra import numpy as hnp
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("sparsemap.testing strategies need hypothesis "
+                          "(pip install sparsemap[test])") from exc
+    return st, hnp
+
+
+def _available_families(families):
+    if families is None:
+        return [f for f in FAMILIES if _family_class(f) is not None]
+    if isinstance(families, str):
+        families = [families]
+    out = []
+    for fam in families:
+        if fam not in FAMILIES:
+            raise ValueError(f"families: expected names among {FAMILIES}, got {fam!r}")
+        if _family_class(fam) is None:
+            raise ValueError(f"families: {fam!r} is not available in this version of sparsemap")
+        out.append(fam)
+    if not out:
+        raise ValueError("families: expected at least one family")
+    return out
+
+
+def factors(families=None, max_size=None):
+    """Hypothesis strategy drawing small factors of the built-in families.
+
+    Sizes are small enough for :func:`enumerate_structures` (at most a few
+    hundred structures).
+
+    Parameters
+    ----------
+    families : str or sequence of str, optional
+        Among :data:`FAMILIES`: ``"sequence"`` (up to 5 positions, 3 states),
+        ``"tree"`` (up to 4 words; projective or not, single root or not),
+        ``"matching"`` (up to 4 x 4), ``"generic"`` (random 0/1 columns with
+        zero columns, exact duplicates and columns equal in ``M`` but different
+        in ``N``). Default: every family this version of sparsemap provides.
+    max_size : int, optional
+        Cap on the size parameters above (positions, words, rows, columns).
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy of Factor
+
+    Notes
+    -----
+    Needs hypothesis (the ``test`` extra), imported when called.
+    """
+    st, hnp = _hypothesis()
+    fams = _available_families(families)
+    cap = (lambda k: k) if max_size is None else (lambda k: max(1, min(k, int(max_size))))
+
+    @st.composite
+    def generic(draw):
+        n_u = draw(st.integers(1, cap(4)))
+        k = draw(st.integers(1, cap(6)))
+        M = draw(hnp.arrays(np.float64, (n_u, k), elements=st.sampled_from([0.0, 1.0])))
+        if draw(st.booleans()):   # a structure whose m_s is zero
+            M = np.insert(M, draw(st.integers(0, M.shape[1])), 0.0, axis=1)
+        n_v = draw(st.integers(0, 2))
+        if n_v == 0:
+            return _family_class("generic")(M)
+        N = draw(hnp.arrays(np.float64, (n_v, M.shape[1]),
+                            elements=st.sampled_from([0.0, 1.0])))
+        if draw(st.booleans()):   # same m_s, different n_s
+            j = draw(st.integers(0, M.shape[1] - 1))
+            M = np.c_[M, M[:, j]]
+            N = np.c_[N, 1.0 - N[:, j]]
+        return _family_class("generic")(M, N)
+
+    strategies = {
+        "sequence": st.builds(lambda n, m: _family_class("sequence")(n, m),
+                              st.integers(1, cap(5)), st.integers(1, min(cap(5), 3))),
+        "tree": st.builds(lambda n, p, r: _family_class("tree")(n, projective=p, single_root=r),
+                          st.integers(1, cap(4)), st.booleans(), st.booleans()),
+        "matching": st.builds(lambda r, c: _family_class("matching")(r, c),
+                              st.integers(1, cap(4)), st.integers(1, cap(4))),
+        "generic": generic(),
+    }
+    return st.one_of(*[strategies[f] for f in fams])
+
+
+_SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)
+_KINDS = ("gaussian", "ties", "floats")
+
+
+def scores(factor, scale=None, kinds=_KINDS):
+    """Hypothesis strategy drawing scores ``(eta_u, eta_v)`` for a factor.
+
+    Parameters
+    ----------
+    factor : Factor
+    scale : float or sequence of float, optional
+        Magnitude of the scores; default: one of 1e-3, 1e-2, ..., 1e3.
+    kinds : sequence of str, default ("gaussian", "ties", "floats")
+        ``"gaussian"``: standard normal entries (generic position: ties have
+        probability zero); ``"ties"``: entries from ``{-1, 0, 0.5, 1}`` (many
+        ties); ``"floats"``: hypothesis floats in ``[-1, 1]`` (shrinkable,
+        includes boundary values). Each is multiplied by the scale.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy of (ndarray, ndarray)
+        ``eta_u`` of shape ``factor.shape_u`` and ``eta_v`` of shape
+        ``factor.shape_v`` (possibly empty).
+
+    Notes
+    -----
+    Needs hypothesis (the ``test`` extra), imported when called.
+    """
+    st, hnp = _hypothesis()
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    for k in kinds:
+        if k not in _KINDS:
+            raise ValueError(f"kinds: expected names among {_KINDS}, got {k!r}")
+    if scale is None:
+        scale_st = st.sampled_from(_SCALES)
+    elif np.ndim(scale) == 0:
+        scale_st = st.just(float(scale))
+    else:
+        scale_st = st.sampled_from([float(s) for s in scale])
+    shp_u, shp_v = factor.shape_u, factor.shape_v
+
+    def gaussian(seed):
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal(shp_u), rng.standard_normal(shp_v)
+
+    by_kind = {
+        "gaussian": st.integers(0, 2 ** 32 - 1).map(gaussian),
+        "ties": st.tuples(
+            hnp.arrays(np.float64, shp_u, elements=st.sampled_from([-1.0, 0.0, 0.5, 1.0])),
+            hnp.arrays(np.float64, shp_v, elements=st.sampled_from([-1.0, 0.0, 0.5, 1.0]))),
+        "floats": st.tuples(
+            hnp.arrays(np.float64, shp_u, elements=st.floats(-1, 1, allow_subnormal=False)),
+            hnp.arrays(np.float64, shp_v, elements=st.floats(-1, 1, allow_subnormal=False))),
+    }
+    base = st.one_of(*[by_kind[k] for k in kinds])
+    return st.tuples(base, scale_st).map(lambda t: (t[0][0] * t[1], t[0][1] * t[1]))
+
+
+def problems(families=None, scale=None, kinds=_KINDS, max_size=None):
+    """Hypothesis strategy drawing ``(factor, eta_u, eta_v)``.
+
+    Combines :func:`factors` and :func:`scores`; parameters as there.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy of (Factor, ndarray, ndarray)
+    """
+    fac = factors(families, max_size=max_size)
+    return fac.flatmap(lambda f: scores(f, scale=scale, kinds=kinds).map(
+        lambda e: (f, e[0], e[1])))
