@@ -18,3 +18,7 @@ __all__ += ["TreeFactor"]
 from sparsemap._solve import ConvergenceWarning, SparseMAPResult, solve
 
 __all__ += ["solve", "SparseMAPResult", "ConvergenceWarning"]
+
+from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
+
+__all__ += ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]

@@ -326,39 +326,54 @@ cdef class _Workspace:
         return 0
 
     # -- u, v, gap -------------------------------------------------------------------
-    cdef int _compute_uv(self) except -1 nogil:
+    cdef int _compute_u(self, bint with_v) except -1 nogil:
         cdef Py_ssize_t t
         memset(self.u, 0, self.n_u * sizeof(double))
-        memset(self.v, 0, self.n_v * sizeof(double))
+        if with_v:
+            memset(self.v, 0, self.n_v * sizeof(double))
         for t in range(self.nI):
             self.f.c_add(self.S + t * self.k, self.y[t], self.u,
-                         self.v if self.n_v else NULL)
+                         self.v if (with_v and self.n_v) else NULL)
         return 0
+
+    cdef double _linear(self) noexcept nogil:
+        """eta_u . u + eta_v . v = sum_t y_t theta_t, without touching a dense v."""
+        cdef Py_ssize_t t
+        cdef double acc = 0
+        for t in range(self.nI):
+            acc += self.y[t] * (self.theta[t] + self.theta0)
+        return acc
 
     cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil:
         """MAP at the adjusted scores eta_u - u; Wolfe gap into gap, MAP into snew."""
         cdef Py_ssize_t j
-        cdef double best, eu, ev, usq
-        self._compute_uv()
+        cdef double best, lin, usq
+        self._compute_u(False)
         for j in range(self.n_u):
             self.adj[j] = self.eta_u[j] - self.u[j]
         self.f.c_map(self.adj, self.eta_v, self.snew, self.work)
         self.n_map += 1
         self.f.c_score(self.snew, self.adj, self.eta_v, &best)
-        eu = _dot(self.eta_u, self.u, self.n_u)
-        ev = _dot(self.eta_v, self.v, self.n_v) if self.n_v else 0.0
+        lin = self._linear()
         usq = _dot(self.u, self.u, self.n_u)
         # gap = max_s <a_s - x, -grad f(x)>, an upper bound on suboptimality
-        gap[0] = best - (eu - usq + ev)
-        scale[0] = _gap_scale(eu, ev, usq)
-        obj[0] = 0.5 * usq - eu - ev
+        gap[0] = best - (lin - usq)
+        scale[0] = _gap_scale(lin, 0.0, usq)
+        obj[0] = 0.5 * usq - lin
         return 0
 
     cdef int _objective(self, double* obj) except -1 nogil:
-        self._compute_uv()
-        obj[0] = (0.5 * _dot(self.u, self.u, self.n_u) - _dot(self.eta_u, self.u, self.n_u)
-                  - (_dot(self.eta_v, self.v, self.n_v) if self.n_v else 0.0))
+        self._compute_u(False)
+        obj[0] = 0.5 * _dot(self.u, self.u, self.n_u) - self._linear()
         return 0
+
+    cdef object _export(self):
+        """Support, weights and Cholesky factor as NumPy arrays."""
+        n = self.nI
+        S = np.array(<int[:n * self.k]> self.S, dtype=np.intc).reshape(n, self.k)
+        y = np.array(<double[:n]> self.y)
+        L = np.array(<double[:n * self.cap]> self.L).reshape(n, self.cap)[:, :n]
+        return S, y, np.tril(L)
 
 
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
@@ -494,18 +509,14 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         hist = &hist_mv[0]
     with nogil:
         status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
-    n = ws.nI
-    structures = np.array(<int[:n * ws.k]> ws.S, dtype=np.intc).reshape(n, ws.k)
-    weights = np.array(<double[:n]> ws.y)
-    L = np.empty((n, n))
-    for i in range(n):
-        L[i, :] = np.array(<double[:ws.cap]> (ws.L + i * ws.cap))[:n]
+    ws._compute_u(True)
+    structures, weights, L = ws._export()
     u = np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
     v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
     history = None
     if return_history:
         history = np.asarray(hist_mv)[:4 * n_iter].reshape(n_iter, 4).copy()
-    return dict(structures=structures, weights=weights, u=u, v=v, L=np.tril(L), c=ws.c,
+    return dict(structures=structures, weights=weights, u=u, v=v, L=L, c=ws.c,
                 n_iter=n_iter, status=status, gap=gap, objective=obj, n_map=ws.n_map,
                 history=history)
 
@@ -538,13 +549,8 @@ def reduce_support(Factor factor, int[:, ::1] structures, double[::1] weights,
         if ws.y[t] <= 0.0 and ws.nI > 1:
             ws._remove(t)
         t -= 1
-    n = ws.nI
-    out_s = np.array(<int[:n * ws.k]> ws.S, dtype=np.intc).reshape(n, ws.k)
-    out_w = np.array(<double[:n]> ws.y)
-    L = np.empty((n, n))
-    for i in range(n):
-        L[i, :] = np.array(<double[:ws.cap]> (ws.L + i * ws.cap))[:n]
-    return out_s, out_w / out_w.sum(), np.tril(L), ws.c
+    out_s, out_w, L = ws._export()
+    return out_s, out_w / out_w.sum(), L, ws.c
 
 
 cdef void _jacobian_transform(double[:, ::1] L, double* x, double* ones) noexcept nogil:
@@ -596,3 +602,19 @@ def vjp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] g_u
         for t in range(n):
             factor.c_add(&structures[t, 0], x[t], &gu_mv[0], pv)
     return gu, gv
+
+
+def _time_map(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t repeats):
+    """Median seconds of one C-level MAP call over ``repeats`` calls (benchmarks only)."""
+    cdef _Workspace ws = _Workspace(factor, 4)
+    cdef const double* pu = &eta_u[0] if factor.n_u else NULL
+    cdef const double* pv = &eta_v[0] if factor.n_v else NULL
+    cdef double[::1] times = np.empty(repeats)
+    cdef Py_ssize_t i
+    cdef double t0
+    with nogil:
+        for i in range(repeats):
+            t0 = _now()
+            factor.c_map(pu, pv, ws.snew, ws.work)
+            times[i] = _now() - t0
+    return float(np.median(times))
