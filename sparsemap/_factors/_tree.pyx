@@ -17,16 +17,8 @@ cdef enum:
     UNVISITED = 1   # best in-arc not chosen yet
     ONPATH = 2      # on the path being grown
     DONE = 3        # connected to the root; in-arc final at this level
-    INCYCLE = 4     # transient: member of the cycle being contracted
-    # Sentinel count for forbidden entries in the lexicographic (single-root)
-    # mode; any real count lies in [-n, n].
-    NEG_CNT = -1073741824
-    # (n + 1)^2 arc codes must fit in a C int.
+    # (n + 1)^2 matrix offsets must fit in a C int.
     MAX_WORDS = 46339
-
-
-cdef inline bint _lex_gt(int c1, double s1, int c2, double s2) noexcept nogil:
-    return c1 > c2 or (c1 == c2 and s1 > s2)
 
 
 cdef class TreeFactor(Factor):
@@ -63,17 +55,20 @@ cdef class TreeFactor(Factor):
     MAP:
 
     * non-projective: maximum spanning arborescence by Chu-Liu-Edmonds in
-      Tarjan's (1977) dense form, O(n^2) time: greedy in-arcs are chosen along
-      a growing path; a cycle is contracted by merging the score rows
-      (in-arcs, reduced by the in-arc each member would give up) and columns
-      (out-arcs) of its members into one slot, O(n |C|); the tree is then
-      recovered by expanding the contraction forest in O(n).
-    * non-projective, ``single_root=True``: the same algorithm, exact, with
-      lexicographic arc weights ``(-[h == 0], eta_u[h, m])``. The best tree
-      for these weights first minimises the number of root arcs (one is
-      always possible) and then maximises the score, so it is the best
-      single-root tree. Arc counts are integers, so no precision is lost (as
-      it would be with a big-constant penalty). Still O(n^2).
+      Tarjan's (1977) dense form, O(n^2) time and memory. Greedy in-arcs are
+      chosen along a growing path; a cycle ``C`` is contracted by merging the
+      in-arc score rows of its members (each reduced by the in-arc that member
+      gives up) into one row, O(n |C|), the columns staying indexed by the
+      head word; the tree is recovered by expanding the contraction forest in
+      O(n).
+    * non-projective, ``single_root=True``: exact, still O(n^2). It is
+      Chu-Liu-Edmonds with lexicographic arc weights ``(-[h == 0],
+      eta_u[h, m])``, whose best tree has the fewest root arcs (one) and,
+      among those, the highest score. Since the root never lies on a cycle,
+      the reduced root-arc counts stay -1 for root arcs and 0 otherwise, so
+      this amounts to contracting over the words alone until one supernode
+      holds them all, then attaching it to the root by its best reduced root
+      arc. No penalty constant is involved, so no precision is lost.
     * projective: Eisner's algorithm, O(n^3) time, O(n^2) memory.
     * projective, ``single_root=True``: Eisner over the words ``1..n``, then
       the root attaches the best single word ``m`` whose left and right
@@ -101,12 +96,9 @@ cdef class TreeFactor(Factor):
             # 3 tables of doubles, 2 of split points, a backtracking stack
             nb = 8 * 3 * N * N + 4 * 2 * N * N + 4 * 3 * (6 * N + 8)
         else:
-            # scores T (doubles), arc codes A (ints), counts (lexicographic mode);
-            # per id (2N): in-score, in-arc, in-count, parent, first child,
-            # next sibling, slot, path, expansion stack; per slot: id, state,
-            # cycle, and one merged row (double, arc, count)
-            nb = 8 * N * N + 4 * N * N + (4 * N * N if self.single_root else 0)
-            nb += 8 * 2 * N + 4 * 8 * 2 * N + 8 * N + 4 * 5 * N + 64
+            # see _cle: T (doubles) and M (ints) are N x N, then 2 rows of
+            # doubles and 25 rows of ints
+            nb = 8 * N * N + 4 * N * N + 8 * 2 * N + 4 * 25 * N + 64
         self._set_shapes((N, N), (0,), N, nb)
 
     def _init_args(self):
@@ -164,62 +156,71 @@ def _check_bool(value, name):
 # Non-projective: Chu-Liu-Edmonds, Tarjan's O(n^2) dense version.
 #
 # Supernodes get ids: 0..n are the words (0 the root), n+1.. the contracted
-# cycles. Each live supernode occupies a slot (a row and a column of the
-# N x N matrices); a contracted cycle reuses the slot of its first member.
-# T[y*N + x] is the score of the best arc from supernode (slot) x into y,
-# reduced by the in-arc scores given up inside y; A holds the original arc
-# h*N + m achieving it, C (lexicographic mode) its root-arc count, negated.
-# Invariant: in every slot that is not DONE, the row has -inf at its own
-# slot and at dead slots, so the best in-arc is a plain row argmax.
+# cycles. Each live supernode occupies a slot, i.e. a row of the N x N matrix
+# T; a contracted cycle reuses the row of its first member. Columns always
+# stay indexed by the original head word j, so contracting a cycle only
+# merges the members' rows (O(N |C|)) and never touches any other row:
+#   T[y*N + j]  score of the best arc from word j into supernode y, reduced by
+#               the in-arc scores given up inside y; -inf when j lies in y;
+#   M[y*N + j]  the modifier (a word of y) of that arc, for contracted rows
+#               (in an original row y the modifier is y itself).
+# rep[j] is the slot of the live supernode containing word j.
+#
+# single_root: CLE with lexicographic weights (-[h == 0], eta[h, m]). The root
+# is never on a cycle, so every in-arc given up inside a supernode is a word
+# arc and the reduced counts stay exactly -1 for the root column and 0
+# elsewhere: the comparison is "any word head beats the root, then score".
+# The contraction therefore runs over the words alone until one supernode
+# holds them all, and only that supernode takes a root arc: exactly one word
+# is attached to the root, and no big penalty constant is involved.
 # ---------------------------------------------------------------------------
-cdef void _cle(const double* eta, int n, bint lex, int* out, char* work) noexcept nogil:
+cdef void _cle(const double* eta, int n, bint single_root, int* out,
+               char* work) noexcept nogil:
     cdef int N = n + 1
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double* T = <double*> work
     cdef double* in_score = T + NN                    # per id (2N)
-    cdef double* tmp = in_score + 2 * N               # merged row (N)
-    cdef int* A = <int*> (tmp + N)
-    cdef int* C = A + NN                              # only used when lex
-    cdef int* ip = C + (NN if lex else 0)
-    cdef int* in_arc = ip
-    cdef int* in_cnt = ip + 2 * N
+    cdef int* M = <int*> (in_score + 2 * N)
+    cdef int* ip = M + NN
+    cdef int* in_head = ip                            # per id (2N each)
+    cdef int* in_mod = ip + 2 * N
     cdef int* parent = ip + 4 * N
     cdef int* first_child = ip + 6 * N
     cdef int* next_sib = ip + 8 * N
     cdef int* id_slot = ip + 10 * N
-    cdef int* path = ip + 12 * N
-    cdef int* stack = ip + 14 * N
-    cdef int* slot_id = ip + 16 * N
-    cdef int* state = ip + 17 * N
-    cdef int* cyc = ip + 18 * N
-    cdef int* tmpA = ip + 19 * N
-    cdef int* tmpC = ip + 20 * N
+    cdef int* first_word = ip + 12 * N
+    cdef int* last_word = ip + 14 * N
+    cdef int* stack = ip + 16 * N
+    cdef int* path = ip + 18 * N                      # per slot or word (N each)
+    cdef int* slot_id = ip + 19 * N
+    cdef int* state = ip + 20 * N
+    cdef int* merged = ip + 21 * N
+    cdef int* cyc = ip + 22 * N
+    cdef int* rep = ip + 23 * N
+    cdef int* next_word = ip + 24 * N
 
-    cdef int h, m, x, y, v, j, b, k, s, top, p, c, cs, ncyc, n_ids, st, bc, ba, z
+    cdef int h, m, x, v, j, b, k, s, top, p, c, cs, ncyc, n_ids, z
     cdef double bs, val, off
-    cdef int coff, cval
     cdef double* row
-    cdef int* arow
-    cdef int* crow
+    cdef double* row0
+    cdef int* mrow
+    cdef int* mrow0
 
-    # transposed copy: row m = scores of arcs into m
+    # transposed copy: row m = scores of the arcs into m
     for m in range(1, N):
         row = T + m * N
-        arow = A + m * N
         for h in range(N):
             row[h] = eta[h * N + m]
-            arow[h] = h * N + m
         row[m] = -INFINITY
-        if lex:
-            crow = C + m * N
-            crow[0] = -1
-            for h in range(1, N):
-                crow[h] = 0
-            crow[m] = NEG_CNT
     for j in range(N):
         slot_id[j] = j
         id_slot[j] = j
         state[j] = UNVISITED
+        merged[j] = 0
+        rep[j] = j
+        first_word[j] = j
+        last_word[j] = j
+        next_word[j] = -1
     state[0] = DONE
     for j in range(2 * N):
         parent[j] = -1
@@ -237,37 +238,38 @@ cdef void _cle(const double* eta, int n, bint lex, int* out, char* work) noexcep
         while True:
             x = path[top - 1]
             cs = id_slot[x]
-            # best in-arc of x: row argmax, ties to the lowest slot
+            # best in-arc of x: row argmax, ties to the lowest head word
             row = T + cs * N
-            b = 0
-            bs = row[0]
-            if lex:
-                crow = C + cs * N
-                bc = crow[0]
+            if single_root:
+                b = 0
+                bs = -INFINITY
                 for j in range(1, N):
-                    if _lex_gt(crow[j], row[j], bc, bs):
-                        bc = crow[j]
+                    if row[j] > bs:
                         bs = row[j]
                         b = j
-                in_cnt[x] = bc
+                if b == 0:  # x holds every word
+                    bs = row[0]
             else:
+                b = 0
+                bs = row[0]
                 for j in range(1, N):
                     if row[j] > bs:
                         bs = row[j]
                         b = j
             in_score[x] = bs
-            in_arc[x] = A[cs * N + b]
-            st = state[b]
-            if st == DONE:
+            in_head[x] = b
+            in_mod[x] = M[cs * N + b] if merged[cs] else x
+            b = rep[b]
+            if state[b] == DONE:
                 for k in range(top):
                     state[id_slot[path[k]]] = DONE
                 break
-            if st == UNVISITED:
+            if state[b] == UNVISITED:
                 state[b] = ONPATH
                 path[top] = slot_id[b]
                 top += 1
                 continue
-            # st == ONPATH: the path from slot b to x closes a cycle; contract it
+            # state ONPATH: the path from slot b to x closes a cycle; contract it
             p = top - 1
             while path[p] != slot_id[b]:
                 p -= 1
@@ -280,92 +282,50 @@ cdef void _cle(const double* eta, int n, bint lex, int* out, char* work) noexcep
                 next_sib[v] = first_child[c]
                 first_child[c] = v
                 cyc[ncyc] = id_slot[v]
-                state[id_slot[v]] = INCYCLE
                 ncyc += 1
+                # concatenate the word lists
+                if k == p:
+                    first_word[c] = first_word[v]
+                else:
+                    next_word[last_word[c]] = first_word[v]
+                last_word[c] = last_word[v]
+
+            # in-arcs of c, in place in the row of the first member:
+            # best over members v of (arc into v) - (in-arc of v)
             cs = cyc[0]
-
-            # in-arcs of c: best over members of (arc into v) - (in-arc of v)
+            row0 = T + cs * N
+            mrow0 = M + cs * N
+            off = in_score[slot_id[cs]]
             for j in range(N):
-                tmp[j] = -INFINITY
-            if lex:
+                row0[j] -= off
+            if not merged[cs]:
                 for j in range(N):
-                    tmpC[j] = NEG_CNT
-                for k in range(ncyc):
-                    v = cyc[k]
-                    off = in_score[slot_id[v]]
-                    coff = in_cnt[slot_id[v]]
-                    row = T + v * N
-                    arow = A + v * N
-                    crow = C + v * N
+                    mrow0[j] = cs
+            for k in range(1, ncyc):
+                v = cyc[k]
+                off = in_score[slot_id[v]]
+                row = T + v * N
+                if merged[v]:
+                    mrow = M + v * N
                     for j in range(N):
                         val = row[j] - off
-                        cval = crow[j] - coff
-                        if _lex_gt(cval, val, tmpC[j], tmp[j]):
-                            tmp[j] = val
-                            tmpC[j] = cval
-                            tmpA[j] = arow[j]
-            else:
-                for k in range(ncyc):
-                    v = cyc[k]
-                    off = in_score[slot_id[v]]
-                    row = T + v * N
-                    arow = A + v * N
+                        if val > row0[j]:
+                            row0[j] = val
+                            mrow0[j] = mrow[j]
+                else:
                     for j in range(N):
                         val = row[j] - off
-                        if val > tmp[j]:
-                            tmp[j] = val
-                            tmpA[j] = arow[j]
-            row = T + cs * N
-            arow = A + cs * N
-            for j in range(N):
-                if state[j] == DEAD or state[j] == INCYCLE:
-                    row[j] = -INFINITY
-                else:
-                    row[j] = tmp[j]
-                    arow[j] = tmpA[j]
-            if lex:
-                crow = C + cs * N
-                for j in range(N):
-                    if state[j] == DEAD or state[j] == INCYCLE:
-                        crow[j] = NEG_CNT
-                    else:
-                        crow[j] = tmpC[j]
-
-            # out-arcs of c, in every row still to be scanned or merged
-            for y in range(1, N):
-                if state[y] != UNVISITED and state[y] != ONPATH:
-                    continue
-                row = T + y * N
-                arow = A + y * N
-                v = cyc[0]
-                bs = row[v]
-                ba = arow[v]
-                if lex:
-                    crow = C + y * N
-                    bc = crow[v]
-                    for k in range(1, ncyc):
-                        v = cyc[k]
-                        if _lex_gt(crow[v], row[v], bc, bs):
-                            bs = row[v]
-                            bc = crow[v]
-                            ba = arow[v]
-                    for k in range(ncyc):
-                        crow[cyc[k]] = NEG_CNT
-                    crow[cs] = bc
-                else:
-                    for k in range(1, ncyc):
-                        v = cyc[k]
-                        if row[v] > bs:
-                            bs = row[v]
-                            ba = arow[v]
-                for k in range(ncyc):
-                    row[cyc[k]] = -INFINITY
-                row[cs] = bs
-                arow[cs] = ba
-
-            for k in range(ncyc):
-                state[cyc[k]] = DEAD
-            state[cs] = ONPATH
+                        if val > row0[j]:
+                            row0[j] = val
+                            mrow0[j] = v
+                state[v] = DEAD
+            # words inside c are not heads of arcs into c
+            z = first_word[c]
+            while z != -1:
+                row0[z] = -INFINITY
+                rep[z] = cs
+                z = next_word[z]
+            merged[cs] = 1
             slot_id[cs] = c
             id_slot[c] = cs
             top = p
@@ -384,9 +344,8 @@ cdef void _cle(const double* eta, int n, bint lex, int* out, char* work) noexcep
     while top > 0:
         top -= 1
         x = stack[top]
-        h = in_arc[x] // N
-        m = in_arc[x] - h * N
-        out[m] = h
+        m = in_mod[x]
+        out[m] = in_head[x]
         z = m
         while z != x:
             p = parent[z]
