@@ -104,11 +104,9 @@ class _ActiveSet:
 
     def clean(self):
         """Drop structures whose weight reached zero (or below, by round-off); renormalise."""
-        r = self.size - 1
-        while r >= 0:
-            if self.y[r] <= 0.0 and self.size > 1:
-                self.remove(r)
-            r -= 1
+        for r in np.flatnonzero(self.y[:self.size] <= 0.0)[::-1]:
+            if self.size > 1:
+                self.remove(int(r))
         w = self.y[:self.size]
         np.maximum(w, 0.0, out=w)
         w /= w.sum()
