@@ -112,6 +112,61 @@ def test_single_word(projective, single_root):
     np.testing.assert_array_equal(f.map(np.array([[5.0, -3.0], [7.0, 1.0]])), [-1, 0])
 
 
+@functools.lru_cache(maxsize=None)
+def _spans(i, j):
+    """All projective subtrees covering exactly words i..j: (head, arcs) pairs."""
+    return [(h, left + right)
+            for h in range(i, j + 1)
+            for left in _attached(i, h - 1, h)
+            for right in _attached(h + 1, j, h)]
+
+
+@functools.lru_cache(maxsize=None)
+def _attached(i, j, h):
+    """All ways to cover words i..j by consecutive subtrees whose heads attach to h."""
+    if i > j:
+        return [()]
+    return [arcs + ((h, hd),) + rest
+            for k in range(i, j + 1)
+            for hd, arcs in _spans(i, k)
+            for rest in _attached(k + 1, j, h)]
+
+
+def projective_trees(n, single_root):
+    """Head arrays of words 1..n, generated directly (not by filtering)."""
+    if single_root:
+        forests = [arcs + ((0, h),) for h, arcs in _spans(1, n)]
+    else:
+        forests = _attached(1, n, 0)
+    out = np.empty((len(forests), n), dtype=int)
+    for row, arcs in zip(out, forests):
+        for h, m in arcs:
+            row[m - 1] = h
+    return out
+
+
+@pytest.mark.parametrize("single_root", [False, True])
+def test_projective_generator_agrees_with_filter(single_root):
+    for n in range(1, 6):
+        got = {tuple(r) for r in projective_trees(n, single_root)}
+        assert len(got) == len(projective_trees(n, single_root))
+        assert got == {tuple(r) for r in all_trees(n, True, single_root)}
+
+
+@pytest.mark.parametrize("single_root", [False, True])
+def test_projective_n8_against_enumeration(single_root):
+    n = 8
+    trees = projective_trees(n, single_root)
+    f = sm.TreeFactor(n, projective=True, single_root=single_root)
+    rng = np.random.default_rng(8)
+    for eta in [rng.normal(size=(n + 1, n + 1)),
+                rng.integers(-2, 3, size=(n + 1, n + 1)).astype(float)]:
+        heads = f.map(eta)
+        assert is_valid(list(heads), True, single_root)
+        best = eta[trees, np.arange(1, n + 1)].sum(axis=1).max()
+        assert tree_weight(eta, heads) == pytest.approx(best, abs=1e-12)
+
+
 def networkx_best(eta, root_children=None):
     """Weight of the maximum spanning arborescence rooted at 0 (NetworkX)."""
     n = eta.shape[0] - 1

@@ -93,8 +93,8 @@ cdef class TreeFactor(Factor):
         self.single_root = _check_bool(single_root, "single_root")
         cdef Py_ssize_t N = n + 1, nb
         if self.projective:
-            # 3 tables of doubles, 2 of split points, a backtracking stack
-            nb = 8 * 3 * N * N + 4 * 2 * N * N + 4 * 3 * (6 * N + 8)
+            # 3 tables of doubles and a backtracking stack
+            nb = 8 * 3 * N * N + 4 * 3 * (6 * N + 8)
         else:
             # see _cle: T (doubles) and M (ints) are N x N, then 2 rows of
             # doubles and 25 rows of ints
@@ -368,9 +368,44 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
 #   Cl[s*N + t] (s <= t): complete span s..t headed at t; Cl[t*N + s] the same value
 #   I[s*N + t]  (s < t):  incomplete span with arc s -> t
 #   I[t*N + s]  (s < t):  incomplete span with arc t -> s
-# Split points: B[s*N + t] for incomplete spans, Bc[s*N + t] for right-headed
-# complete spans and Bc[t*N + s] for left-headed ones.
+# The forward pass keeps only the best values (a max over split points, with
+# four independent accumulators); backtracking recomputes the best split of
+# each of the O(n) spans it visits (the first split reaching the maximum, the
+# same floating-point sums), O(n^2) in all.
 # ---------------------------------------------------------------------------
+cdef inline double _max_sum(const double* a, const double* b, int k) noexcept nogil:
+    """max over 0 <= r < k of a[r] + b[r] (k >= 1)."""
+    cdef double m0 = -INFINITY, m1 = -INFINITY, m2 = -INFINITY, m3 = -INFINITY, v
+    cdef int r = 0
+    while r + 4 <= k:
+        v = a[r] + b[r]
+        m0 = v if v > m0 else m0
+        v = a[r + 1] + b[r + 1]
+        m1 = v if v > m1 else m1
+        v = a[r + 2] + b[r + 2]
+        m2 = v if v > m2 else m2
+        v = a[r + 3] + b[r + 3]
+        m3 = v if v > m3 else m3
+        r += 4
+    while r < k:
+        v = a[r] + b[r]
+        m0 = v if v > m0 else m0
+        r += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    return m2 if m2 > m0 else m0
+
+
+cdef inline int _argmax_sum(const double* a, const double* b, int k) noexcept nogil:
+    """Lowest r < k where a[r] + b[r] is maximal."""
+    cdef double best = _max_sum(a, b, k)
+    cdef int r
+    for r in range(k):
+        if a[r] + b[r] == best:
+            return r
+    return 0
+
+
 cdef void _eisner(const double* eta, int n, bint single_root, int* out,
                   char* work) noexcept nogil:
     cdef int N = n + 1
@@ -378,14 +413,10 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
     cdef double* Cr = <double*> work
     cdef double* Cl = Cr + NN
     cdef double* I = Cl + NN
-    cdef int* B = <int*> (I + NN)
-    cdef int* Bc = B + NN
-    cdef int* stack = Bc + NN
+    cdef int* stack = <int*> (I + NN)
     cdef int lo = 1 if single_root else 0
-    cdef int s, t, r, k, br, top, kind, m, bm
+    cdef int s, t, r, k, top, kind, m, bm
     cdef double best, val
-    cdef double* rs
-    cdef double* rt
 
     for s in range(lo, N):
         Cr[s * N + s] = 0
@@ -393,45 +424,19 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
     for k in range(1, N - lo):
         for s in range(lo, N - k):
             t = s + k
-            # incomplete spans s..t: the same split for both arc directions
-            rs = Cr + s * N
-            rt = Cl + t * N
-            best = rs[s] + rt[s + 1]
-            br = s
-            for r in range(s + 1, t):
-                val = rs[r] + rt[r + 1]
-                if val > best:
-                    best = val
-                    br = r
-            B[s * N + t] = br
+            # incomplete spans s..t, split Cr(s..r) + Cl(r+1..t), s <= r < t:
+            # the same for both arc directions
+            best = _max_sum(Cr + s * N + s, Cl + t * N + s + 1, k)
             I[s * N + t] = best + eta[s * N + t]
             I[t * N + s] = best + eta[t * N + s] if s > 0 else -INFINITY
-            # complete, headed at s: I(s -> r) + Cr(r..t)
-            rs = I + s * N
-            rt = Cr + t * N
-            best = rs[s + 1] + rt[s + 1]
-            br = s + 1
-            for r in range(s + 2, t + 1):
-                val = rs[r] + rt[r]
-                if val > best:
-                    best = val
-                    br = r
+            # complete, headed at s: I(s -> r) + Cr(r..t), s < r <= t
+            best = _max_sum(I + s * N + s + 1, Cr + t * N + s + 1, k)
             Cr[s * N + t] = best
             Cr[t * N + s] = best
-            Bc[s * N + t] = br
-            # complete, headed at t: Cl(s..r) + I(t -> r)
-            rs = Cl + s * N
-            rt = I + t * N
-            best = rs[s] + rt[s]
-            br = s
-            for r in range(s + 1, t):
-                val = rs[r] + rt[r]
-                if val > best:
-                    best = val
-                    br = r
+            # complete, headed at t: Cl(s..r) + I(t -> r), s <= r < t
+            best = _max_sum(Cl + s * N + s, I + t * N + s, k)
             Cl[s * N + t] = best
             Cl[t * N + s] = best
-            Bc[t * N + s] = br
 
     # Backtracking with an explicit stack of (kind, s, t):
     # kind 0: complete headed at s, 1: complete headed at t,
@@ -461,12 +466,12 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
         if s == t:
             continue
         if kind == 0:
-            r = Bc[s * N + t]
+            r = s + 1 + _argmax_sum(I + s * N + s + 1, Cr + t * N + s + 1, t - s)
             stack[3 * top] = 2; stack[3 * top + 1] = s; stack[3 * top + 2] = r
             stack[3 * top + 3] = 0; stack[3 * top + 4] = r; stack[3 * top + 5] = t
             top += 2
         elif kind == 1:
-            r = Bc[t * N + s]
+            r = s + _argmax_sum(Cl + s * N + s, I + t * N + s, t - s)
             stack[3 * top] = 1; stack[3 * top + 1] = s; stack[3 * top + 2] = r
             stack[3 * top + 3] = 3; stack[3 * top + 4] = r; stack[3 * top + 5] = t
             top += 2
@@ -475,7 +480,7 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
                 out[t] = s
             else:
                 out[s] = t
-            r = B[s * N + t]
+            r = s + _argmax_sum(Cr + s * N + s, Cl + t * N + s + 1, t - s)
             stack[3 * top] = 0; stack[3 * top + 1] = s; stack[3 * top + 2] = r
             stack[3 * top + 3] = 1; stack[3 * top + 4] = r + 1; stack[3 * top + 5] = t
             top += 2
