@@ -293,7 +293,7 @@ def test_pickle_and_attributes(projective, single_root):
 
 
 # -- validation ------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [0, -3, 2.0, "4", None, True])
+@pytest.mark.parametrize("bad", [0, -3, 2.0, "4", None, True, 46340])
 def test_bad_n_words(bad):
     with pytest.raises(ValueError, match="n_words"):
         sm.TreeFactor(bad)

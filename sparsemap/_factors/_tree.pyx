@@ -59,8 +59,9 @@ cdef class TreeFactor(Factor):
       chosen along a growing path; a cycle ``C`` is contracted by merging the
       in-arc score rows of its members (each reduced by the in-arc that member
       gives up) into one row, O(n |C|), the columns staying indexed by the
-      head word; the tree is recovered by expanding the contraction forest in
-      O(n).
+      head word. There are fewer than n contractions with fewer than 2n
+      members in all, so contracting costs O(n^2); the tree is recovered by
+      expanding the contraction forest in O(n).
     * non-projective, ``single_root=True``: exact, still O(n^2). It is
       Chu-Liu-Edmonds with lexicographic arc weights ``(-[h == 0],
       eta_u[h, m])``, whose best tree has the fewest root arcs (one) and,
@@ -74,11 +75,13 @@ cdef class TreeFactor(Factor):
       the root attaches the best single word ``m`` whose left and right
       complete spans cover the sentence, O(n^3).
 
-    Ties are broken deterministically (lowest index at every argmax: the root
-    first among heads in the non-projective case, the lowest split point in
-    Eisner). ``score``, ``overlap`` and ``add_column`` are O(n). ``n_words`` is
-    at most 46339 so that arc codes fit in a C int (the O(n^2) scratch space
-    would be tens of gigabytes long before that).
+    Ties are broken deterministically: in the non-projective case every
+    (super)node takes the lowest-numbered head word among its best in-arcs;
+    in Eisner's algorithm the lowest split point wins, and with
+    ``single_root=True`` the lowest-numbered root child. ``score``,
+    ``overlap`` and ``add_column`` are O(n). ``n_words`` is at most 46339 so
+    that offsets into the ``(n + 1)^2`` score matrix fit in a C int (the
+    O(n^2) scratch space would be tens of gigabytes long before that).
     """
     cdef readonly int n_words
     cdef readonly bint projective
