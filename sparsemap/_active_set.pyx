@@ -77,6 +77,15 @@ cdef inline double _gap_scale(double eu, double ev, double usq) noexcept nogil:
     return s if s > 1.0 else 1.0
 
 
+cdef int _grow_vec(double** p, Py_ssize_t n) except -1 nogil:
+    cdef void* q = realloc(p[0], n * sizeof(double))
+    if q == NULL:
+        with gil:
+            raise MemoryError()
+    p[0] = <double*> q
+    return 0
+
+
 cdef class _Workspace:
     """Support, weights and Cholesky factor of one solve (not thread-shared)."""
     cdef Factor f
@@ -88,8 +97,9 @@ cdef class _Workspace:
     cdef double* yhat          # relaxed KKT solution
     cdef double* theta         # scores a_t . eta, shifted by theta0
     cdef double* L             # cap x cap, row-major lower triangular
-    cdef double* x1
-    cdef double* x2
+    cdef double* x1            # scratch
+    cdef double* w1            # L^{-1} theta, kept up to date with L
+    cdef double* w2            # L^{-1} 1
     cdef double theta0
     cdef double tau
     cdef double* u
@@ -110,7 +120,7 @@ cdef class _Workspace:
         self.nI = 0
         self.n_map = 0
         self.S = NULL
-        self.y = self.yhat = self.theta = self.L = self.x1 = self.x2 = NULL
+        self.y = self.yhat = self.theta = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
@@ -124,7 +134,7 @@ cdef class _Workspace:
 
     def __dealloc__(self):
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.L)
-        free(self.x1); free(self.x2); free(self.u); free(self.adj); free(self.v)
+        free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work)
 
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:
@@ -138,31 +148,12 @@ cdef class _Workspace:
             with gil:
                 raise MemoryError()
         self.S = <int*> p
-        p = realloc(self.y, new_cap * sizeof(double))
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.y = <double*> p
-        p = realloc(self.yhat, new_cap * sizeof(double))
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.yhat = <double*> p
-        p = realloc(self.theta, new_cap * sizeof(double))
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.theta = <double*> p
-        p = realloc(self.x1, new_cap * sizeof(double))
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.x1 = <double*> p
-        p = realloc(self.x2, new_cap * sizeof(double))
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.x2 = <double*> p
+        _grow_vec(&self.y, new_cap)
+        _grow_vec(&self.yhat, new_cap)
+        _grow_vec(&self.theta, new_cap)
+        _grow_vec(&self.x1, new_cap)
+        _grow_vec(&self.w1, new_cap)
+        _grow_vec(&self.w2, new_cap)
         newL = <double*> malloc(new_cap * new_cap * sizeof(double))
         if newL == NULL:
             with gil:
@@ -188,23 +179,18 @@ cdef class _Workspace:
         if n > 0:
             dtrsv(b"U", b"N", b"N", &n, self.L, &lda, x, &inc)
 
-    cdef void _solve_gram(self, double* x) noexcept nogil:
-        """x <- G_c^{-1} x."""
-        self._solve_lower(x)
-        self._solve_upper(x)
-
     cdef void _relaxed_kkt(self) noexcept nogil:
-        """Solve eq. 12 on the active set: yhat and tau."""
+        """Solve eq. 12 on the active set: yhat and tau, with one triangular solve.
+
+        With w1 = L^{-1} theta and w2 = L^{-1} 1 kept up to date,
+        tau' = (1^T G^{-1} theta - 1) / 1^T G^{-1} 1 = (w2.w1 - 1) / w2.w2 and
+        yhat = L^{-T} (w1 - tau' w2).
+        """
         cdef Py_ssize_t t, n = self.nI
-        cdef double taup
+        cdef double taup = (_dot(self.w2, self.w1, n) - 1.0) / _dot(self.w2, self.w2, n)
         for t in range(n):
-            self.x1[t] = self.theta[t]
-            self.x2[t] = 1.0
-        self._solve_gram(self.x1)
-        self._solve_gram(self.x2)
-        taup = (_sum(self.x1, n) - 1.0) / _sum(self.x2, n)
-        for t in range(n):
-            self.yhat[t] = self.x1[t] - taup * self.x2[t]
+            self.yhat[t] = self.w1[t] - taup * self.w2[t]
+        self._solve_upper(self.yhat)
         self.tau = taup + self.c + self.theta0
 
     # -- support bookkeeping -------------------------------------------------------
@@ -228,6 +214,8 @@ cdef class _Workspace:
         self.L[n * self.cap + n] = diag
         self.f.c_score(s, self.eta_u, self.eta_v, &th)
         self.theta[n] = th - self.theta0
+        self.w1[n] = (self.theta[n] - _dot(lrow, self.w1, n)) / diag
+        self.w2[n] = (1.0 - _dot(lrow, self.w2, n)) / diag
         self.y[n] = w
         self.nI = n + 1
         return 0
@@ -253,11 +241,17 @@ cdef class _Workspace:
                 xb = L[i * cap + j + 1]
                 L[i * cap + j] = cs * xa + sn * xb
                 L[i * cap + j + 1] = -sn * xa + cs * xb
+            # L_del w = b and L_del <- L_del Q give w <- Q^T w
+            xa = self.w1[j]
+            xb = self.w1[j + 1]
+            self.w1[j] = cs * xa + sn * xb
+            self.w1[j + 1] = -sn * xa + cs * xb
+            xa = self.w2[j]
+            xb = self.w2[j + 1]
+            self.w2[j] = cs * xa + sn * xb
+            self.w2[j + 1] = -sn * xa + cs * xb
         for i in range(n - 1):
             L[i * cap + i + 1] = 0.0
-            if L[i * cap + i] < 0:   # keep a positive diagonal
-                for j in range(i, n - 1):
-                    L[j * cap + i] = -L[j * cap + i]
         if r < n - 1:
             memmove(self.S + r * self.k, self.S + (r + 1) * self.k,
                     (n - 1 - r) * self.k * sizeof(int))
@@ -323,6 +317,11 @@ cdef class _Workspace:
                     L[i * cap + i] = sqrt(acc) if acc > 0 else 1e-300
                 else:
                     L[i * cap + j] = acc / L[j * cap + j]
+        for t in range(n):
+            self.w1[t] = self.theta[t]
+            self.w2[t] = 1.0
+        self._solve_lower(self.w1)
+        self._solve_lower(self.w2)
         return 0
 
     # -- u, v, gap -------------------------------------------------------------------
@@ -349,13 +348,14 @@ cdef class _Workspace:
         cdef Py_ssize_t j
         cdef double best, lin, usq
         self._compute_u(False)
+        usq = 0.0
         for j in range(self.n_u):
             self.adj[j] = self.eta_u[j] - self.u[j]
+            usq += self.u[j] * self.u[j]
         self.f.c_map(self.adj, self.eta_v, self.snew, self.work)
         self.n_map += 1
         self.f.c_score(self.snew, self.adj, self.eta_v, &best)
         lin = self._linear()
-        usq = _dot(self.u, self.u, self.n_u)
         # gap = max_s <a_s - x, -grad f(x)>, an upper bound on suboptimality
         gap[0] = best - (lin - usq)
         scale[0] = _gap_scale(lin, 0.0, usq)
@@ -410,20 +410,23 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 n_stall = 0
                 ws._insert(ws.snew, 0.0)
         else:
-            # Move towards yhat until the first weight hits zero (eq. 31), drop it.
-            gamma = 1.0
+            # Move towards yhat until the first weight hits zero (eq. 31) and drop
+            # it. The blocking index is chosen among the negative entries of yhat,
+            # so one always leaves, even when round-off puts the ratio at 1.
+            gamma = INFINITY
             r = -1
             for t in range(ws.nI):
-                if ws.yhat[t] < ws.y[t]:
+                if ws.yhat[t] < 0.0:
                     ratio = ws.y[t] / (ws.y[t] - ws.yhat[t])
                     if ratio < gamma:
                         gamma = ratio
                         r = t
             for t in range(ws.nI):
                 ws.y[t] = (1.0 - gamma) * ws.y[t] + gamma * ws.yhat[t]
-            if r >= 0:
-                ws.y[r] = 0.0
-                ws._remove(r)
+                if ws.y[t] < 0.0:
+                    ws.y[t] = 0.0
+            ws.y[r] = 0.0
+            ws._remove(r)
         it += 1
         if hist != NULL:
             if not fresh_gap:
@@ -604,17 +607,20 @@ def vjp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] g_u
     return gu, gv
 
 
-def _time_map(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t repeats):
-    """Median seconds of one C-level MAP call over ``repeats`` calls (benchmarks only)."""
+def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ssize_t repeats):
+    """Median seconds of one C-level MAP call (benchmarks only).
+
+    Cycles through the rows of ``etas_u`` / ``etas_v`` (different score arrays),
+    so that branch predictors do not learn one instance.
+    """
     cdef _Workspace ws = _Workspace(factor, 4)
-    cdef const double* pu = &eta_u[0] if factor.n_u else NULL
-    cdef const double* pv = &eta_v[0] if factor.n_v else NULL
+    cdef Py_ssize_t K = etas_u.shape[0], i
     cdef double[::1] times = np.empty(repeats)
-    cdef Py_ssize_t i
     cdef double t0
     with nogil:
         for i in range(repeats):
             t0 = _now()
-            factor.c_map(pu, pv, ws.snew, ws.work)
+            factor.c_map(&etas_u[i % K, 0], &etas_v[i % K, 0] if factor.n_v else NULL,
+                         ws.snew, ws.work)
             times[i] = _now() - t0
     return float(np.median(times))

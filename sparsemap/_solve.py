@@ -7,9 +7,10 @@ import numpy as np
 from sparsemap import _active_set
 from sparsemap._factors._base import Factor
 
-METHODS = ("active_set", "cg", "away_cg", "pairwise_cg")
+METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 DEFAULT_TOL = 1e-12
-DEFAULT_MAX_ITER = {"active_set": 10_000, "cg": 10_000, "away_cg": 10_000, "pairwise_cg": 10_000}
+DEFAULT_MAX_ITER = {"active_set": 10_000, "cg": 10_000, "away_cg": 10_000, "pairwise_cg": 10_000,
+                    "bpcg": 10_000}
 
 _STATUS = {1: "converged", 2: "maximum number of iterations reached",
            3: "stalled at the round-off floor"}
@@ -156,9 +157,10 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         Unary scores.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted).
-    method : {"active_set", "cg", "away_cg", "pairwise_cg"}
-        The active set (Cython, exact) or a conditional-gradient variant
-        (pure Python, Appendix A.1).
+    method : {"active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
+        The active set (Cython, exact; Appendix A.2) or a conditional-gradient
+        variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
+        blended pairwise (Tsuji, Tanaka and Pokutta, 2022).
     max_iter : int, optional
         Iteration limit (default 10000).
     tol : float, default 1e-12
