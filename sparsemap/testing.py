@@ -294,6 +294,18 @@ def _solve(factor, eta_u, eta_v, method, solve_kwargs):
     return sparsemap.solve(factor, eta_u, eta_v, method=method, **solve_kwargs)
 
 
+def _direction(d, name, shape):
+    """A flat float64 copy of a direction of the given shape (zeros for None)."""
+    if d is None:
+        return np.zeros(int(np.prod(shape, dtype=np.int64)))
+    arr = np.asarray(d, dtype=np.float64)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name}: contains non-finite values (nan or inf)")
+    return arr.reshape(-1).copy()
+
+
 def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None, eps=1e-6,
                           method="active_set", return_results=False, **solve_kwargs):
     """Central finite difference of ``u`` along a direction of the scores.
@@ -323,10 +335,10 @@ def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None,
         Only with ``return_results=True``.
     """
     eu, ev = factor.check_scores(eta_u, eta_v)
-    du_dir = np.zeros(factor.n_u) if d_eta_u is None else \
-        factor.check_scores(d_eta_u, None)[0]
-    dv_dir = np.zeros(factor.n_v) if d_eta_v is None else \
-        factor.check_scores(np.zeros(factor.shape_u), d_eta_v)[1]
+    du_dir = _direction(d_eta_u, "d_eta_u", factor.shape_u)
+    dv_dir = _direction(d_eta_v, "d_eta_v", factor.shape_v)
+    if not (np.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     shp_u, shp_v = factor.shape_u, factor.shape_v
     r_plus = _solve(factor, (eu + eps * du_dir).reshape(shp_u), (ev + eps * dv_dir).reshape(shp_v),
                     method, solve_kwargs)
@@ -420,6 +432,11 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
     AssertionError
         On a mismatch, with the direction and both values in the message.
     """
+    if isinstance(n_directions, bool) or not isinstance(n_directions, (int, np.integer)) \
+            or n_directions < 1:
+        raise ValueError(f"n_directions: expected a positive integer, got {n_directions!r}")
+    if not (np.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     rng = np.random.default_rng(rng)
     eu, ev = factor.check_scores(eta_u, eta_v)
     shp_u, shp_v = factor.shape_u, factor.shape_v

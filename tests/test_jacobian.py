@@ -1,0 +1,176 @@
+"""Jacobian products (Prop. 1) against central finite differences and dense algebra.
+
+On a region of scores where the support is constant, u is affine in the scores,
+so central differences are exact up to round-off there; a draw whose support
+changes within the step is skipped, and each test fails if most draws are.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sparsemap as sm
+from sparsemap.testing import (FAMILIES, check_jacobian, dense_columns, factors,
+                               finite_difference_jvp, problems, scores, support_key)
+
+AVAILABLE = [f for f in FAMILIES
+             if getattr(sm, {"sequence": "SequenceFactor", "tree": "TreeFactor",
+                             "matching": "MatchingFactor", "generic": "GenericFactor"}[f], None)]
+
+
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_jvp_matches_finite_differences(family):
+    counts = {"draws": 0, "skipped": 0}
+
+    @settings(max_examples=80, deadline=None, database=None)
+    @given(problems(families=family, scale=(0.1, 1.0, 10.0), kinds=("gaussian",)),
+           st.integers(0, 2 ** 32 - 1))
+    def run(problem, seed):
+        factor, eta_u, eta_v = problem
+        rep = check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed)
+        counts["draws"] += rep.n_directions
+        counts["skipped"] += rep.n_skipped
+        assert rep.max_adjoint_error <= 1e-10 * max(1.0, factor.n_u)
+
+    run()
+    assert counts["draws"] > 0
+    assert counts["skipped"] <= counts["draws"] // 2, counts
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(kinds=("ties", "floats")), st.integers(0, 2 ** 32 - 1))
+def test_jacobian_checks_hold_at_ties(problem, seed):
+    """Ties put many draws on kinks (skipped); the adjoint and symmetry checks still hold."""
+    factor, eta_u, eta_v = problem
+    check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed)
+
+
+def prop1_dense(factor, structures, d_eta_u, d_eta_v):
+    """Prop. 1 with dense matrices: M_I (Z - Z 1 1^T Z / 1^T Z 1) A_I^T d.
+
+    Z = (M_I^T M_I)^{-1} is replaced by (M_I^T M_I + 1 1^T)^{-1}, which gives the
+    same product on the simplex and exists whenever the support is affinely
+    independent (even with a zero column).
+    """
+    M, N = dense_columns(factor, structures)
+    A = np.r_[M, N]
+    k = M.shape[1]
+    Z = np.linalg.inv(M.T @ M + np.ones((k, k)))
+    one = np.ones(k)
+    D = Z - np.outer(Z @ one, one @ Z) / (one @ Z @ one)
+    return (M @ D @ A.T @ np.r_[d_eta_u.ravel(), d_eta_v.ravel()]).reshape(factor.shape_u)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.integers(0, 2 ** 32 - 1))
+def test_jvp_vjp_match_dense_prop1(problem, seed):
+    factor, eta_u, eta_v = problem
+    r = sm.solve(factor, eta_u, eta_v)
+    rng = np.random.default_rng(seed)
+    du, dv = rng.standard_normal(factor.shape_u), rng.standard_normal(factor.shape_v)
+    ref = prop1_dense(factor, r.structures, du, dv)
+    np.testing.assert_allclose(r.jvp(du, dv), ref, atol=1e-10)
+    g = rng.standard_normal(factor.shape_u)
+    gu, gv = r.vjp(g)
+    assert gu.shape == factor.shape_u and gv.shape == factor.shape_v
+    # vjp = J^T g, read off the dense J one basis direction at a time
+    n = factor.n_u + factor.n_v
+    J = np.array([prop1_dense(factor, r.structures, e[:factor.n_u], e[factor.n_u:]).ravel()
+                  for e in np.eye(n)]).T
+    np.testing.assert_allclose(np.r_[gu.ravel(), gv.ravel()], J.T @ g.ravel(), atol=1e-10)
+    # the eta_u block is a Hessian of a convex function: symmetric, positive semidefinite
+    Juu = J[:, :factor.n_u]
+    np.testing.assert_allclose(Juu, Juu.T, atol=1e-10)
+    assert np.linalg.eigvalsh((Juu + Juu.T) / 2).min() >= -1e-10
+
+
+def test_jvp_eta_v_directions():
+    """Transition scores alone move u: compare with differences along eta_v only."""
+    f = sm.SequenceFactor(4, 3)
+    rng = np.random.default_rng(0)
+    n_checked = 0
+    for _ in range(10):
+        eta_u, eta_v = 0.5 * rng.standard_normal((4, 3)), 0.5 * rng.standard_normal((3, 3, 3))
+        r = sm.solve(f, eta_u, eta_v)
+        dv = rng.standard_normal((3, 3, 3))
+        fd, rm, rp = finite_difference_jvp(f, eta_u, eta_v, None, dv, eps=1e-6,
+                                           return_results=True)
+        key = support_key(r.structures)
+        if support_key(rm.structures) == key == support_key(rp.structures):
+            n_checked += 1
+            np.testing.assert_allclose(r.jvp(np.zeros((4, 3)), dv), fd, atol=1e-7)
+    assert n_checked >= 5
+
+
+def test_finite_difference_jvp_is_a_difference():
+    """The building block on sparsemax, where u is known in closed form."""
+    f = sm.GenericFactor(np.eye(3))
+    z = np.array([0.5, 0.2, -1.0])
+    d = np.array([1.0, -1.0, 0.0])
+    # sparsemax(z) = z - tau on the support {0, 1}: du = d - mean(d on support) there
+    np.testing.assert_allclose(finite_difference_jvp(f, z, None, d), [1.0, -1.0, 0.0],
+                               atol=1e-8)
+    np.testing.assert_allclose(finite_difference_jvp(f, z, None, None), 0.0)
+
+
+def test_check_jacobian_report():
+    f = sm.SequenceFactor(3, 2)
+    rng = np.random.default_rng(1)
+    rep = check_jacobian(f, rng.standard_normal((3, 2)), rng.standard_normal((2, 2, 2)),
+                         n_directions=4, rng=0)
+    assert rep.n_directions == 4 == len(rep.skipped)
+    assert rep.n_checked + rep.n_skipped == 4
+    assert rep.max_error <= 1e-6 and rep.step > 0
+    # a point on a kink: sparsemax with a tie at the support's edge
+    g = sm.GenericFactor(np.eye(3))
+    rep = check_jacobian(g, [1.0, 0.0, 0.0], n_directions=6, rng=0)
+    assert rep.n_skipped >= 1
+
+
+def test_check_jacobian_catches_wrong_products(monkeypatch):
+    f = sm.SequenceFactor(3, 3)
+    rng = np.random.default_rng(2)
+    eta_u, eta_v = 0.3 * rng.standard_normal((3, 3)), 0.3 * rng.standard_normal((2, 3, 3))
+    check_jacobian(f, eta_u, eta_v, rng=0)
+    jvp, vjp = sm.SparseMAPResult.jvp, sm.SparseMAPResult.vjp
+    monkeypatch.setattr(sm.SparseMAPResult, "jvp",
+                        lambda self, du, dv=None: 1.01 * jvp(self, du, dv))
+    with pytest.raises(AssertionError, match="finite differences"):
+        check_jacobian(f, eta_u, eta_v, rng=0)
+    monkeypatch.setattr(sm.SparseMAPResult, "jvp", jvp)
+    monkeypatch.setattr(sm.SparseMAPResult, "vjp",
+                        lambda self, g: (vjp(self, g)[0], 2 * vjp(self, g)[1] + 0.1))
+    with pytest.raises(AssertionError, match="adjoint"):
+        check_jacobian(f, eta_u, eta_v, rng=0)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda r: r.jvp(np.zeros(5)), "d_eta_u"),
+    (lambda r: r.jvp(np.full((3, 2), np.nan)), "d_eta_u"),
+    (lambda r: r.jvp(np.zeros((3, 2)), np.zeros(3)), "d_eta_v"),
+    (lambda r: r.vjp(np.zeros(4)), "du"),
+    (lambda r: r.vjp(np.full((3, 2), np.inf)), "du"),
+], ids=["jvp-shape", "jvp-nan", "jvp-eta_v-shape", "vjp-shape", "vjp-inf"])
+def test_bad_jvp_vjp_input(call, name):
+    r = sm.solve(sm.SequenceFactor(3, 2), np.zeros((3, 2)))
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        call(r)
+
+
+def test_testing_tools_bad_input():
+    f = sm.SequenceFactor(3, 2)
+    eta = np.zeros((3, 2))
+    with pytest.raises(ValueError, match="d_eta_u"):
+        finite_difference_jvp(f, eta, None, np.zeros(4))
+    with pytest.raises(ValueError, match="d_eta_v"):
+        finite_difference_jvp(f, eta, None, eta, np.zeros(3))
+    with pytest.raises(ValueError, match="eps"):
+        finite_difference_jvp(f, eta, None, eta, eps=0.0)
+    with pytest.raises(ValueError, match="n_directions"):
+        check_jacobian(f, eta, n_directions=0)
+    with pytest.raises(ValueError, match="eps"):
+        check_jacobian(f, eta, eps=-1.0)
+    with pytest.raises(ValueError, match="families"):
+        factors(families=["sequence", "lattice"])
+    with pytest.raises(ValueError, match="kinds"):
+        scores(f, kinds=("uniform",))
