@@ -237,11 +237,8 @@ def perceptron_loss(factor, eta_u, eta_v, target):
     The loss is not differentiable where MAP has ties; the subgradient then
     uses the factor's deterministic tie-breaking.
     """
-    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
-    ms, ns = _map_columns(factor, eu, ev)
-    gu, gv = ms - mt, ns - nt
-    loss = eu.dot(gu) + ev.dot(gv)
-    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+    # The structured SVM without its cost term.
+    return structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=0.0)
 
 
 def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
