@@ -439,6 +439,20 @@ def test_extreme_scales(scale):
         np.testing.assert_allclose(rs.u, sparsemax(z), atol=1e-12 * max(1, scale))
 
 
+def test_large_cancelling_scores_converge():
+    """Scores of 1e8 whose sum over a structure cancels to O(1): eta_u . u is small, but the
+    round-off in the gap is that of the 1e8 terms. The solve must count as converged (the
+    answer is exact up to that round-off), not stall with a ConvergenceWarning."""
+    f = sm.GenericFactor(np.array([[1, 1], [1, 0], [0, 1]], float))
+    B = 1e8
+    eta_u = np.array([B, -B + 0.3, -B + 0.5])
+    # theta = (0.3, 0.5), Gram [[2, 1], [1, 2]]: y1 - y2 = theta1 - theta2 = -0.2, so
+    # y = (0.4, 0.6) and u = (1, 0.4, 0.6)
+    r = solve_quiet(f, eta_u)
+    assert r.converged, r.message
+    np.testing.assert_allclose(r.u, [1.0, 0.4, 0.6], atol=1e-7)
+
+
 def test_map_already_optimal():
     """A dominant structure: the first MAP answer is the solution and stays in the set."""
     f = sm.SequenceFactor(4, 3)
