@@ -19,7 +19,7 @@ Python objects and runs without the GIL; the workspace grows geometrically.
 """
 import numpy as np
 
-from libc.math cimport fabs, sqrt, hypot, INFINITY
+from libc.math cimport sqrt, hypot, INFINITY
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -30,6 +30,14 @@ from sparsemap._factors._base cimport Factor
 # A new column is affinely dependent on the active ones when its squared
 # distance to their affine hull is below DEP_TOL times its squared norm in G_c.
 cdef double DEP_TOL = 1e-9
+
+# MAP calls without a new best gap (and at least twice the support size)
+# after which the solve stops as stalled.
+cdef Py_ssize_t STALL_WINDOW = 50
+
+# Near convergence (last gap below this, relative), each relaxed KKT solution
+# gets one step of iterative refinement.
+cdef double REFINE_BELOW = 1e-6
 
 # Termination codes.
 cdef enum:
@@ -61,19 +69,21 @@ cdef inline double _sum(const double* a, Py_ssize_t n) noexcept nogil:
     return acc
 
 
-def gap_scale(double eta_u_dot_u, double eta_v_dot_v, double u_sq):
+def gap_scale(double abs_linear, double u_sq):
     """Scale the convergence tolerance is relative to.
 
-    A solve has converged when ``gap <= tol * gap_scale(...)`` with
-    ``gap_scale = max(1, |eta_u . u| + |eta_v . v| + ||u||^2)``, so the rule is
-    absolute for scores of order one and relative for large scores, where
-    round-off in the gap grows with the magnitude of the objective's terms.
+    A solve has converged when ``gap <= tol * gap_scale`` with
+    ``gap_scale = max(1, sum_i |eta_u[i] u[i]| + sum_j |eta_v[j] v[j]| + ||u||^2)``
+    (``abs_linear`` is the sum of the first two terms). The rule is absolute for
+    scores of order one and relative for large scores; summing magnitudes rather
+    than taking ``|eta . u|`` keeps it honest when large scores cancel, since
+    round-off in the gap grows with the terms, not with their sum.
     """
-    return _gap_scale(eta_u_dot_u, eta_v_dot_v, u_sq)
+    return _gap_scale(abs_linear, u_sq)
 
 
-cdef inline double _gap_scale(double eu, double ev, double usq) noexcept nogil:
-    cdef double s = fabs(eu) + fabs(ev) + usq
+cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
+    cdef double s = abs_linear + usq
     return s if s > 1.0 else 1.0
 
 
@@ -96,6 +106,7 @@ cdef class _Workspace:
     cdef double* y             # weights
     cdef double* yhat          # relaxed KKT solution
     cdef double* theta         # scores a_t . eta, shifted by theta0
+    cdef double* theta_abs     # |a_t| . |eta|, for the tolerance scale
     cdef double* L             # cap x cap, row-major lower triangular
     cdef double* x1            # scratch
     cdef double* w1            # L^{-1} theta, kept up to date with L
@@ -109,6 +120,9 @@ cdef class _Workspace:
     cdef char* work
     cdef const double* eta_u
     cdef const double* eta_v
+    cdef object abs_eta        # (|eta_u|, |eta_v|) arrays, kept alive here
+    cdef const double* abs_eu
+    cdef const double* abs_ev
     cdef Py_ssize_t n_map
 
     def __cinit__(self, Factor f, Py_ssize_t cap):
@@ -120,7 +134,7 @@ cdef class _Workspace:
         self.nI = 0
         self.n_map = 0
         self.S = NULL
-        self.y = self.yhat = self.theta = self.L = self.x1 = self.w1 = self.w2 = NULL
+        self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
@@ -133,9 +147,19 @@ cdef class _Workspace:
         self._grow(cap if cap > 4 else 4)
 
     def __dealloc__(self):
-        free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.L)
+        free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work)
+
+    cdef int _set_scores(self, double[::1] eta_u, double[::1] eta_v) except -1:
+        cdef double[::1] au = np.abs(eta_u)
+        cdef double[::1] av = np.abs(eta_v) if self.n_v else np.zeros(1)
+        self.abs_eta = (au, av)
+        self.eta_u = &eta_u[0] if self.n_u else NULL
+        self.eta_v = &eta_v[0] if self.n_v else NULL
+        self.abs_eu = &au[0] if self.n_u else NULL
+        self.abs_ev = &av[0] if self.n_v else NULL
+        return 0
 
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:
         cdef Py_ssize_t i, old = self.cap
@@ -151,6 +175,7 @@ cdef class _Workspace:
         _grow_vec(&self.y, new_cap)
         _grow_vec(&self.yhat, new_cap)
         _grow_vec(&self.theta, new_cap)
+        _grow_vec(&self.theta_abs, new_cap)
         _grow_vec(&self.x1, new_cap)
         _grow_vec(&self.w1, new_cap)
         _grow_vec(&self.w2, new_cap)
@@ -214,6 +239,7 @@ cdef class _Workspace:
         self.L[n * self.cap + n] = diag
         self.f.c_score(s, self.eta_u, self.eta_v, &th)
         self.theta[n] = th - self.theta0
+        self.f.c_score(s, self.abs_eu, self.abs_ev, &self.theta_abs[n])
         self.w1[n] = (self.theta[n] - _dot(lrow, self.w1, n)) / diag
         self.w2[n] = (1.0 - _dot(lrow, self.w2, n)) / diag
         self.y[n] = w
@@ -257,6 +283,7 @@ cdef class _Workspace:
                     (n - 1 - r) * self.k * sizeof(int))
             memmove(self.y + r, self.y + r + 1, (n - 1 - r) * sizeof(double))
             memmove(self.theta + r, self.theta + r + 1, (n - 1 - r) * sizeof(double))
+            memmove(self.theta_abs + r, self.theta_abs + r + 1, (n - 1 - r) * sizeof(double))
         self.nI = n - 1
 
     cdef int _insert(self, const int* s, double w) except -1 nogil:
@@ -325,14 +352,41 @@ cdef class _Workspace:
         return 0
 
     # -- u, v, gap -------------------------------------------------------------------
-    cdef int _compute_u(self, bint with_v) except -1 nogil:
+    cdef int _compute_u(self, const double* w, bint with_v) except -1 nogil:
+        """u = sum_t w_t m_t (and v likewise when with_v)."""
         cdef Py_ssize_t t
         memset(self.u, 0, self.n_u * sizeof(double))
         if with_v:
             memset(self.v, 0, self.n_v * sizeof(double))
         for t in range(self.nI):
-            self.f.c_add(self.S + t * self.k, self.y[t], self.u,
+            self.f.c_add(self.S + t * self.k, w[t], self.u,
                          self.v if (with_v and self.n_v) else NULL)
+        return 0
+
+    cdef int _refine(self) except -1 nogil:
+        """One step of iterative refinement of the relaxed KKT solution yhat.
+
+        At the relaxed optimum every active structure has the same adjusted
+        score theta_t - m_t.u; their spread is the KKT residual left by
+        round-off, which an ill-conditioned G_c amplifies. Solving
+        G_c d = r - rho 1 with 1^T d = 0 (one forward and one backward solve
+        with the kept factor) removes it; yhat stays on the affine hull.
+        """
+        cdef Py_ssize_t t, n = self.nI
+        cdef double g, rho
+        if n < 2:
+            return 0
+        self._compute_u(self.yhat, False)
+        for t in range(n):
+            self.f.c_score(self.S + t * self.k, self.u, NULL, &g)
+            self.x1[t] = self.theta[t] - g
+        self._solve_lower(self.x1)
+        rho = _dot(self.w2, self.x1, n) / _dot(self.w2, self.w2, n)
+        for t in range(n):
+            self.x1[t] -= rho * self.w2[t]
+        self._solve_upper(self.x1)
+        for t in range(n):
+            self.yhat[t] += self.x1[t]
         return 0
 
     cdef double _linear(self) noexcept nogil:
@@ -343,11 +397,19 @@ cdef class _Workspace:
             acc += self.y[t] * (self.theta[t] + self.theta0)
         return acc
 
+    cdef double _linear_abs(self) noexcept nogil:
+        """sum_t y_t |a_t|.|eta| (= |eta_u|.|u| + |eta_v|.|v| for 0/1 columns)."""
+        cdef Py_ssize_t t
+        cdef double acc = 0
+        for t in range(self.nI):
+            acc += self.y[t] * self.theta_abs[t]
+        return acc
+
     cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil:
         """MAP at the adjusted scores eta_u - u; Wolfe gap into gap, MAP into snew."""
         cdef Py_ssize_t j
         cdef double best, lin, usq
-        self._compute_u(False)
+        self._compute_u(self.y, False)
         usq = 0.0
         for j in range(self.n_u):
             self.adj[j] = self.eta_u[j] - self.u[j]
@@ -358,12 +420,12 @@ cdef class _Workspace:
         lin = self._linear()
         # gap = max_s <a_s - x, -grad f(x)>, an upper bound on suboptimality
         gap[0] = best - (lin - usq)
-        scale[0] = _gap_scale(lin, 0.0, usq)
+        scale[0] = _gap_scale(self._linear_abs(), usq)
         obj[0] = 0.5 * usq - lin
         return 0
 
     cdef int _objective(self, double* obj) except -1 nogil:
-        self._compute_u(False)
+        self._compute_u(self.y, False)
         obj[0] = 0.5 * _dot(self.u, self.u, self.n_u) - self._linear()
         return 0
 
@@ -379,7 +441,8 @@ cdef class _Workspace:
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
-    cdef Py_ssize_t it = 0, t, r, n_stall = 0
+    cdef Py_ssize_t it = 0, t, r, n_noop = 0, n_dup = 0, just_in = -1, since_best = 0
+    cdef double best_gap = INFINITY
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
@@ -387,6 +450,8 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     while True:
         # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
         ws._relaxed_kkt()
+        if gap <= REFINE_BELOW * scale:
+            ws._refine()
         ymin = INFINITY
         for t in range(ws.nI):
             if ws.yhat[t] < ymin:
@@ -396,19 +461,31 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
             memcpy(ws.y, ws.yhat, ws.nI * sizeof(double))
             ws._gap(&gap, &scale, &obj)
             fresh_gap = True
+            if just_in >= 0:    # the structure that entered last has stayed
+                n_noop = 0
+                n_dup = 0
+            just_in = -1
+            if gap < best_gap:
+                best_gap = gap
+                since_best = 0
+            else:
+                since_best += 1
             if gap <= tol * scale:
                 status = CONVERGED
+            elif since_best >= STALL_WINDOW and since_best >= 2 * ws.nI:
+                # Longer round-off cycles: no new best gap for many MAP calls.
+                status = STALLED
             elif ws._find(ws.snew) >= 0:
-                # In exact arithmetic MAP cannot return an active structure here
+                # In exact arithmetic MAP cannot return an active structure
                 # unless the gap is zero: refactorise once, then give up.
-                n_stall += 1
-                if n_stall >= 2:
+                n_dup += 1
+                if n_dup >= 2:
                     status = STALLED
                 else:
                     ws._rebuild()
             else:
-                n_stall = 0
                 ws._insert(ws.snew, 0.0)
+                just_in = ws.nI - 1
         else:
             # Move towards yhat until the first weight hits zero (eq. 31) and drop
             # it. The blocking index is chosen among the negative entries of yhat,
@@ -425,6 +502,16 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 ws.y[t] = (1.0 - gamma) * ws.y[t] + gamma * ws.yhat[t]
                 if ws.y[t] < 0.0:
                     ws.y[t] = 0.0
+            if r == just_in and gamma == 0.0:
+                # The structure that just entered leaves again without any move:
+                # the next MAP call would propose it again (a round-off cycle
+                # among tied structures). Refactorise once, then give up.
+                n_noop += 1
+                if n_noop >= 2:
+                    status = STALLED
+                else:
+                    ws._rebuild()
+            just_in = -1
             ws.y[r] = 0.0
             ws._remove(r)
         it += 1
@@ -487,8 +574,7 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
     cdef int status
     cdef double[::1] hist_mv
     cdef double* hist = NULL
-    ws.eta_u = &eta_u[0] if factor.n_u else NULL
-    ws.eta_v = &eta_v[0] if factor.n_v else NULL
+    ws._set_scores(eta_u, eta_v)
     if init is None or len(init) == 0:
         with nogil:
             factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
@@ -512,7 +598,7 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         hist = &hist_mv[0]
     with nogil:
         status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
-    ws._compute_u(True)
+    ws._compute_u(ws.y, True)
     structures, weights, L = ws._export()
     u = np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
     v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
@@ -539,8 +625,7 @@ def reduce_support(Factor factor, int[:, ::1] structures, double[::1] weights,
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
     cdef Py_ssize_t i
     cdef double g0
-    ws.eta_u = &eta_u[0] if factor.n_u else NULL
-    ws.eta_v = &eta_v[0] if factor.n_v else NULL
+    ws._set_scores(eta_u, eta_v)
     factor.c_overlap(&structures[0, 0], &structures[0, 0], &g0)
     ws.c = g0 if g0 > 1.0 else 1.0
     ws.theta0 = 0.0

@@ -144,7 +144,7 @@ def _fw_vertex(factor, active, eta_u, eta_v, u, v):
     fw.score = float(fw.g_u @ fw.m + eta_v @ fw.n)
     fw.score_x = eu - usq + ev
     fw.gap = fw.score - fw.score_x
-    fw.scale = gap_scale(eu, ev, usq)
+    fw.scale = gap_scale(float(np.abs(eta_u) @ np.abs(u) + np.abs(eta_v) @ np.abs(v)), usq)
     return fw
 
 
@@ -269,7 +269,7 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     max_iter : int
         Maximum number of steps.
     tol : float
-        Converged when ``gap <= tol * gap_scale(eta_u . u, eta_v . v, ||u||^2)``,
+        Converged when ``gap <= tol * gap_scale(|eta_u|.|u| + |eta_v|.|v|, ||u||^2)``,
         the active set's rule.
     return_history : bool
 

@@ -13,7 +13,7 @@ DEFAULT_MAX_ITER = {"active_set": 10_000, "cg": 10_000, "away_cg": 10_000, "pair
                     "bpcg": 10_000}
 
 _STATUS = {1: "converged", 2: "maximum number of iterations reached",
-           3: "stalled at the round-off floor"}
+           3: "stalled: no further progress in double precision (round-off floor or degenerate cycling)"}
 
 
 class ConvergenceWarning(UserWarning):
@@ -104,7 +104,7 @@ class SparseMAPResult:
         ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
         support, from the kept Cholesky factor in O(|I| n + |I|^2).
         """
-        du, dv = self.factor.check_scores(d_eta_u, d_eta_v)
+        du, dv = self.factor.check_scores(d_eta_u, d_eta_v, names=("d_eta_u", "d_eta_v"))
         S, L = self._backward_state()
         return _active_set.jvp(self.factor, S, L, du, dv).reshape(self.factor.shape_u)
 
@@ -165,8 +165,13 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         Iteration limit (default 10000).
     tol : float, default 1e-12
         The solve has converged when the Wolfe gap satisfies
-        ``gap <= tol * max(1, |eta_u . u| + |eta_v . v| + ||u||^2)``:
-        absolute for scores of order one, relative for large ones.
+        ``gap <= tol * max(1, sum |eta_u * u| + sum |eta_v * v| + ||u||^2)``
+        (elementwise products): absolute for scores of order one, relative for
+        large ones. The active set also stops, as stalled (``converged=False``
+        unless the gap meets the tolerance), when round-off makes it cycle:
+        MAP proposes an active structure, or the structure that just entered
+        leaves again without a move, twice after a refactorisation; or no MAP
+        call has improved on the best gap for max(50, 2 |support|) calls.
     init : SparseMAPResult or list of structures, optional
         Warm start: the active set starts from these structures with uniform
         weights (dependent or repeated ones are skipped). Active set only.

@@ -87,7 +87,7 @@ cdef class Factor:
         return f"{type(self).__name__}({args})"
 
     # -- validation shared by every family ------------------------------------
-    def check_scores(self, eta_u, eta_v=None):
+    def check_scores(self, eta_u, eta_v=None, names=("eta_u", "eta_v")):
         """Validate scores and return them as flat C-contiguous float64 arrays.
 
         Parameters
@@ -96,6 +96,8 @@ cdef class Factor:
         eta_v : array_like of shape :attr:`shape_v`, or None
             ``None`` means zeros (the only choice when the factor has no
             ``eta_v``).
+        names : pair of str
+            Argument names used in error messages.
 
         Returns
         -------
@@ -108,11 +110,11 @@ cdef class Factor:
         ValueError
             Wrong shape, or non-finite values.
         """
-        eu = _as_float_array(eta_u, "eta_u", self.shape_u)
+        eu = _as_float_array(eta_u, names[0], self.shape_u)
         if eta_v is None:
             ev = np.zeros(self.n_v, dtype=np.float64)
         else:
-            ev = _as_float_array(eta_v, "eta_v", self.shape_v)
+            ev = _as_float_array(eta_v, names[1], self.shape_v)
         return eu.reshape(-1), ev.reshape(-1)
 
     def check_structure(self, s, name="s"):
