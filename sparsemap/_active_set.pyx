@@ -87,6 +87,14 @@ cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
     return s if s > 1.0 else 1.0
 
 
+cdef object _copy_out(const double* p, Py_ssize_t n):
+    out = np.empty(n)
+    cdef double[::1] ov = out
+    if n > 0:
+        memcpy(&ov[0], p, n * sizeof(double))
+    return out
+
+
 cdef int _grow_vec(double** p, Py_ssize_t n) except -1 nogil:
     cdef void* q = realloc(p[0], n * sizeof(double))
     if q == NULL:
@@ -431,11 +439,19 @@ cdef class _Workspace:
 
     cdef object _export(self):
         """Support, weights and Cholesky factor as NumPy arrays."""
-        n = self.nI
-        S = np.array(<int[:n * self.k]> self.S, dtype=np.intc).reshape(n, self.k)
-        y = np.array(<double[:n]> self.y)
-        L = np.array(<double[:n * self.cap]> self.L).reshape(n, self.cap)[:, :n]
-        return S, y, np.tril(L)
+        cdef Py_ssize_t n = self.nI, i
+        S = np.empty((n, self.k), dtype=np.intc)
+        y = np.empty(n)
+        L = np.zeros((n, n))
+        cdef int[:, ::1] Sv = S
+        cdef double[::1] yv = y
+        cdef double[:, ::1] Lv = L
+        if n > 0:
+            memcpy(&Sv[0, 0], self.S, n * self.k * sizeof(int))
+            memcpy(&yv[0], self.y, n * sizeof(double))
+            for i in range(n):
+                memcpy(&Lv[i, 0], self.L + i * self.cap, (i + 1) * sizeof(double))
+        return S, y, L
 
 
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
@@ -579,7 +595,8 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         with nogil:
             factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
         ws.n_map += 1
-        init_mv = np.array(<int[:ws.k]> ws.snew, dtype=np.intc).reshape(1, -1)
+        init_mv = np.empty((1, ws.k), dtype=np.intc)
+        memcpy(&init_mv[0, 0], ws.snew, ws.k * sizeof(int))
     else:
         init_mv = init
     n_init = init_mv.shape[0]
@@ -600,8 +617,8 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     ws._compute_u(ws.y, True)
     structures, weights, L = ws._export()
-    u = np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
-    v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
+    u = _copy_out(ws.u, ws.n_u)
+    v = _copy_out(ws.v, ws.n_v)
     history = None
     if return_history:
         history = np.asarray(hist_mv)[:4 * n_iter].reshape(n_iter, 4).copy()

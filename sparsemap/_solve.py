@@ -56,7 +56,7 @@ class SparseMAPResult:
         self.method = method
         self._S = np.ascontiguousarray(raw["structures"], dtype=np.intc)
         self.weights = np.asarray(raw["weights"], dtype=np.float64)
-        self.structures = [factor._to_public(s) for s in self._S]
+        self._structures = None
         self.u = np.asarray(raw["u"]).reshape(factor.shape_u)
         self.v = np.asarray(raw["v"]).reshape(factor.shape_v)
         self.n_iter = int(raw["n_iter"])
@@ -72,9 +72,16 @@ class SparseMAPResult:
         self._L = raw.get("L")
         self._eta = (eta_u, eta_v)
 
+    @property
+    def structures(self):
+        """The support, as a list of structures in the factor's compact form."""
+        if self._structures is None:  # built on first use: solves in a loop rarely need it
+            self._structures = [self.factor._to_public(s) for s in self._S]
+        return self._structures
+
     def __repr__(self):
         return (f"SparseMAPResult(method={self.method!r}, converged={self.converged}, "
-                f"n_iter={self.n_iter}, support={len(self.structures)}, "
+                f"n_iter={self.n_iter}, support={len(self._S)}, "
                 f"gap={self.gap:.3g}, objective={self.objective:.10g})")
 
     def _backward_state(self):
