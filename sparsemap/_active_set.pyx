@@ -31,9 +31,8 @@ from sparsemap._factors._base cimport Factor
 # distance to their affine hull is below DEP_TOL times its squared norm in G_c.
 cdef double DEP_TOL = 1e-9
 
-# MAP calls without a new best gap (and at least twice the support size)
-# after which the solve stops as stalled.
-cdef Py_ssize_t STALL_WINDOW = 50
+cdef enum:
+    RING = 64     # supports remembered from the last MAP calls, to detect cycles
 
 # Near convergence (last gap below this, relative), each relaxed KKT solution
 # gets one step of iterative refinement.
@@ -87,6 +86,17 @@ cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
     return s if s > 1.0 else 1.0
 
 
+cdef inline unsigned long long _hash_structure(const int* s, Py_ssize_t k) noexcept nogil:
+    """64-bit hash of a compact structure (FNV-1a over its ints, splitmix finish)."""
+    cdef unsigned long long h = 14695981039346656037ULL
+    cdef Py_ssize_t j
+    for j in range(k):
+        h = (h ^ <unsigned int> s[j]) * 1099511628211ULL
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL
+    return h ^ (h >> 31)
+
+
 cdef object _copy_out(const double* p, Py_ssize_t n):
     out = np.empty(n)
     cdef double[::1] ov = out
@@ -132,6 +142,7 @@ cdef class _Workspace:
     cdef const double* abs_eu
     cdef const double* abs_ev
     cdef Py_ssize_t n_map
+    cdef unsigned long long hash   # order-independent hash of the support
 
     def __cinit__(self, Factor f, Py_ssize_t cap):
         self.f = f
@@ -141,6 +152,7 @@ cdef class _Workspace:
         self.cap = 0
         self.nI = 0
         self.n_map = 0
+        self.hash = 0
         self.S = NULL
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
@@ -243,6 +255,7 @@ cdef class _Workspace:
         if n == self.cap:
             self._grow(2 * self.cap)
         memcpy(self.S + n * self.k, s, self.k * sizeof(int))
+        self.hash += _hash_structure(s, self.k)
         memcpy(self.L + n * self.cap, lrow, n * sizeof(double))
         self.L[n * self.cap + n] = diag
         self.f.c_score(s, self.eta_u, self.eta_v, &th)
@@ -259,6 +272,7 @@ cdef class _Workspace:
         cdef Py_ssize_t n = self.nI, cap = self.cap, i, j
         cdef double a, b, rho, cs, sn, xa, xb
         cdef double* L = self.L
+        self.hash -= _hash_structure(self.S + r * self.k, self.k)
         for i in range(r, n - 1):
             memcpy(L + i * cap, L + (i + 1) * cap, (i + 2) * sizeof(double))
         # rows r..n-2 now have one entry right of the diagonal: rotate it away
@@ -457,8 +471,9 @@ cdef class _Workspace:
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
-    cdef Py_ssize_t it = 0, t, r, n_noop = 0, n_dup = 0, just_in = -1, since_best = 0
-    cdef double best_gap = INFINITY
+    cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0
+    cdef unsigned long long ring[RING]
+    memset(ring, 0, RING * sizeof(unsigned long long))
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
@@ -477,31 +492,27 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
             memcpy(ws.y, ws.yhat, ws.nI * sizeof(double))
             ws._gap(&gap, &scale, &obj)
             fresh_gap = True
-            if just_in >= 0:    # the structure that entered last has stayed
-                n_noop = 0
-                n_dup = 0
-            just_in = -1
-            if gap < best_gap:
-                best_gap = gap
-                since_best = 0
-            else:
-                since_best += 1
             if gap <= tol * scale:
                 status = CONVERGED
-            elif since_best >= STALL_WINDOW and since_best >= 2 * ws.nI:
-                # Longer round-off cycles: no new best gap for many MAP calls.
-                status = STALLED
-            elif ws._find(ws.snew) >= 0:
-                # In exact arithmetic MAP cannot return an active structure
-                # unless the gap is zero: refactorise once, then give up.
-                n_dup += 1
-                if n_dup >= 2:
-                    status = STALLED
-                else:
-                    ws._rebuild()
             else:
-                ws._insert(ws.snew, 0.0)
-                just_in = ws.nI - 1
+                # At a MAP call y is the relaxed optimum on the support, so the
+                # support alone fixes the state: seeing one again is a cycle, which
+                # only round-off can cause (ties at the optimum, tol below what
+                # double precision certifies). Refactorise once, then stop.
+                for t in range(RING):
+                    if ring[t] == ws.hash:
+                        n_cycle += 1
+                        if n_cycle >= 2:
+                            status = STALLED
+                        else:
+                            ws._rebuild()
+                        break
+                ring[n_ring % RING] = ws.hash
+                n_ring += 1
+                # MAP cannot return an active structure unless the gap is zero (or
+                # round-off); then nothing enters and the next call is a repeat.
+                if status == RUNNING and ws._find(ws.snew) < 0:
+                    ws._insert(ws.snew, 0.0)
         else:
             # Move towards yhat until the first weight hits zero (eq. 31) and drop
             # it. The blocking index is chosen among the negative entries of yhat,
@@ -518,16 +529,6 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 ws.y[t] = (1.0 - gamma) * ws.y[t] + gamma * ws.yhat[t]
                 if ws.y[t] < 0.0:
                     ws.y[t] = 0.0
-            if r == just_in and gamma == 0.0:
-                # The structure that just entered leaves again without any move:
-                # the next MAP call would propose it again (a round-off cycle
-                # among tied structures). Refactorise once, then give up.
-                n_noop += 1
-                if n_noop >= 2:
-                    status = STALLED
-                else:
-                    ws._rebuild()
-            just_in = -1
             ws.y[r] = 0.0
             ws._remove(r)
         it += 1

@@ -175,10 +175,9 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         ``gap <= tol * max(1, sum |eta_u * u| + sum |eta_v * v| + ||u||^2)``
         (elementwise products): absolute for scores of order one, relative for
         large ones. The active set also stops, as stalled (``converged=False``
-        unless the gap meets the tolerance), when round-off makes it cycle:
-        MAP proposes an active structure, or the structure that just entered
-        leaves again without a move, twice after a refactorisation; or no MAP
-        call has improved on the best gap for max(50, 2 |support|) calls.
+        unless the gap meets the tolerance), when round-off makes it cycle: a
+        support it has met at one of the last 64 MAP calls comes back a second
+        time after a refactorisation.
     init : SparseMAPResult or list of structures, optional
         Warm start: the active set starts from these structures with uniform
         weights (dependent or repeated ones are skipped). Active set only.
