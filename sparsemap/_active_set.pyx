@@ -43,7 +43,7 @@ cdef enum:
     RUNNING = 0
     CONVERGED = 1
     MAX_ITER = 2
-    STALLED = 3   # MAP returned an active structure twice: round-off floor
+    STALLED = 3   # the support cycled twice: round-off floor
 
 
 cdef inline double _now() noexcept nogil:
@@ -576,7 +576,8 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         Converged when ``gap <= tol * gap_scale``.
     init : (k, struct_size) intc array, optional
         Structures to start from (warm start), with uniform weights;
-        dependent and repeated ones are skipped. Default: the MAP structure.
+        repeated ones are skipped, dependent ones replace one they depend on.
+        Default: the MAP structure.
     return_history : bool
 
     Returns
@@ -650,9 +651,11 @@ def reduce_support(Factor factor, int[:, ::1] structures, double[::1] weights,
     for i in range(structures.shape[0]):
         if weights[i] > 0:
             ws._insert(&structures[i, 0], weights[i])
+    # Exact ties in the ratio tests leave round-off weights behind: drop them.
+    wmax = max(ws.y[t] for t in range(ws.nI))
     t = ws.nI - 1
     while t >= 0:
-        if ws.y[t] <= 0.0 and ws.nI > 1:
+        if ws.y[t] <= 1e-14 * wmax and ws.nI > 1:
             ws._remove(t)
         t -= 1
     out_s, out_w, L = ws._export()

@@ -109,7 +109,7 @@ class SparseMAPResult:
         -----
         Proposition 1: ``du = M_I D A_I^T d_eta`` with
         ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
-        support, from the kept Cholesky factor in O(|I| n + |I|^2).
+        support, from the kept Cholesky factor in ``O(|I| n + |I|^2)``.
         """
         du, dv = self.factor.check_scores(d_eta_u, d_eta_v, names=("d_eta_u", "d_eta_v"))
         S, L = self._backward_state()
@@ -139,9 +139,8 @@ def _check_init(factor, init):
     if init is None:
         return None
     if isinstance(init, SparseMAPResult):
-        if init.factor is not factor and repr(init.factor) != repr(factor):
-            raise ValueError("init: the result comes from a different factor")
-        return init._S
+        # Any valid structures make a correct warm start; validate them for this factor.
+        init = init.structures
     try:
         seq = list(init)
     except TypeError:
@@ -180,7 +179,9 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         time after a refactorisation.
     init : SparseMAPResult or list of structures, optional
         Warm start: the active set starts from these structures with uniform
-        weights (dependent or repeated ones are skipped). Active set only.
+        weights; repeated ones are skipped and one affinely dependent on those
+        before it replaces one of them (as in the solver's own insertions).
+        Any valid structures of the factor will do. Active set only.
     return_history : bool, default False
         Record objective, gap, support size and seconds at every iteration
         (this costs one extra MAP call on iterations that make none).

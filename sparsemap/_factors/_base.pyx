@@ -157,11 +157,7 @@ cdef class Factor:
 
     def check_structures(self, structures, name="structures"):
         """Validate a sequence of compact structures; return an (k, struct_size) intc array."""
-        if isinstance(structures, np.ndarray) and structures.ndim == 2 and \
-                structures.shape[1] == self.struct_size and self.struct_size > 1:
-            rows = list(structures)
-        else:
-            rows = list(structures)
+        rows = list(structures)
         out = np.empty((len(rows), self.struct_size), dtype=np.intc)
         for i, s in enumerate(rows):
             out[i] = self.check_structure(s, f"{name}[{i}]")

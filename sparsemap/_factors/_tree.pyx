@@ -58,7 +58,7 @@ cdef class TreeFactor(Factor):
       Tarjan's (1977) dense form, O(n^2) time and memory. Greedy in-arcs are
       chosen along a growing path; a cycle ``C`` is contracted by merging the
       in-arc score rows of its members (each reduced by the in-arc that member
-      gives up) into one row, O(n |C|), the columns staying indexed by the
+      gives up) into one row, ``O(n |C|)``, the columns staying indexed by the
       head word. There are fewer than n contractions with fewer than 2n
       members in all, so contracting costs O(n^2); the tree is recovered by
       expanding the contraction forest in O(n).
