@@ -275,21 +275,33 @@ cdef class Factor:
         self.c_add(&sa[0], w, &uv[0] if self.n_u else NULL, pv)
 
 
-def _as_float_array(x, name, shape):
+def _as_float_array(x, name, tuple shape):
     """Float64 C-contiguous array of the given shape, or a ValueError naming ``name``."""
     if x is None:
-        raise ValueError(f"{name}: expected an array of shape {tuple(shape)}, got None")
+        raise ValueError(f"{name}: expected an array of shape {shape}, got None")
     try:
         arr = np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: expected an array of floats of shape {tuple(shape)} ({exc})")
-    if arr.shape != tuple(shape):
+        raise ValueError(f"{name}: expected an array of floats of shape {shape} ({exc})")
+    if arr.shape != shape:
         if arr.size == 0 and int(np.prod(shape)) == 0:
             return np.zeros(shape, dtype=np.float64)
         raise ValueError(_sizes_message(name, shape, arr.shape))
-    if not np.isfinite(arr).all():
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    if not _all_finite(arr.reshape(-1)):
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
-    return np.ascontiguousarray(arr)
+    return arr
+
+
+cdef bint _all_finite(const double[::1] x) noexcept:
+    # x - x is 0 for finite x and nan for nan or +-inf; one pass, no temporary.
+    cdef Py_ssize_t i
+    cdef double acc = 0.0
+    with nogil:
+        for i in range(x.shape[0]):
+            acc += x[i] - x[i]
+    return acc == 0.0
 
 
 def _as_out_array(x, name, shape):
