@@ -19,7 +19,7 @@ Python objects and runs without the GIL; the workspace grows geometrically.
 """
 import numpy as np
 
-from libc.math cimport sqrt, hypot, INFINITY
+from libc.math cimport fabs, sqrt, hypot, INFINITY
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -138,9 +138,8 @@ cdef class _Workspace:
     cdef char* work
     cdef const double* eta_u
     cdef const double* eta_v
-    cdef object abs_eta        # (|eta_u|, |eta_v|) arrays, kept alive here
-    cdef const double* abs_eu
-    cdef const double* abs_ev
+    cdef double* abs_eu        # |eta_u|, |eta_v| (n_u + n_v doubles, one block)
+    cdef double* abs_ev
     cdef Py_ssize_t n_map
     cdef unsigned long long hash   # order-independent hash of the support
 
@@ -158,27 +157,30 @@ cdef class _Workspace:
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
+        self.abs_eu = <double*> malloc((self.n_u + self.n_v + 1) * sizeof(double))
+        self.abs_ev = (self.abs_eu + self.n_u) if self.n_v else NULL
         self.snew = <int*> malloc(self.k * sizeof(int))
         # 16-byte aligned scratch for c_map
         self.work = <char*> malloc(f.work_bytes + 16)
         if (self.u == NULL or self.adj == NULL or self.v == NULL or self.snew == NULL
-                or self.work == NULL):
+                or self.work == NULL or self.abs_eu == NULL):
             raise MemoryError()
         self._grow(cap if cap > 4 else 4)
 
     def __dealloc__(self):
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
-        free(self.snew); free(self.work)
+        free(self.snew); free(self.work); free(self.abs_eu)
 
-    cdef int _set_scores(self, double[::1] eta_u, double[::1] eta_v) except -1:
-        cdef double[::1] au = np.abs(eta_u)
-        cdef double[::1] av = np.abs(eta_v) if self.n_v else np.zeros(1)
-        self.abs_eta = (au, av)
+    cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1:
+        """Point at the scores (the caller keeps them alive) and fill |eta|."""
+        cdef Py_ssize_t j
         self.eta_u = &eta_u[0] if self.n_u else NULL
         self.eta_v = &eta_v[0] if self.n_v else NULL
-        self.abs_eu = &au[0] if self.n_u else NULL
-        self.abs_ev = &av[0] if self.n_v else NULL
+        for j in range(self.n_u):
+            self.abs_eu[j] = fabs(eta_u[j])
+        for j in range(self.n_v):
+            self.abs_ev[j] = fabs(eta_v[j])
         return 0
 
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:

@@ -1,4 +1,5 @@
 """``solve``: the single entry point to every SparseMAP solver, and its result type."""
+import math
 import numbers
 import warnings
 
@@ -202,9 +203,17 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER[method]
-    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
+    if type(max_iter) is not int:
+        if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
+            raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
+        max_iter = int(max_iter)
+    if max_iter < 1:
         raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
-    if not isinstance(tol, numbers.Real) or not np.isfinite(tol) or tol < 0:
+    if type(tol) is not float:
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+            raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
+        tol = float(tol)
+    if not math.isfinite(tol) or tol < 0:
         raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
     eu, ev = factor.check_scores(eta_u, eta_v)
     S0 = _check_init(factor, init)
