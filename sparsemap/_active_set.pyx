@@ -130,7 +130,6 @@ cdef class _Workspace:
     cdef double* w1            # L^{-1} theta, kept up to date with L
     cdef double* w2            # L^{-1} 1
     cdef double theta0
-    cdef double tau
     cdef double* u
     cdef double* v
     cdef double* adj           # eta_u - u
@@ -227,7 +226,7 @@ cdef class _Workspace:
             dtrsv(b"U", b"N", b"N", &n, self.L, &lda, x, &inc)
 
     cdef void _relaxed_kkt(self) noexcept nogil:
-        """Solve eq. 12 on the active set: yhat and tau, with one triangular solve.
+        """Solve eq. 12 on the active set for yhat, with one triangular solve.
 
         With w1 = L^{-1} theta and w2 = L^{-1} 1 kept up to date,
         tau' = (1^T G^{-1} theta - 1) / 1^T G^{-1} 1 = (w2.w1 - 1) / w2.w2 and
@@ -238,7 +237,6 @@ cdef class _Workspace:
         for t in range(n):
             self.yhat[t] = self.w1[t] - taup * self.w2[t]
         self._solve_upper(self.yhat)
-        self.tau = taup + self.c + self.theta0
 
     # -- support bookkeeping -------------------------------------------------------
     cdef Py_ssize_t _find(self, const int* s) noexcept nogil:
