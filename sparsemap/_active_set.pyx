@@ -471,26 +471,41 @@ cdef class _Workspace:
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
-    cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0
+    cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0, n_nan = 0
+    cdef double last_gap = INFINITY, last_scale = 1.0   # of the last MAP call
     cdef unsigned long long ring[RING]
     memset(ring, 0, RING * sizeof(unsigned long long))
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
-    cdef bint fresh_gap
+    cdef bint fresh_gap, has_nan
     while True:
         # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
         ws._relaxed_kkt()
-        if gap <= REFINE_BELOW * scale:
+        if last_gap <= REFINE_BELOW * last_scale:
             ws._refine()
         ymin = INFINITY
+        has_nan = False
         for t in range(ws.nI):
             if ws.yhat[t] < ymin:
                 ymin = ws.yhat[t]
+            elif ws.yhat[t] != ws.yhat[t]:
+                has_nan = True
+        if has_nan:
+            # A breakdown of the factorisation (never seen; a guard against nan):
+            # refactorise once, then stop with the last feasible iterate.
+            n_nan += 1
+            if n_nan >= 2:
+                status = STALLED
+                break
+            ws._rebuild()
+            continue
         fresh_gap = False
         if ymin >= 0.0:
             memcpy(ws.y, ws.yhat, ws.nI * sizeof(double))
             ws._gap(&gap, &scale, &obj)
+            last_gap = gap
+            last_scale = scale
             fresh_gap = True
             if gap <= tol * scale:
                 status = CONVERGED
