@@ -76,8 +76,8 @@ cdef class MatchingFactor(Factor):
         self.n_cols = nc
         k, K = min(nr, nc), max(nr, nc)
         # work (see c_map): doubles u[k], v[K], dist[K]; ints path[K], col4row[k],
-        # row4col[K], remaining[K]; flags seen_row[k], seen_col[K]
-        work = 8 * (k + 2 * K) + 4 * (k + 3 * K) + (k + K) + 16
+        # row4col[K], remaining[K]
+        work = 8 * (k + 2 * K) + 4 * (k + 3 * K) + 16
         self._set_shapes((nr, nc), (0,), nr, work)
 
     def _init_args(self):
@@ -119,13 +119,13 @@ cdef class MatchingFactor(Factor):
         cdef int* path = <int*> (dist + K)       # predecessor row of each column
         cdef int* col4row = path + K
         cdef int* row4col = col4row + k
-        cdef int* remaining = row4col + K        # columns not yet reached
-        cdef unsigned char* seen_row = <unsigned char*> (remaining + K)
-        cdef unsigned char* seen_col = seen_row + k
+        # remaining[:n_rem]: columns not yet reached; remaining[n_rem:]: the
+        # columns reached so far in this search (their rows, row4col, too)
+        cdef int* remaining = row4col + K
 
         cdef Py_ssize_t i, j, it, idx, n_rem, cur, sink, tmp, e
         cdef const double* row
-        cdef double r, d, h, lowest, min_val, maxabs, neg
+        cdef double d, h, lowest, min_val, maxabs, neg
         cdef int expo
 
         # Dual values and path lengths are sums of O(k + K) scores; scale huge
@@ -156,15 +156,11 @@ cdef class MatchingFactor(Factor):
             for j in range(K):
                 remaining[j] = <int> (K - 1 - j)
                 dist[j] = INFINITY
-                seen_col[j] = 0
-            for i in range(k):
-                seen_row[i] = 0
             min_val = 0.0
             n_rem = K
             sink = -1
             i = cur
             while sink < 0:
-                seen_row[i] = 1
                 row = eta_u + i * rs
                 h = min_val - u[i]
                 # the stride is a literal in the common (wide or square) case
@@ -185,18 +181,20 @@ cdef class MatchingFactor(Factor):
                     sink = j
                 else:
                     i = row4col[j]
-                seen_col[j] = 1
                 n_rem -= 1
                 remaining[idx] = remaining[n_rem]
+                remaining[n_rem] = <int> j
 
-            # Dual update keeps reduced costs >= 0 and zero on the matching.
+            # Dual update keeps reduced costs >= 0 and zero on the matching. The
+            # rows reached besides cur are those matched to reached columns.
             u[cur] += min_val
-            for i in range(k):
-                if seen_row[i] and i != cur:
-                    u[i] += min_val - dist[col4row[i]]
-            for j in range(K):
-                if seen_col[j]:
-                    v[j] -= min_val - dist[j]
+            for it in range(n_rem, K):
+                j = remaining[it]
+                d = min_val - dist[j]
+                v[j] -= d
+                i = row4col[j]
+                if i >= 0:
+                    u[i] += d
 
             # Augment along the path back to row cur.
             j = sink
