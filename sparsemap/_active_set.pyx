@@ -38,12 +38,14 @@ cdef enum:
 # gets one step of iterative refinement.
 cdef double REFINE_BELOW = 1e-6
 
-# Termination codes.
+# Termination codes, shared with the conditional-gradient solvers and solve().
 cdef enum:
     RUNNING = 0
     CONVERGED = 1
     MAX_ITER = 2
-    STALLED = 3   # the support cycled twice: round-off floor
+    STALLED = 3   # no further progress possible in double precision
+
+STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED = CONVERGED, MAX_ITER, STALLED
 
 
 cdef inline double _now() noexcept nogil:
@@ -309,10 +311,7 @@ cdef class _Workspace:
         self.nI = n - 1
 
     cdef int _insert(self, const int* s, double w) except -1 nogil:
-        """Add s with weight w; handle affine dependence (u is kept fixed).
-
-        Returns 1 if s entered directly, 2 if it replaced a dependent structure.
-        """
+        """Add s with weight w; handle affine dependence (u is kept fixed)."""
         cdef Py_ssize_t t, n, r, tries
         cdef double g, d, delta, alpha, ratio
         cdef double* l
@@ -330,7 +329,7 @@ cdef class _Workspace:
             delta = d - _dot(l, l, n)
             if delta > DEP_TOL * d:
                 self._append(s, l, sqrt(delta), w)
-                return 1 if tries == 0 else 2
+                return 0
             # [m_s; sqrt c] = sum_t z_t [m_t; sqrt c], with z = L^{-T} l and sum z = 1.
             self._solve_upper(l)
             r = -1
@@ -446,10 +445,36 @@ cdef class _Workspace:
         obj[0] = 0.5 * usq - lin
         return 0
 
-    cdef int _objective(self, double* obj) except -1 nogil:
-        self._compute_u(self.y, False)
-        obj[0] = 0.5 * _dot(self.u, self.u, self.n_u) - self._linear()
+    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1:
+        """Insert the rows of S in turn (repeats skipped), as one solve's first support.
+
+        The shift c and the score offset theta0 come from the first structure.
+        With weights == NULL every structure starts at weight 0 and the support
+        is then given uniform weights (a warm start); otherwise the given
+        weights are kept, moved along null directions where a structure is
+        dependent (a support reduction that keeps u).
+        """
+        cdef Py_ssize_t i
+        cdef double g0
+        self.f.c_overlap(&S[0, 0], &S[0, 0], &g0)
+        # a shift of the order of the Gram entries keeps G_c well conditioned
+        self.c = g0 if g0 > 1.0 else 1.0
+        self.f.c_score(&S[0, 0], self.eta_u, self.eta_v, &self.theta0)
+        for i in range(S.shape[0]):
+            if self._find(&S[i, 0]) < 0 and (weights == NULL or weights[i] > 0):
+                self._insert(&S[i, 0], 0.0 if weights == NULL else weights[i])
+        if weights == NULL:
+            for i in range(self.nI):
+                self.y[i] = 1.0 / self.nI
         return 0
+
+    cdef void _drop_below(self, double threshold) noexcept nogil:
+        """Remove structures whose weight is at most threshold (keeping one)."""
+        cdef Py_ssize_t t = self.nI - 1
+        while t >= 0 and self.nI > 1:
+            if self.y[t] <= threshold:
+                self._remove(t)
+            t -= 1
 
     cdef object _export(self):
         """Support, weights and Cholesky factor as NumPy arrays."""
@@ -559,19 +584,14 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
         if it >= max_iter:
             status = MAX_ITER
             break
-    # Zero weights are not part of the support (their Jacobian rows vanish).
-    t = ws.nI - 1
-    while t >= 0:
-        if ws.y[t] <= 0.0 and ws.nI > 1:
-            ws._remove(t)
-        t -= 1
+    # Zero weights are not part of the support (their Jacobian rows vanish);
+    # dropping them changes neither u nor the objective.
+    ws._drop_below(0.0)
     if status != CONVERGED:
         # the reported gap is always that of the returned iterate
         ws._gap(&gap, &scale, &obj)
         if gap <= tol * scale:
             status = CONVERGED
-    else:
-        ws._objective(&obj)
     n_iter_out[0] = it
     gap_out[0] = gap
     obj_out[0] = obj
@@ -597,13 +617,13 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
 
     Returns
     -------
-    dict with keys structures, weights, u, v, L, c, n_iter, status, gap,
+    dict with keys structures, weights, u, v, L, n_iter, status, gap,
     objective, n_map, history (or None).
     """
     cdef _Workspace ws = _Workspace(factor, 16)
     cdef int[:, ::1] init_mv
-    cdef Py_ssize_t i, n_init, n_iter = 0
-    cdef double gap = 0, obj = 0, g0, w
+    cdef Py_ssize_t n_iter = 0
+    cdef double gap = 0, obj = 0
     cdef int status
     cdef double[::1] hist_mv
     cdef double* hist = NULL
@@ -616,17 +636,7 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         memcpy(&init_mv[0, 0], ws.snew, ws.k * sizeof(int))
     else:
         init_mv = init
-    n_init = init_mv.shape[0]
-    factor.c_overlap(&init_mv[0, 0], &init_mv[0, 0], &g0)
-    # A shift of the order of the Gram entries keeps G_c well conditioned.
-    ws.c = g0 if g0 > 1.0 else 1.0
-    factor.c_score(&init_mv[0, 0], ws.eta_u, ws.eta_v, &ws.theta0)
-    for i in range(n_init):
-        if ws._find(&init_mv[i, 0]) < 0:
-            ws._insert(&init_mv[i, 0], 0.0)
-    w = 1.0 / ws.nI
-    for i in range(ws.nI):
-        ws.y[i] = w
+    ws._start(init_mv, NULL)
     if return_history:
         hist_mv = np.zeros(4 * max(max_iter, 1) + 4)
         hist = &hist_mv[0]
@@ -634,47 +644,38 @@ def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t m
         status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     ws._compute_u(ws.y, True)
     structures, weights, L = ws._export()
-    u = _copy_out(ws.u, ws.n_u)
-    v = _copy_out(ws.v, ws.n_v)
     history = None
     if return_history:
         history = np.asarray(hist_mv)[:4 * n_iter].reshape(n_iter, 4).copy()
-    return dict(structures=structures, weights=weights, u=u, v=v, L=L, c=ws.c,
-                n_iter=n_iter, status=status, gap=gap, objective=obj, n_map=ws.n_map,
-                history=history)
+    return dict(structures=structures, weights=weights, u=_copy_out(ws.u, ws.n_u),
+                v=_copy_out(ws.v, ws.n_v), L=L, n_iter=n_iter, status=status, gap=gap,
+                objective=obj, n_map=ws.n_map, history=history)
 
 
-def reduce_support(Factor factor, int[:, ::1] structures, double[::1] weights,
-                   double[::1] eta_u, double[::1] eta_v):
+def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
+                   const double[::1] eta_u, const double[::1] eta_v):
     """Affinely independent support with the same ``u``, and its Cholesky factor.
 
     Used for the backward pass of solvers (conditional gradient) whose final
-    support may be affinely dependent. Structures are inserted one at a time;
-    a dependent one shifts weight along the null direction (Caratheodory).
+    support may be affinely dependent. Structures are inserted one at a time
+    with their weights; a dependent one shifts weight along the null direction
+    (Caratheodory), exactly as when the active set meets one.
 
     Returns
     -------
-    structures, weights, L, c
+    structures, weights, L
     """
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
-    cdef Py_ssize_t i
-    cdef double g0
+    cdef Py_ssize_t t
+    cdef double wmax = 0.0
     ws._set_scores(eta_u, eta_v)
-    factor.c_overlap(&structures[0, 0], &structures[0, 0], &g0)
-    ws.c = g0 if g0 > 1.0 else 1.0
-    ws.theta0 = 0.0
-    for i in range(structures.shape[0]):
-        if weights[i] > 0:
-            ws._insert(&structures[i, 0], weights[i])
-    # Exact ties in the ratio tests leave round-off weights behind: drop them.
-    wmax = max(ws.y[t] for t in range(ws.nI))
-    t = ws.nI - 1
-    while t >= 0:
-        if ws.y[t] <= 1e-14 * wmax and ws.nI > 1:
-            ws._remove(t)
-        t -= 1
-    out_s, out_w, L = ws._export()
-    return out_s, out_w / out_w.sum(), L, ws.c
+    ws._start(structures, &weights[0])
+    # exact ties in the ratio tests leave round-off weights behind
+    for t in range(ws.nI):
+        wmax = max(wmax, ws.y[t])
+    ws._drop_below(1e-14 * wmax)
+    S, y, L = ws._export()
+    return S, y / y.sum(), L
 
 
 cdef void _jacobian_transform(double[:, ::1] L, double* x, double* ones) noexcept nogil:
@@ -693,39 +694,39 @@ cdef void _jacobian_transform(double[:, ::1] L, double* x, double* ones) noexcep
         x[t] -= a * ones[t]
 
 
-def jvp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] d_eta_u,
-        double[::1] d_eta_v):
+cdef object _jacobian_product(Factor factor, const int[:, ::1] S, double[:, ::1] L,
+                              const double[::1] in_u, const double* in_v, bint out_v):
+    """``A_I D M_I^T`` or ``M_I D A_I^T`` applied to a vector, D of Prop. 1.
+
+    x_t = a_t . [in_u; in_v] (in_v NULL: only the m_t part), x <- D x, and the
+    output accumulates sum_t x_t m_t (plus sum_t x_t n_t when out_v).
+    """
+    cdef Py_ssize_t n = S.shape[0], t
+    cdef double[::1] x = np.empty(n), ones = np.empty(n)
+    ou = np.zeros(factor.n_u)
+    ov = np.zeros(factor.n_v)
+    cdef double[::1] ou_mv = ou
+    cdef double[::1] ov_mv = ov
+    cdef double* pv = &ov_mv[0] if (out_v and factor.n_v) else NULL
+    with nogil:
+        for t in range(n):
+            factor.c_score(&S[t, 0], &in_u[0], in_v, &x[t])
+        _jacobian_transform(L, &x[0], &ones[0])
+        for t in range(n):
+            factor.c_add(&S[t, 0], x[t], &ou_mv[0], pv)
+    return ou, ov
+
+
+def jvp(Factor factor, const int[:, ::1] structures, double[:, ::1] L,
+        const double[::1] d_eta_u, const double[::1] d_eta_v):
     """Jacobian-vector product ``du = M_I D A_I^T d_eta`` in O(|I| n + |I|^2)."""
-    cdef Py_ssize_t n = structures.shape[0], t
-    cdef double[::1] x = np.empty(n), ones = np.empty(n)
-    du = np.zeros(factor.n_u)
-    cdef double[::1] du_mv = du
-    cdef const double* pv = &d_eta_v[0] if factor.n_v else NULL
-    with nogil:
-        for t in range(n):
-            factor.c_score(&structures[t, 0], &d_eta_u[0], pv, &x[t])
-        _jacobian_transform(L, &x[0], &ones[0])
-        for t in range(n):
-            factor.c_add(&structures[t, 0], x[t], &du_mv[0], NULL)
-    return du
+    return _jacobian_product(factor, structures, L, d_eta_u,
+                             &d_eta_v[0] if factor.n_v else NULL, False)[0]
 
 
-def vjp(Factor factor, int[:, ::1] structures, double[:, ::1] L, double[::1] g_u):
+def vjp(Factor factor, const int[:, ::1] structures, double[:, ::1] L, const double[::1] g_u):
     """Vector-Jacobian product ``(g_eta_u, g_eta_v) = A_I D M_I^T g_u``."""
-    cdef Py_ssize_t n = structures.shape[0], t
-    cdef double[::1] x = np.empty(n), ones = np.empty(n)
-    gu = np.zeros(factor.n_u)
-    gv = np.zeros(factor.n_v)
-    cdef double[::1] gu_mv = gu
-    cdef double[::1] gv_mv = gv
-    cdef double* pv = &gv_mv[0] if factor.n_v else NULL
-    with nogil:
-        for t in range(n):
-            factor.c_score(&structures[t, 0], &g_u[0], NULL, &x[t])
-        _jacobian_transform(L, &x[0], &ones[0])
-        for t in range(n):
-            factor.c_add(&structures[t, 0], x[t], &gu_mv[0], pv)
-    return gu, gv
+    return _jacobian_product(factor, structures, L, g_u, NULL, True)
 
 
 def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ssize_t repeats):

@@ -26,12 +26,9 @@ import time
 
 import numpy as np
 
-from sparsemap._active_set import gap_scale
+from sparsemap._active_set import STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED, gap_scale
 
 VARIANTS = ("cg", "away_cg", "pairwise_cg", "bpcg")
-
-# Termination codes, as in the active set.
-_RUNNING, _CONVERGED, _MAX_ITER, _STALLED = 0, 1, 2, 3
 
 
 class _ActiveSet:
@@ -129,7 +126,7 @@ class _Vertex:
     __slots__ = ("s", "m", "n", "score", "score_x", "gap", "scale", "g_u")
 
 
-def _fw_vertex(factor, active, eta_u, eta_v, u, v):
+def _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v):
     """Linear minimisation oracle: MAP at the adjusted scores ``eta_u - u``.
 
     Returns the vertex, its linearised score, that of the iterate, and the
@@ -144,7 +141,7 @@ def _fw_vertex(factor, active, eta_u, eta_v, u, v):
     fw.score = float(fw.g_u @ fw.m + eta_v @ fw.n)
     fw.score_x = eu - usq + ev
     fw.gap = fw.score - fw.score_x
-    fw.scale = gap_scale(float(np.abs(eta_u) @ np.abs(u) + np.abs(eta_v) @ np.abs(v)), usq)
+    fw.scale = gap_scale(float(abs_eta_u @ np.abs(u) + abs_eta_v @ np.abs(v)), usq)
     return fw
 
 
@@ -278,9 +275,10 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     dict
         Keys as returned by :func:`sparsemap._active_set.active_set`:
         ``structures`` ((k, struct_size) intc), ``weights`` (> 0, sum 1), ``u``,
-        ``v`` (flat), ``L`` and ``c`` (None: the result factorises the support
-        itself for the backward pass), ``n_iter``, ``status`` (1 converged,
-        2 iteration limit, 3 stalled: a step could not move the iterate),
+        ``v`` (flat), ``L`` (None: the result factorises the support itself for
+        the backward pass), ``n_iter``, ``status`` (``STATUS_CONVERGED``,
+        ``STATUS_MAX_ITER``, or ``STATUS_STALLED`` when a step could not move
+        the iterate),
         ``gap`` (of the returned point), ``objective``, ``n_map`` and
         ``history`` (None or an ``(n_iter, 4)`` array of objective, gap,
         support size and seconds since the start; row ``i`` is the state after
@@ -300,21 +298,22 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     t0 = time.perf_counter()
     eta_u = np.asarray(eta_u, dtype=np.float64)
     eta_v = np.asarray(eta_v, dtype=np.float64)
+    abs_eta_u, abs_eta_v = np.abs(eta_u), np.abs(eta_v)
     active = _ActiveSet(factor)
     active.add(factor._map_flat(eta_u, eta_v), 1.0)
     n_map = 1
     hist = np.zeros((max_iter + 1, 4)) if return_history else None
     it = 0
-    status = _RUNNING
+    status = None
     moved = True
     u, v = active.uv()
     while True:
-        fw = _fw_vertex(factor, active, eta_u, eta_v, u, v)
+        fw = _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v)
         n_map += 1
         if hist is not None and it > 0:
             hist[it - 1, 1] = fw.gap
         if fw.gap <= tol * fw.scale:
-            status = _CONVERGED
+            status = STATUS_CONVERGED
             if it < max_iter:      # the check is an iteration of its own, as in the active set
                 it += 1
                 if hist is not None:
@@ -322,11 +321,11 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
                                     time.perf_counter() - t0)
             break
         if it >= max_iter:
-            status = _MAX_ITER
+            status = STATUS_MAX_ITER
             break
         if not moved:
             # round-off floor: the last step could not move, neither will the next
-            status = _STALLED
+            status = STATUS_STALLED
             break
         moved = step(active, fw, u, v, eta_v) > 0.0
         active.clean()
@@ -337,7 +336,7 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
                             time.perf_counter() - t0)
     k = active.size
     return dict(structures=active.S[:k].copy(), weights=active.y[:k].copy(), u=u, v=v,
-                L=None, c=None, n_iter=it, status=status, gap=fw.gap,
+                L=None, n_iter=it, status=status, gap=fw.gap,
                 objective=_objective(eta_u, eta_v, u, v), n_map=n_map,
                 history=None if hist is None else hist[:it].copy())
 

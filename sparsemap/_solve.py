@@ -6,15 +6,19 @@ import warnings
 import numpy as np
 
 from sparsemap import _active_set
-from sparsemap._factors._base import Factor
+from sparsemap._active_set import STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED
+from sparsemap._factors._base import Factor, _as_float_array
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 DEFAULT_TOL = 1e-12
-DEFAULT_MAX_ITER = {"active_set": 10_000, "cg": 10_000, "away_cg": 10_000, "pairwise_cg": 10_000,
-                    "bpcg": 10_000}
+DEFAULT_MAX_ITER = 10_000
 
-_STATUS = {1: "converged", 2: "maximum number of iterations reached",
-           3: "stalled: no further progress in double precision (round-off floor or degenerate cycling)"}
+_MESSAGES = {
+    STATUS_CONVERGED: "converged",
+    STATUS_MAX_ITER: "maximum number of iterations reached",
+    STATUS_STALLED: "stalled: no further progress in double precision "
+                    "(round-off floor or degenerate cycling)",
+}
 
 
 class ConvergenceWarning(UserWarning):
@@ -62,15 +66,17 @@ class SparseMAPResult:
         self.v = np.asarray(raw["v"]).reshape(factor.shape_v)
         self.n_iter = int(raw["n_iter"])
         self.n_map = int(raw["n_map"])
-        self.converged = bool(raw["status"] == 1)
+        self.converged = raw["status"] == STATUS_CONVERGED
         self.gap = float(raw["gap"])
         self.objective = float(raw["objective"])
-        self.message = _STATUS.get(raw["status"], str(raw["status"]))
+        self.message = _MESSAGES[raw["status"]]
         h = raw.get("history")
         self.history = None if h is None else {
             "objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
             "support_size": h[:, 2].astype(int), "seconds": h[:, 3].copy()}
-        self._L = raw.get("L")
+        # The support and Cholesky factor the backward pass uses; a solver that
+        # returns no factor (CG) gets a reduced support on first use.
+        self._backward = None if raw["L"] is None else (self._S, raw["L"])
         self._eta = (eta_u, eta_v)
 
     @property
@@ -86,13 +92,11 @@ class SparseMAPResult:
                 f"gap={self.gap:.3g}, objective={self.objective:.10g})")
 
     def _backward_state(self):
-        if self._L is None:
-            # Solvers other than the active set may end on an affinely dependent
-            # support: reduce it (same u) and factorise once.
-            S, w, L, _ = _active_set.reduce_support(self.factor, self._S, self.weights,
-                                                    *self._eta)
-            self._S_bw, self._L = S, L
-        return getattr(self, "_S_bw", self._S), self._L
+        if self._backward is None:
+            # CG may end on an affinely dependent support: reduce it (same u).
+            S, _, L = _active_set.reduce_support(self.factor, self._S, self.weights, *self._eta)
+            self._backward = (S, L)
+        return self._backward
 
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.
@@ -129,7 +133,6 @@ class SparseMAPResult:
         g_eta_u : ndarray, shape ``factor.shape_u``
         g_eta_v : ndarray, shape ``factor.shape_v``
         """
-        from sparsemap._factors._base import _as_float_array
         g = _as_float_array(du, "du", self.factor.shape_u).reshape(-1)
         S, L = self._backward_state()
         gu, gv = _active_set.vjp(self.factor, S, L, g)
@@ -202,7 +205,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if max_iter is None:
-        max_iter = DEFAULT_MAX_ITER[method]
+        max_iter = DEFAULT_MAX_ITER
     if type(max_iter) is not int:
         if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
             raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
