@@ -32,8 +32,7 @@ import numpy as np
 import sparsemap as sm
 from sparsemap._solve import METHODS
 
-# the blended pairwise variant is shown once solve() knows it
-SOLVERS = [m for m in ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg") if m in METHODS]
+SOLVERS = METHODS
 LABELS = {"active_set": "active set", "cg": "CG", "away_cg": "away-step CG",
           "pairwise_cg": "pairwise CG", "bpcg": "blended pairwise CG"}
 COLORS = {"active_set": "#1f3b99", "cg": "#d62728", "away_cg": "#ff7f0e",

@@ -113,9 +113,8 @@ def _setup(factor, eta_u, eta_v, target):
 
 
 def _map_columns(factor, eu, ev):
-    """Flat dense column ``(m_s, n_s)`` of the MAP structure for flat scores."""
-    s = factor.map(eu.reshape(factor.shape_u), ev.reshape(factor.shape_v))
-    m, n = factor.vertex(s)
+    """Flat dense column ``(m_s, n_s)`` of the MAP structure for validated flat scores."""
+    m, n = factor.vertex(factor._map_flat(eu, ev))
     return m.reshape(-1), n.reshape(-1)
 
 
@@ -362,9 +361,9 @@ def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwa
     if shared:
         gus = np.stack(gus).reshape((B,) + factor.shape_u)
         gvs = np.stack(gvs).reshape((B,) + factor.shape_v)
-    value = {"mean": lambda: float(losses.mean()), "sum": lambda: float(losses.sum()),
-             "none": lambda: losses}[reduction]()
-    return value, gus, gvs
+    if reduction == "none":
+        return losses, gus, gvs
+    return float(losses.mean() if reduction == "mean" else losses.sum()), gus, gvs
 
 
 def _as_list(x, name, B):

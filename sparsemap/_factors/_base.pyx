@@ -265,12 +265,9 @@ cdef class Factor:
         cdef int[::1] sa = self.check_structure(s)
         cdef double[::1] uv = _as_out_array(u, "u", self.shape_u)
         cdef double[::1] vv
-        cdef double* pv = NULL
+        cdef double* pv = NULL    # c_add skips n_s when v is NULL
         if v is not None and self.n_v:
             vv = _as_out_array(v, "v", self.shape_v)
-            pv = &vv[0]
-        if v is None and self.n_v:
-            vv = np.zeros(self.n_v)
             pv = &vv[0]
         self.c_add(&sa[0], w, &uv[0] if self.n_u else NULL, pv)
 
