@@ -77,7 +77,7 @@ class SparseMAPResult:
         # The support and Cholesky factor the backward pass uses; a solver that
         # returns no factor (CG) gets a reduced support on first use.
         self._backward = None if raw["L"] is None else (self._S, raw["L"])
-        self._eta = (eta_u, eta_v)
+        self._eta = (eta_u, eta_v) if self._backward is None else None  # for the reduction
 
     @property
     def structures(self):
