@@ -1,0 +1,159 @@
+"""Independent references shared by the tests: closed forms, a NumPy Viterbi, a SciPy QP.
+
+Nothing here imports sparsemap. Each function is a textbook formula or algorithm
+written separately from the package, so a test comparing against it compares the
+package with something that cannot share its bugs.
+"""
+import numpy as np
+from scipy.optimize import minimize, nnls
+
+
+def sparsemax(z):
+    """Euclidean projection onto the simplex (Martins & Astudillo, 2016), by sorting."""
+    z = np.asarray(z, dtype=float)
+    zs = np.sort(z)[::-1]
+    cs = np.cumsum(zs)
+    k = np.arange(1, z.size + 1)
+    kz = k[1 + k * zs > cs][-1]
+    return np.maximum(z - (cs[kz - 1] - 1) / kz, 0.0)
+
+
+def sparsemax_jacobian(z):
+    """diag(s) - s s^T / |S|, s the indicator of the support."""
+    s = (sparsemax(z) > 0).astype(float)
+    return np.diag(s) - np.outer(s, s) / s.sum()
+
+
+def pairwise_closed_form(c1, c2, c12):
+    """SparseMAP of two binary variables with a pairwise score (cf. Martins' thesis, Prop. 6.5).
+
+    Structures (z1, z2) in {0, 1}^2 with m_s = (z1, z2) and n_s = z1 z2, so the
+    QP over the marginal polytope {(u1, u2, v): max(0, u1 + u2 - 1) <= v <= min(u1, u2)}
+    is
+
+        max  c1 u1 + c2 u2 + c12 v - (u1^2 + u2^2) / 2.
+
+    For fixed (u1, u2) the objective is linear in v, so v sits at an end of its range:
+    v = min(u1, u2) if c12 >= 0, v = max(0, u1 + u2 - 1) if c12 < 0. What is left is
+    a concave function of (u1, u2) on [0, 1]^2, piecewise quadratic across one line.
+
+    c12 >= 0: maximise c1 u1 + c2 u2 + c12 min(u1, u2) - ...
+      * on u1 >= u2 it is c1 u1 + (c2 + c12) u2 - ..., maximised over the box at
+        (clip(c1), clip(c2 + c12)); this lies in u1 >= u2 iff c1 >= c2 + c12 (clip is
+        monotone), and then, by concavity, it is the global maximum;
+      * symmetrically (clip(c1 + c12), clip(c2)) if c2 >= c1 + c12;
+      * otherwise |c1 - c2| < c12 and the maximum is on the line u1 = u2 = w, where
+        the objective is (c1 + c2 + c12) w - w^2: w = clip((c1 + c2 + c12) / 2).
+    c12 < 0: maximise c1 u1 + c2 u2 + c12 max(0, u1 + u2 - 1) - ...
+      * on u1 + u2 <= 1 the objective separates: (clip(c1), clip(c2)), valid iff the
+        sum is <= 1;
+      * on u1 + u2 >= 1 it is (c1 + c12) u1 + (c2 + c12) u2 - ...:
+        (clip(c1 + c12), clip(c2 + c12)), valid iff the sum is >= 1;
+      * otherwise the maximum is on the line u1 + u2 = 1, u1 = w:
+        c1 w + c2 (1 - w) - (w^2 + (1 - w)^2) / 2 has derivative c1 - c2 + 1 - 2 w,
+        so w = clip((c1 - c2 + 1) / 2).
+    Returns (u1, u2, v) (v is not unique when c12 == 0; min(u1, u2) is returned).
+    """
+    clip = lambda x: min(max(x, 0.0), 1.0)  # noqa: E731
+    if c12 >= 0:
+        if c1 >= c2 + c12:
+            u1, u2 = clip(c1), clip(c2 + c12)
+        elif c2 >= c1 + c12:
+            u1, u2 = clip(c1 + c12), clip(c2)
+        else:
+            u1 = u2 = clip((c1 + c2 + c12) / 2)
+        return u1, u2, min(u1, u2)
+    if clip(c1) + clip(c2) <= 1:
+        u1, u2 = clip(c1), clip(c2)
+    elif clip(c1 + c12) + clip(c2 + c12) >= 1:
+        u1, u2 = clip(c1 + c12), clip(c2 + c12)
+    else:
+        u1 = clip((c1 - c2 + 1) / 2)
+        u2 = 1 - u1
+    return u1, u2, max(0.0, u1 + u2 - 1)
+
+
+#: (z1, z2) of the structures 00, 01, 10, 11 of the pairwise factor, and z1 z2.
+PAIRWISE_M = np.array([[0, 0, 1, 1], [0, 1, 0, 1]], float)
+PAIRWISE_N = np.array([[0, 0, 0, 1]], float)
+
+
+def viterbi(eta_u, eta_v):
+    """Best tag sequence and its score, by a textbook NumPy Viterbi.
+
+    eta_u (n, m), eta_v (n - 1, m, m) with eta_v[i, a, b] scoring tag a at i then b
+    at i + 1. Returns (tags, value).
+    """
+    n, m = eta_u.shape
+    delta = eta_u[0].copy()
+    back = np.zeros((n, m), dtype=int)
+    for i in range(1, n):
+        cand = delta[:, None] + eta_v[i - 1]          # (prev, cur)
+        back[i] = np.argmax(cand, axis=0)
+        delta = cand.max(axis=0) + eta_u[i]
+    tags = [int(np.argmax(delta))]
+    for i in range(n - 1, 0, -1):
+        tags.append(int(back[i, tags[-1]]))
+    return np.array(tags[::-1]), float(delta.max())
+
+
+def simplex_qp(M, theta, t=1.0):
+    """``max_{y in simplex} theta . y - t/2 ||M y||^2`` by SciPy, with a KKT certificate.
+
+    SLSQP finds the support (from the barycentre, then from the best vertex if
+    needed); a polish solves the equality-constrained KKT system on it (numpy
+    least squares, so affinely dependent columns are fine: every solution gives
+    the same ``u = M y``) and NNLS recovers weights ``y >= 0`` summing to one
+    from ``u``. The point is accepted only if it satisfies the KKT conditions
+    over *all* columns: every column with positive weight has the largest
+    adjusted score ``theta_s - t m_s . u``, up to ``1e-11 * scale``.
+
+    Parameters
+    ----------
+    M : ndarray, shape (n, D)
+        The columns ``m_s``, one per structure.
+    theta : ndarray, shape (D,)
+        The score of each structure (``eta . a_s`` plus any cost).
+    t : float
+        Weight of the quadratic term.
+
+    Returns
+    -------
+    (u, y, value, gap) or None
+        ``u = M y``, the weights, the objective value and its Wolfe gap (an
+        upper bound on ``value* - value``); None when no certified point was found.
+    """
+    M = np.asarray(M, dtype=float)
+    theta = np.asarray(theta, dtype=float)
+    D = theta.shape[0]
+    G = t * (M.T @ M)
+    scale = 1.0 + np.abs(theta).max() + np.diag(G).max()
+    tol = 1e-11 * scale
+
+    def fun(y):
+        return 0.5 * y @ G @ y - theta @ y
+
+    for y0 in (np.full(D, 1.0 / D), np.eye(D)[int(np.argmax(theta))]):
+        res = minimize(fun, y0, jac=lambda y: G @ y - theta, method="SLSQP",
+                       bounds=[(0, None)] * D,
+                       constraints=[{"type": "eq", "fun": lambda y: y.sum() - 1,
+                                     "jac": lambda y: np.ones(D)}],
+                       options={"ftol": 1e-15, "maxiter": 1000})
+        y_qp = np.clip(res.x, 0.0, None)
+        for thresh in (1e-6, 1e-9, 1e-4):
+            S = np.flatnonzero(y_qp > thresh * y_qp.max())
+            K = np.block([[G[np.ix_(S, S)], np.ones((S.size, 1))],
+                          [np.ones((1, S.size)), np.zeros((1, 1))]])
+            sol = np.linalg.lstsq(K, np.r_[theta[S], 1.0], rcond=None)[0]
+            u_S = M[:, S] @ sol[:-1]
+            big = 1e3   # weight of the sum-to-one row
+            w, _ = nnls(np.r_[M[:, S], big * np.ones((1, S.size))], np.r_[u_S, big])
+            if w.sum() <= 0:
+                continue
+            y = np.zeros(D)
+            y[S] = w / w.sum()
+            u = M @ y
+            adj = theta - t * (M.T @ u)
+            if adj.max() - adj[y > 0].min() <= tol:
+                return u, y, float(theta @ y - 0.5 * t * u @ u), float(adj.max() - adj @ y)
+    return None
