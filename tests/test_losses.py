@@ -2,7 +2,7 @@
 
 References are independent of ``sparsemap.solve`` and of the factors' columns:
 structures are enumerated and their columns built here, the QP over the simplex
-is solved with SciPy (SLSQP, with a certified Wolfe gap), Hamming costs are
+is solved with SciPy (SLSQP, certified by the KKT conditions), Hamming costs are
 counted from the compact forms, gradients are checked by finite differences.
 """
 import itertools
@@ -11,10 +11,11 @@ import zlib
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
-from scipy.optimize import minimize
 
 import sparsemap as sm
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
+
+from _reference import simplex_qp
 
 
 # -- brute force ------------------------------------------------------------------
@@ -139,19 +140,6 @@ CASE_BUILDERS = {
     "match3x2": lambda: matching_case(3, 2),
     "match2x3": lambda: matching_case(2, 3),
 }
-_NEEDS = {"tree": "TreeFactor", "match": "MatchingFactor"}
-
-
-def _case_params():
-    out = []
-    for name in CASE_BUILDERS:
-        cls = next((c for p, c in _NEEDS.items() if name.startswith(p)), None)
-        marks = [] if cls is None or hasattr(sm, cls) else \
-            [pytest.mark.skip(reason=f"sparsemap.{cls} not available yet")]
-        out.append(pytest.param(name, id=name, marks=marks))
-    return out
-
-
 _CACHE = {}
 
 
@@ -161,65 +149,15 @@ def get_case(name):
     return _CACHE[name]
 
 
-def qp_max(theta, M, t=1.0):
-    """max_{y in simplex} theta.y - t/2 ||M^T y||^2 by SLSQP; returns (value, y).
-
-    M is (D, n_u) (rows are the m_s). The Wolfe gap certifies the value.
-    """
-    D = len(theta)
-    G = M @ M.T
-
-    def fun(y):
-        return -theta @ y + 0.5 * t * y @ G @ y
-
-    def jac(y):
-        return -theta + t * G @ y
-
-    best = None
-    for y0 in (np.full(D, 1.0 / D), np.eye(D)[int(np.argmax(theta))]):
-        res = minimize(fun, y0, jac=jac, method="SLSQP", bounds=[(0, 1)] * D,
-                       constraints=[{"type": "eq", "fun": lambda y: y.sum() - 1,
-                                     "jac": lambda y: np.ones(D)}],
-                       options={"ftol": 1e-16, "maxiter": 1000})
-        y = np.clip(res.x, 0, None)
-        y /= y.sum()
-        if best is None or fun(y) < fun(best):
-            best = y
-    y = _polish(best, theta, G, t)
-    grad = theta - t * G @ y                  # gradient of the maximised objective
-    gap = grad.max() - grad @ y               # Wolfe gap >= value* - value(y)
-    assert gap < 1e-9, f"reference QP not solved accurately (gap {gap})"
-    return -fun(y), y
-
-
-def _polish(y, theta, G, t):
-    """Refine SLSQP's point: solve the KKT system on its support (least squares, so
-    dependent columns are fine), keep the result if feasible and better."""
-    D = len(y)
-    for thresh in (1e-10, 1e-8, 1e-6, 1e-4):
-        I = np.flatnonzero(y > thresh)
-        k = len(I)
-        K = np.zeros((k + 1, k + 1))
-        K[:k, :k] = t * G[np.ix_(I, I)]
-        K[:k, k] = K[k, :k] = 1.0
-        sol = np.linalg.lstsq(K, np.concatenate([theta[I], [1.0]]), rcond=1e-12)[0]
-        if np.all(sol[:k] >= -1e-14):
-            z = np.zeros(D)
-            z[I] = np.clip(sol[:k], 0, None)
-            z /= z.sum()
-            gz, gy = theta - t * G @ z, theta - t * G @ y
-            if gz.max() - gz @ z <= gy.max() - gy @ y:
-                y = z
-    return y
-
-
 def reference_loss(case, eu, ev, y_t, margin=0.0, t=1.0):
     """Fenchel-Young loss with Omega = t/2||My||^2 - margin * cost.y, from its definition."""
     theta = case.theta(eu, ev) + margin * case.H @ y_t   # expected Hamming cost of each s
-    value, y = qp_max(theta, case.M, t)
+    ref = simplex_qp(case.M.T, theta, t)
+    assert ref is not None, "the SciPy reference found no certified solution"
+    u, y, value, _ = ref
     m_t = case.M.T @ y_t
     loss = value - (theta @ y_t - 0.5 * t * m_t @ m_t)
-    return loss, case.M.T @ y, case.N.T @ y
+    return loss, u, case.N.T @ y
 
 
 def random_target(case, rng, soft):
@@ -243,7 +181,7 @@ def random_scores(case, rng, scale=1.0):
 
 
 # -- values against brute force ----------------------------------------------------
-@pytest.mark.parametrize("name", _case_params())
+@pytest.mark.parametrize("name", CASE_BUILDERS)
 @pytest.mark.parametrize("margin", [0.0, 0.7])
 @pytest.mark.parametrize("soft", [False, True])
 def test_sparsemap_loss_matches_brute_force(name, margin, soft):
@@ -254,13 +192,13 @@ def test_sparsemap_loss_matches_brute_force(name, margin, soft):
         target, y_t = random_target(case, rng, soft)
         loss, gu, gv = sparsemap_loss(case.f, eu, ev, target, margin=margin)
         ref, u_ref, v_ref = reference_loss(case, eu, ev, y_t, margin)
-        assert loss == pytest.approx(ref, abs=1e-6)
+        assert loss == pytest.approx(ref, abs=1e-9)
         assert gu.shape == case.f.shape_u and gv.shape == case.f.shape_v
         # gradient u* - m_t: u* is unique, compare with the SciPy solution
-        np.testing.assert_allclose(gu.ravel(), u_ref - case.M.T @ y_t, atol=1e-4)
+        np.testing.assert_allclose(gu.ravel(), u_ref - case.M.T @ y_t, atol=1e-9)
 
 
-@pytest.mark.parametrize("name", _case_params())
+@pytest.mark.parametrize("name", CASE_BUILDERS)
 @pytest.mark.parametrize("soft", [False, True])
 def test_perceptron_and_svm_match_brute_force(name, soft):
     case = get_case(name)
@@ -336,8 +274,6 @@ def test_sparsemax_threshold(gap, wins):
 @given(st.sampled_from(["seq3x3", "generic01", "tree3", "match3x3"]), st.booleans(),
        st.floats(0.0, 2.0), st.integers(0, 2**32 - 1))
 def test_nonnegative_and_convex_along_lines(name, soft, margin, seed):
-    if name.startswith("tree") and not hasattr(sm, "TreeFactor"):
-        return
     case = get_case(name)
     rng = np.random.default_rng(seed)
     target, _ = random_target(case, rng, soft)
@@ -370,7 +306,7 @@ def test_scaling_property(name, t):
         target, y_t = random_target(case, rng, soft)
         ref, _, _ = reference_loss(case, eu, ev, y_t, t=t)
         got = t * sparsemap_loss(case.f, eu / t, None if ev is None else ev / t, target)[0]
-        assert got == pytest.approx(ref, abs=1e-6)
+        assert got == pytest.approx(ref, abs=1e-9)
 
 
 def test_loss_is_zero_at_the_sparsemap_solution():
@@ -401,8 +337,6 @@ def _central_differences(fun, x, eps=1e-5):
 @pytest.mark.parametrize("name", ["seq3x3", "generic01", "tree3", "match3x2"])
 @pytest.mark.parametrize("margin,soft", [(0.0, False), (0.0, True), (0.6, False), (0.6, True)])
 def test_gradient_matches_finite_differences(name, margin, soft):
-    if name.startswith("tree") and not hasattr(sm, "TreeFactor"):
-        pytest.skip("sparsemap.TreeFactor not available yet")
     case = get_case(name)
     rng = np.random.default_rng(len(name) * 31 + int(10 * margin) + soft)
     eu, ev = random_scores(case, rng, 1.5)
