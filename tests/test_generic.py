@@ -7,6 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 import sparsemap as sm
 
+from _reference import (PAIRWISE_M, PAIRWISE_N, pairwise_closed_form, sparsemax,
+                        sparsemax_jacobian)
+
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 3), st.integers(1, 8), st.integers(0, 2**32 - 1),
@@ -27,7 +30,11 @@ def test_generic_map_is_argmax_of_column_scores(n_u, n_v, d, seed, ties):
     assert f.overlap(s, t) == pytest.approx(M[:, s] @ M[:, t])
     m, n = f.vertex(t)
     np.testing.assert_array_equal(m, M[:, t])
-    assert n.shape == (n_v,)
+    np.testing.assert_array_equal(n, N[:, t] if n_v else np.zeros(0))
+    u, v = np.zeros(n_u), np.zeros(n_v)
+    f.add_column(t, 0.25, u, v)
+    np.testing.assert_array_equal(u, 0.25 * M[:, t])
+    np.testing.assert_array_equal(v, 0.25 * N[:, t] if n_v else np.zeros(0))
 
 
 def test_generic_validation():
@@ -73,7 +80,7 @@ class ArgmaxOracle(sm.OracleFactor):
         return np.eye(self.d)[s]
 
 
-def test_oracle_factor_callables_and_subclass_agree_with_generic():
+def test_oracle_factor_callables_and_subclass_are_sparsemax():
     rng = np.random.default_rng(3)
     d = 5
     via_callables = sm.OracleFactor(lambda eu, ev: int(np.argmax(eu)),
@@ -83,10 +90,9 @@ def test_oracle_factor_callables_and_subclass_agree_with_generic():
             z = rng.standard_normal(d)
             assert f.map(z) == int(np.argmax(z))
             r = sm.solve(f, z)
-            ref = sm.solve(sm.GenericFactor(np.eye(d)), z)
-            np.testing.assert_allclose(r.u, ref.u, atol=1e-12)
+            np.testing.assert_allclose(r.u, sparsemax(z), atol=1e-12)
             g = rng.standard_normal(d)
-            np.testing.assert_allclose(r.vjp(g)[0], ref.vjp(g)[0], atol=1e-12)
+            np.testing.assert_allclose(r.vjp(g)[0], sparsemax_jacobian(z) @ g, atol=1e-12)
 
 
 def test_oracle_factor_with_array_structures_and_eta_v():
@@ -101,13 +107,17 @@ def test_oracle_factor_with_array_structures_and_eta_v():
         return np.array(cands[int(np.argmax(vals))])
 
     f = sm.OracleFactor(best, vertex, shape_u=2, shape_v=1, structure_size=2)
-    M = np.array([[0, 0, 1, 1], [0, 1, 0, 1]], float)
-    N = np.array([[0, 0, 0, 1]], float)
-    g = sm.GenericFactor(M, N)
+    for j, s in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        m, n = f.vertex(s)
+        np.testing.assert_array_equal(m, PAIRWISE_M[:, j])
+        np.testing.assert_array_equal(n, PAIRWISE_N[:, j])
     rng = np.random.default_rng(0)
     for _ in range(10):
         eu, ev = rng.standard_normal(2), rng.standard_normal(1)
-        np.testing.assert_allclose(sm.solve(f, eu, ev).u, sm.solve(g, eu, ev).u, atol=1e-12)
+        r = sm.solve(f, eu, ev)
+        u1, u2, v = pairwise_closed_form(eu[0], eu[1], ev[0])
+        np.testing.assert_allclose(r.u, [u1, u2], atol=1e-12)
+        np.testing.assert_allclose(r.v, [v], atol=1e-12)
 
 
 def test_oracle_errors_propagate_and_are_validated():
