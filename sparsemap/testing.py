@@ -42,31 +42,19 @@ __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
 #: Family names understood by :func:`factors`.
 FAMILIES = ("sequence", "tree", "matching", "generic")
 
-_FAMILY_CLASS = {"sequence": "SequenceFactor", "tree": "TreeFactor",
-                 "matching": "MatchingFactor", "generic": "GenericFactor"}
-
-
-def _family_class(family):
-    """The public class of a family, or None while it is not available."""
-    return getattr(sparsemap, _FAMILY_CLASS[family], None)
-
 
 # -- brute force over structures ----------------------------------------------------
 
 def _candidate_values(factor):
     """Per position of the compact form, the integers it may take (a superset)."""
-    def isa(family):
-        cls = _family_class(family)
-        return cls is not None and isinstance(factor, cls)
-
-    if isa("generic"):
+    if isinstance(factor, sparsemap.GenericFactor):
         return [range(factor.n_structures)]
-    if isa("sequence"):
+    if isinstance(factor, sparsemap.SequenceFactor):
         return [range(factor.n_states)] * factor.n_positions
-    if isa("tree"):
+    if isinstance(factor, sparsemap.TreeFactor):
         n = factor.n_words
         return [[-1]] + [[h for h in range(n + 1) if h != m] for m in range(1, n + 1)]
-    if isa("matching"):
+    if isinstance(factor, sparsemap.MatchingFactor):
         low = -1 if factor.n_rows > factor.n_cols else 0
         return [range(low, factor.n_cols)] * factor.n_rows
     return None
@@ -237,10 +225,14 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     ------
     AssertionError
         When a condition fails; the message says which and by how much.
+    ValueError
+        ``structures`` is empty.
     """
     eu, ev = factor.check_scores(eta_u, eta_v)
     if structures is None:
         structures = enumerate_structures(factor)
+    if len(structures) == 0:   # nothing to compare with: the check could not fail
+        raise ValueError("structures: expected at least one structure")
     M, N = dense_columns(factor, structures)
     S = list(result.structures)
     w = np.asarray(result.weights, dtype=np.float64)
@@ -263,10 +255,10 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     tol = atol + rtol * scale
     report = KKTReport(
         tau=tau,
-        max_violation=float(adj_all.max() - tau) if len(structures) else 0.0,
+        max_violation=float(adj_all.max() - tau),
         support_spread=float(np.abs(adj_sup - tau).max()),
         u_error=u_error, v_error=v_error,
-        gap=float(adj_all.max() - (eu @ u + ev @ v - u @ u)) if len(structures) else np.nan,
+        gap=float(adj_all.max() - (eu @ u + ev @ v - u @ u)),
         tol=tol, n_structures=len(structures))
     problems = []
     if u_error > atol + rtol * col_scale:
@@ -289,10 +281,6 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
 
 
 # -- Jacobian -------------------------------------------------------------------------
-
-def _solve(factor, eta_u, eta_v, method, solve_kwargs):
-    return sparsemap.solve(factor, eta_u, eta_v, method=method, **solve_kwargs)
-
 
 def _direction(d, name, shape):
     """A flat float64 copy of a direction of the given shape (zeros for None)."""
@@ -340,10 +328,10 @@ def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None,
     if not (np.isfinite(eps) and eps > 0):
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     shp_u, shp_v = factor.shape_u, factor.shape_v
-    r_plus = _solve(factor, (eu + eps * du_dir).reshape(shp_u), (ev + eps * dv_dir).reshape(shp_v),
-                    method, solve_kwargs)
-    r_minus = _solve(factor, (eu - eps * du_dir).reshape(shp_u),
-                     (ev - eps * dv_dir).reshape(shp_v), method, solve_kwargs)
+    r_plus = sparsemap.solve(factor, (eu + eps * du_dir).reshape(shp_u),
+                             (ev + eps * dv_dir).reshape(shp_v), method=method, **solve_kwargs)
+    r_minus = sparsemap.solve(factor, (eu - eps * du_dir).reshape(shp_u),
+                              (ev - eps * dv_dir).reshape(shp_v), method=method, **solve_kwargs)
     du = (r_plus.u - r_minus.u) / (2 * eps)
     if return_results:
         return du, r_minus, r_plus
@@ -440,7 +428,8 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
     rng = np.random.default_rng(rng)
     eu, ev = factor.check_scores(eta_u, eta_v)
     shp_u, shp_v = factor.shape_u, factor.shape_v
-    r0 = _solve(factor, eu.reshape(shp_u), ev.reshape(shp_v), method, solve_kwargs)
+    r0 = sparsemap.solve(factor, eu.reshape(shp_u), ev.reshape(shp_v), method=method,
+                         **solve_kwargs)
     key0 = support_key(r0.structures)
     eta_max = max(float(np.abs(eu).max(initial=0.0)), float(np.abs(ev).max(initial=0.0)))
     h = eps * max(1.0, eta_max)
@@ -500,18 +489,15 @@ def _hypothesis():
     return st, hnp
 
 
-def _available_families(families):
+def _check_families(families):
     if families is None:
-        return [f for f in FAMILIES if _family_class(f) is not None]
+        return list(FAMILIES)
     if isinstance(families, str):
         families = [families]
-    out = []
-    for fam in families:
+    out = list(families)
+    for fam in out:
         if fam not in FAMILIES:
             raise ValueError(f"families: expected names among {FAMILIES}, got {fam!r}")
-        if _family_class(fam) is None:
-            raise ValueError(f"families: {fam!r} is not available in this version of sparsemap")
-        out.append(fam)
     if not out:
         raise ValueError("families: expected at least one family")
     return out
@@ -530,7 +516,7 @@ def factors(families=None, max_size=None):
         ``"tree"`` (up to 4 words; projective or not, single root or not),
         ``"matching"`` (up to 4 x 4), ``"generic"`` (random 0/1 columns with
         zero columns, exact duplicates and columns equal in ``M`` but different
-        in ``N``). Default: every family this version of sparsemap provides.
+        in ``N``). Default: every family.
     max_size : int, optional
         Cap on the size parameters above (positions, words, rows, columns).
 
@@ -543,7 +529,7 @@ def factors(families=None, max_size=None):
     Needs hypothesis (the ``test`` extra), imported when called.
     """
     st, hnp = _hypothesis()
-    fams = _available_families(families)
+    fams = _check_families(families)
     cap = (lambda k: k) if max_size is None else (lambda k: max(1, min(k, int(max_size))))
 
     @st.composite
@@ -555,21 +541,21 @@ def factors(families=None, max_size=None):
             M = np.insert(M, draw(st.integers(0, M.shape[1])), 0.0, axis=1)
         n_v = draw(st.integers(0, 2))
         if n_v == 0:
-            return _family_class("generic")(M)
+            return sparsemap.GenericFactor(M)
         N = draw(hnp.arrays(np.float64, (n_v, M.shape[1]),
                             elements=st.sampled_from([0.0, 1.0])))
         if draw(st.booleans()):   # same m_s, different n_s
             j = draw(st.integers(0, M.shape[1] - 1))
             M = np.c_[M, M[:, j]]
             N = np.c_[N, 1.0 - N[:, j]]
-        return _family_class("generic")(M, N)
+        return sparsemap.GenericFactor(M, N)
 
     strategies = {
-        "sequence": st.builds(lambda n, m: _family_class("sequence")(n, m),
+        "sequence": st.builds(sparsemap.SequenceFactor,
                               st.integers(1, cap(5)), st.integers(1, min(cap(5), 3))),
-        "tree": st.builds(lambda n, p, r: _family_class("tree")(n, projective=p, single_root=r),
-                          st.integers(1, cap(4)), st.booleans(), st.booleans()),
-        "matching": st.builds(lambda r, c: _family_class("matching")(r, c),
+        "tree": st.builds(sparsemap.TreeFactor, st.integers(1, cap(4)),
+                          projective=st.booleans(), single_root=st.booleans()),
+        "matching": st.builds(sparsemap.MatchingFactor,
                               st.integers(1, cap(4)), st.integers(1, cap(4))),
         "generic": generic(),
     }
