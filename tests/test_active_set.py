@@ -587,6 +587,9 @@ def test_check_kkt_rejects_wrong_solutions():
     fake.u = r.u + 1e-3
     with pytest.raises(AssertionError, match="u != sum"):
         check_kkt(f, eta_u, eta_v, fake)
+    # nothing to compare with is an error, not a pass
+    with pytest.raises(ValueError, match="structures"):
+        check_kkt(f, eta_u, eta_v, r, structures=[])
 
 
 # -- degenerate pivoting: small scores, sequences ----------------------------------------
