@@ -1,9 +1,12 @@
-"""Independent references shared by the tests: closed forms, a NumPy Viterbi, a SciPy QP.
+"""Independent references shared by the tests: closed forms, a NumPy Viterbi, a SciPy QP,
+brute-force enumeration of structures.
 
 Nothing here imports sparsemap. Each function is a textbook formula or algorithm
 written separately from the package, so a test comparing against it compares the
 package with something that cannot share its bugs.
 """
+import itertools
+
 import numpy as np
 from scipy.optimize import minimize, nnls
 
@@ -157,3 +160,55 @@ def simplex_qp(M, theta, t=1.0):
             if adj.max() - adj[y > 0].min() <= tol:
                 return u, y, float(theta @ y - 0.5 * t * u @ u), float(adj.max() - adj @ y)
     return None
+
+
+# -- structures, enumerated without the package ---------------------------------------
+
+def all_sequences(n, m):
+    """Every tag sequence of n positions over m states, as int arrays, in lexicographic order."""
+    return [np.array(t) for t in itertools.product(range(m), repeat=n)]
+
+
+def _reaches_root(heads, m):
+    seen = set()
+    while m != 0:
+        if m in seen:
+            return False
+        seen.add(m)
+        m = heads[m]
+    return True
+
+
+def _is_projective(heads):
+    """No two arcs cross (the root sits at position 0)."""
+    spans = [tuple(sorted((heads[m], m))) for m in range(1, len(heads))]
+    return not any(a < c < b < d or c < a < d < b
+                   for (a, b), (c, d) in itertools.combinations(spans, 2))
+
+
+def all_trees(n, projective=False, single_root=False):
+    """Every dependency tree over n words, as head arrays (heads[0] == -1, 0 is the root),
+    in lexicographic order of the heads."""
+    out = []
+    for hs in itertools.product(*[[h for h in range(n + 1) if h != m] for m in range(1, n + 1)]):
+        heads = np.array((-1,) + hs)
+        if not all(_reaches_root(heads, m) for m in range(1, n + 1)):
+            continue
+        if single_root and np.sum(heads[1:] == 0) != 1:
+            continue
+        if projective and not _is_projective(heads):
+            continue
+        out.append(heads)
+    return out
+
+
+def all_matchings(n_rows, n_cols):
+    """Every matching of min(n_rows, n_cols) pairs, as the column of each row (-1 unmatched)."""
+    k = min(n_rows, n_cols)
+    out = []
+    for rows in itertools.combinations(range(n_rows), k):
+        for cols in itertools.permutations(range(n_cols), k):
+            s = np.full(n_rows, -1)
+            s[list(rows)] = cols
+            out.append(s)
+    return out

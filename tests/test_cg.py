@@ -18,7 +18,7 @@ import sparsemap as sm
 from sparsemap._cg import VARIANTS, conditional_gradient
 from sparsemap.testing import dense_columns, enumerate_structures
 
-from _reference import simplex_qp, sparsemax
+from _reference import all_sequences, simplex_qp, sparsemax
 
 # Away-step, pairwise and blended pairwise CG converge linearly and drop
 # structures, so they reach the active set's support; vanilla CG is sublinear
@@ -175,7 +175,7 @@ def test_reported_gap_is_the_wolfe_gap(variant):
     f = sm.SequenceFactor(n, m)
     rng = np.random.default_rng(3)
     eu, ev = rng.standard_normal((n, m)), rng.standard_normal((n - 1, m, m))
-    seqs = [np.array(t) for t in itertools.product(range(m), repeat=n)]
+    seqs = all_sequences(n, m)
     for max_iter in (1, 3, 10):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", sm.ConvergenceWarning)

@@ -5,7 +5,6 @@ structures are enumerated and their columns built here, the QP over the simplex
 is solved with SciPy (SLSQP, certified by the KKT conditions), Hamming costs are
 counted from the compact forms, gradients are checked by finite differences.
 """
-import itertools
 import zlib
 
 import numpy as np
@@ -15,7 +14,7 @@ from hypothesis import assume, given, settings, strategies as st
 import sparsemap as sm
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
-from _reference import simplex_qp
+from _reference import all_matchings, all_sequences, all_trees, simplex_qp
 
 
 # -- brute force ------------------------------------------------------------------
@@ -43,7 +42,7 @@ class Case:
 
 
 def sequence_case(n, m):
-    S = [np.array(t) for t in itertools.product(range(m), repeat=n)]
+    S = all_sequences(n, m)
     M = np.zeros((len(S), n, m))
     N = np.zeros((len(S), max(n - 1, 0), m, m))
     for k, t in enumerate(S):
@@ -63,38 +62,8 @@ def generic_case(M, N=None):
     return Case(sm.GenericFactor(M, N), list(range(D)), M.T, Nm.T, H)
 
 
-def _is_projective(heads):
-    n = len(heads) - 1
-    for m in range(1, n + 1):
-        h = heads[m]
-        for k in range(min(h, m) + 1, max(h, m)):
-            a = k  # k must descend from h
-            while a not in (h, 0):
-                a = heads[a]
-            if a != h:
-                return False
-    return True
-
-
 def tree_case(n, projective=False, single_root=False):
-    S = []
-    for hs in itertools.product(range(n + 1), repeat=n):
-        heads = np.array((-1,) + hs)
-        if any(heads[m] == m for m in range(1, n + 1)):
-            continue
-        ok = True
-        for m in range(1, n + 1):  # following heads reaches the root
-            a, steps = m, 0
-            while a != 0 and steps <= n:
-                a, steps = heads[a], steps + 1
-            ok &= a == 0
-        if not ok:
-            continue
-        if single_root and np.sum(heads[1:] == 0) != 1:
-            continue
-        if projective and not _is_projective(heads):
-            continue
-        S.append(heads)
+    S = all_trees(n, projective, single_root)
     M = np.zeros((len(S), n + 1, n + 1))
     for k, h in enumerate(S):
         M[k, h[1:], np.arange(1, n + 1)] = 1
@@ -104,13 +73,7 @@ def tree_case(n, projective=False, single_root=False):
 
 
 def matching_case(r, c):
-    k = min(r, c)
-    S = []
-    for rows in itertools.combinations(range(r), k):
-        for cols in itertools.permutations(range(c), k):
-            s = -np.ones(r, dtype=int)
-            s[list(rows)] = cols
-            S.append(s)
+    S = all_matchings(r, c)
     M = np.zeros((len(S), r, c))
     for j, s in enumerate(S):
         for i in range(r):
