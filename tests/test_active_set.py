@@ -18,8 +18,8 @@ import sparsemap as sm
 from sparsemap.testing import (check_kkt, dense_columns, enumerate_structures, problems,
                                support_key)
 
-from _reference import (PAIRWISE_M, PAIRWISE_N, pairwise_closed_form, simplex_qp, sparsemax,
-                        sparsemax_jacobian, viterbi)
+from _reference import (PAIRWISE_M, PAIRWISE_N, all_matchings, all_sequences, all_trees,
+                        pairwise_closed_form, simplex_qp, sparsemax, sparsemax_jacobian, viterbi)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -545,7 +545,7 @@ def test_bad_factor_and_foreign_init():
 
 # -- the testing tools themselves -----------------------------------------------------------
 
-def test_enumerate_structures_counts():
+def test_enumerate_structures():
     assert len(enumerate_structures(sm.SequenceFactor(4, 3))) == 3 ** 4
     assert len(enumerate_structures(sm.GenericFactor(np.ones((2, 5))))) == 5
     assert len(enumerate_structures(sm.MatchingFactor(3, 4))) == 4 * 3 * 2
@@ -557,6 +557,14 @@ def test_enumerate_structures_counts():
     # projective: 1, 3, 12, 55 (Catalan-like counts of Eisner's trees)
     assert [len(enumerate_structures(sm.TreeFactor(n, projective=True)))
             for n in (1, 2, 3, 4)] == [1, 3, 12, 55]
+    # the very structures of an enumeration that does not use the factor (lexicographic order)
+    for f, ref in [(sm.SequenceFactor(3, 2), all_sequences(3, 2)),
+                   (sm.MatchingFactor(3, 2), all_matchings(3, 2)),
+                   (sm.MatchingFactor(2, 3), all_matchings(2, 3))] + \
+            [(sm.TreeFactor(n, projective=p, single_root=r), all_trees(n, p, r))
+             for n in (1, 3, 4) for p in (False, True) for r in (False, True)]:
+        got = enumerate_structures(f)
+        assert [tuple(s) for s in got] == sorted(tuple(s) for s in ref), f
     o = sm.OracleFactor(lambda eu, ev: int(np.argmax(eu)), lambda s: np.eye(3)[s], shape_u=3)
     with pytest.raises(ValueError, match="values"):
         enumerate_structures(o)
