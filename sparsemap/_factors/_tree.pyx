@@ -99,9 +99,10 @@ cdef class TreeFactor(Factor):
             # 3 tables of doubles and a backtracking stack
             nb = 8 * 3 * N * N + 4 * 3 * (6 * N + 8)
         else:
-            # see _cle: T (doubles) and M (ints) are N x N, then 2 rows of
-            # doubles and 25 rows of ints
-            nb = 8 * N * N + 4 * N * N + 8 * 2 * N + 4 * 25 * N + 64
+            # see _cle: T (doubles) and M (ints) are N x N, in_score is 2N
+            # doubles, then 9 int arrays per supernode id (2N each) and 5 per
+            # slot (N each)
+            nb = 8 * N * N + 4 * N * N + 8 * 2 * N + 4 * (9 * 2 * N + 5 * N) + 64
         self._set_shapes((N, N), (0,), N, nb)
 
     def _init_args(self):
@@ -167,7 +168,9 @@ def _check_bool(value, name):
 #               the in-arc scores given up inside y; -inf when j lies in y;
 #   M[y*N + j]  the modifier (a word of y) of that arc, for contracted rows
 #               (in an original row y the modifier is y itself).
-# rep[j] is the slot of the live supernode containing word j.
+# rep[j] is the slot of the live supernode containing word j; slot_id and
+# id_slot map live slots to supernode ids and back. A slot holds a contracted
+# cycle exactly when its id is >= N (then its row of M is in use).
 #
 # single_root: CLE with lexicographic weights (-[h == 0], eta[h, m]). The root
 # is never on a cycle, so every in-arc given up inside a supernode is a word
@@ -184,25 +187,24 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
     cdef double* T = <double*> work
     cdef double* in_score = T + NN                    # per id (2N)
     cdef int* M = <int*> (in_score + 2 * N)
-    cdef int* ip = M + NN
-    cdef int* in_head = ip                            # per id (2N each)
-    cdef int* in_mod = ip + 2 * N
-    cdef int* parent = ip + 4 * N
-    cdef int* first_child = ip + 6 * N
-    cdef int* next_sib = ip + 8 * N
-    cdef int* id_slot = ip + 10 * N
-    cdef int* first_word = ip + 12 * N
-    cdef int* last_word = ip + 14 * N
-    cdef int* stack = ip + 16 * N
-    cdef int* path = ip + 18 * N                      # per slot or word (N each)
-    cdef int* slot_id = ip + 19 * N
-    cdef int* state = ip + 20 * N
-    cdef int* merged = ip + 21 * N
-    cdef int* cyc = ip + 22 * N
-    cdef int* rep = ip + 23 * N
-    cdef int* next_word = ip + 24 * N
+    # per supernode id (fewer than 2N of them)
+    cdef int* in_head = M + NN
+    cdef int* in_mod = in_head + 2 * N
+    cdef int* parent = in_mod + 2 * N
+    cdef int* first_child = parent + 2 * N
+    cdef int* next_sib = first_child + 2 * N
+    cdef int* id_slot = next_sib + 2 * N
+    cdef int* first_word = id_slot + 2 * N
+    cdef int* last_word = first_word + 2 * N
+    cdef int* stack = last_word + 2 * N
+    # per slot or word
+    cdef int* path = stack + 2 * N
+    cdef int* slot_id = path + N
+    cdef int* state = slot_id + N
+    cdef int* rep = state + N
+    cdef int* next_word = rep + N
 
-    cdef int h, m, x, v, j, b, k, s, top, p, c, cs, ncyc, n_ids, z
+    cdef int h, m, x, y, v, j, b, k, s, top, p, c, cs, n_ids, z
     cdef double bs, val, off
     cdef double* row
     cdef double* row0
@@ -219,7 +221,6 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
         slot_id[j] = j
         id_slot[j] = j
         state[j] = UNVISITED
-        merged[j] = 0
         rep[j] = j
         first_word[j] = j
         last_word[j] = j
@@ -241,27 +242,21 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
         while True:
             x = path[top - 1]
             cs = id_slot[x]
-            # best in-arc of x: row argmax, ties to the lowest head word
+            # best in-arc of x: row argmax, ties to the lowest head word; with
+            # single_root, any word beats the root, which x takes only once it
+            # holds every word (all other entries -inf)
             row = T + cs * N
-            if single_root:
-                b = 0
-                bs = -INFINITY
-                for j in range(1, N):
-                    if row[j] > bs:
-                        bs = row[j]
-                        b = j
-                if b == 0:  # x holds every word
-                    bs = row[0]
-            else:
-                b = 0
+            b = 0
+            bs = -INFINITY if single_root else row[0]
+            for j in range(1, N):
+                if row[j] > bs:
+                    bs = row[j]
+                    b = j
+            if b == 0:
                 bs = row[0]
-                for j in range(1, N):
-                    if row[j] > bs:
-                        bs = row[j]
-                        b = j
             in_score[x] = bs
             in_head[x] = b
-            in_mod[x] = M[cs * N + b] if merged[cs] else x
+            in_mod[x] = M[cs * N + b] if x >= N else x
             b = rep[b]
             if state[b] == DONE:
                 for k in range(top):
@@ -276,39 +271,39 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
             p = top - 1
             while path[p] != slot_id[b]:
                 p -= 1
+            # the members are the ids path[p:top]
             c = n_ids
             n_ids += 1
-            ncyc = 0
             for k in range(p, top):
-                v = path[k]
-                parent[v] = c
-                next_sib[v] = first_child[c]
-                first_child[c] = v
-                cyc[ncyc] = id_slot[v]
-                ncyc += 1
+                y = path[k]
+                parent[y] = c
+                next_sib[y] = first_child[c]
+                first_child[c] = y
                 # concatenate the word lists
                 if k == p:
-                    first_word[c] = first_word[v]
+                    first_word[c] = first_word[y]
                 else:
-                    next_word[last_word[c]] = first_word[v]
-                last_word[c] = last_word[v]
+                    next_word[last_word[c]] = first_word[y]
+                last_word[c] = last_word[y]
 
             # in-arcs of c, in place in the row of the first member:
-            # best over members v of (arc into v) - (in-arc of v)
-            cs = cyc[0]
+            # best over members y of (arc into y) - (in-arc of y)
+            y = path[p]
+            cs = id_slot[y]
             row0 = T + cs * N
             mrow0 = M + cs * N
-            off = in_score[slot_id[cs]]
+            off = in_score[y]
             for j in range(N):
                 row0[j] -= off
-            if not merged[cs]:
+            if y < N:  # a word: its modifier was implicit until now
                 for j in range(N):
                     mrow0[j] = cs
-            for k in range(1, ncyc):
-                v = cyc[k]
-                off = in_score[slot_id[v]]
+            for k in range(p + 1, top):
+                y = path[k]
+                v = id_slot[y]
+                off = in_score[y]
                 row = T + v * N
-                if merged[v]:
+                if y >= N:
                     mrow = M + v * N
                     for j in range(N):
                         val = row[j] - off
@@ -328,7 +323,6 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
                 row0[z] = -INFINITY
                 rep[z] = cs
                 z = next_word[z]
-            merged[cs] = 1
             slot_id[cs] = c
             id_slot[c] = cs
             top = p
