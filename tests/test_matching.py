@@ -1,5 +1,4 @@
 """MatchingFactor: MAP against brute force and SciPy, the column interface against dense algebra."""
-import itertools
 import pickle
 import zlib
 
@@ -12,23 +11,13 @@ from scipy.optimize import linear_sum_assignment
 
 import sparsemap as sm
 
+from _reference import all_matchings
+
 
 # -- independent references ---------------------------------------------------------
 
-def all_matchings(n_rows, n_cols):
-    """Every matching of min(n_rows, n_cols) pairs, as (row indices, column indices)."""
-    if n_rows <= n_cols:
-        rows = np.arange(n_rows)
-        for cols in itertools.permutations(range(n_cols), n_rows):
-            yield rows, np.array(cols)
-    else:
-        cols = np.arange(n_cols)
-        for rows in itertools.permutations(range(n_rows), n_cols):
-            yield np.array(rows), cols
-
-
 def brute_force_best(eta):
-    return max(eta[r, c].sum() for r, c in all_matchings(*eta.shape))
+    return max(matched_score(eta, s) for s in all_matchings(*eta.shape))
 
 
 def pairs(s):
