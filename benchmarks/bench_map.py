@@ -54,6 +54,10 @@ def us(seconds):
     return f"{seconds * 1e6:10.1f}"
 
 
+def row(label, *seconds):
+    return f"{label:<34}" + "".join(us(t) for t in seconds)
+
+
 def bench_factor(f, eta_u, eta_v, repeats):
     eu, ev = f.check_scores(eta_u, eta_v)
     t_map, t_min = per_call(lambda: f.map(eta_u, eta_v), repeats)
@@ -78,20 +82,17 @@ def main():
     print(header)
     print("-" * len(header))
     tree_times = {}
-    for projective, sizes in ((False, (20, 50, 100, 200)), (True, (20, 50, 100))):
+    for kind, options, sizes in (("non-projective", {}, (20, 50, 100, 200)),
+                                 ("projective", {"projective": True}, (20, 50, 100)),
+                                 ("non-proj. single-root", {"single_root": True}, (20, 100))):
         for n in sizes:
-            f = sm.TreeFactor(n, projective=projective)
+            f = sm.TreeFactor(n, **options)
             eta = rng.normal(size=(n + 1, n + 1))
             t_map, t_raw, t_min = bench_factor(f, eta, None, repeats)
-            tree_times[projective, n] = t_map, t_min
-            kind = "projective" if projective else "non-projective"
-            print(f"{f'tree {kind} n={n}':<34}{us(t_map)}{us(t_raw)}{us(t_min)}")
-    for n in (20, 100):
-        f = sm.TreeFactor(n, single_root=True)
-        eta = rng.normal(size=(n + 1, n + 1))
-        t_map, t_raw, t_min = bench_factor(f, eta, None, repeats)
-        print(f"{f'tree non-proj. single-root n={n}':<34}{us(t_map)}{us(t_raw)}{us(t_min)}")
-    (med200, min200), (med100, min100) = tree_times[False, 200], tree_times[False, 100]
+            tree_times[kind, n] = t_map, t_min
+            print(row(f"tree {kind} n={n}", t_map, t_raw, t_min))
+    med200, min200 = tree_times["non-projective", 200]
+    med100, min100 = tree_times["non-projective", 100]
     print(f"\ntree non-projective n=200 / n=100 f.map time ratio: {med200 / med100:.2f} "
           f"(medians), {min200 / min100:.2f} (minima); O(n^2) would give 4\n")
 
@@ -102,12 +103,9 @@ def main():
         eta_u = rng.normal(size=(n, m))
         eta_v = rng.normal(size=(n - 1, m, m))
         t_map, t_raw, t_min = bench_factor(f, eta_u, eta_v, repeats)
-        print(f"{f'sequence n={n} m={m}':<34}{us(t_map)}{us(t_raw)}{us(t_min)}")
+        print(row(f"sequence n={n} m={m}", t_map, t_raw, t_min))
     print()
 
-    if not hasattr(sm, "MatchingFactor"):
-        print("matching: skipped (sparsemap has no MatchingFactor yet)")
-        return
     from scipy.optimize import linear_sum_assignment
 
     header_m = header + f"{'scipy LSA':>10}{'ratio':>8}"
@@ -118,8 +116,7 @@ def main():
         eta = rng.normal(size=(n, n))
         t_map, t_raw, t_min = bench_factor(f, eta, None, repeats)
         t_lsa, _ = per_call(lambda: linear_sum_assignment(eta, maximize=True), repeats)
-        print(f"{f'matching {n}x{n}':<34}{us(t_map)}{us(t_raw)}{us(t_min)}{us(t_lsa)}"
-              f"{t_map / t_lsa:8.2f}")
+        print(row(f"matching {n}x{n}", t_map, t_raw, t_min, t_lsa) + f"{t_map / t_lsa:8.2f}")
     print("\nratio: f.map time / scipy.optimize.linear_sum_assignment time (medians)")
 
 
