@@ -181,11 +181,6 @@ def test_map_is_deterministic_and_layout_independent():
     np.testing.assert_array_equal(f.map(eta.astype(np.float32)), s)
 
 
-def test_docstring_example():
-    f = sm.MatchingFactor(2, 3)
-    np.testing.assert_array_equal(f.map(np.array([[1.0, 5.0, 0.0], [0.0, 4.0, 3.0]])), [1, 2])
-
-
 # -- the column interface ---------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)
