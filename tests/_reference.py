@@ -169,37 +169,43 @@ def all_sequences(n, m):
     return [np.array(t) for t in itertools.product(range(m), repeat=n)]
 
 
-def _reaches_root(heads, m):
-    seen = set()
-    while m != 0:
-        if m in seen:
+def is_tree(heads):
+    """heads[0] == -1 and every word has a head in [0, n], not itself, and reaches 0."""
+    n = len(heads) - 1
+    if heads[0] != -1:
+        return False
+    for m in range(1, n + 1):
+        if not 0 <= heads[m] <= n or heads[m] == m:
             return False
-        seen.add(m)
-        m = heads[m]
+        seen, z = set(), m
+        while z != 0:
+            if z in seen:
+                return False
+            seen.add(z)
+            z = heads[z]
     return True
 
 
-def _is_projective(heads):
+def is_projective(heads):
     """No two arcs cross (the root sits at position 0)."""
     spans = [tuple(sorted((heads[m], m))) for m in range(1, len(heads))]
     return not any(a < c < b < d or c < a < d < b
                    for (a, b), (c, d) in itertools.combinations(spans, 2))
 
 
+def is_valid_tree(heads, projective=False, single_root=False):
+    """A tree, projective if asked, with exactly one root child if asked."""
+    return (is_tree(heads)
+            and (not projective or is_projective(heads))
+            and (not single_root or sum(1 for h in heads[1:] if h == 0) == 1))
+
+
 def all_trees(n, projective=False, single_root=False):
     """Every dependency tree over n words, as head arrays (heads[0] == -1, 0 is the root),
     in lexicographic order of the heads."""
-    out = []
-    for hs in itertools.product(*[[h for h in range(n + 1) if h != m] for m in range(1, n + 1)]):
-        heads = np.array((-1,) + hs)
-        if not all(_reaches_root(heads, m) for m in range(1, n + 1)):
-            continue
-        if single_root and np.sum(heads[1:] == 0) != 1:
-            continue
-        if projective and not _is_projective(heads):
-            continue
-        out.append(heads)
-    return out
+    candidates = itertools.product(*[[h for h in range(n + 1) if h != m] for m in range(1, n + 1)])
+    return [np.array((-1,) + hs) for hs in candidates
+            if is_valid_tree((-1,) + hs, projective, single_root)]
 
 
 def all_matchings(n_rows, n_cols):

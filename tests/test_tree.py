@@ -3,51 +3,21 @@ import functools
 import itertools
 import pickle
 
+import networkx as nx
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import sparsemap as sm
 
-from _reference import all_trees as reference_trees
+from _reference import all_trees as reference_trees, is_projective, is_tree
+from _reference import is_valid_tree as is_valid
 
-nx = pytest.importorskip("networkx")
 
 MODES = [(False, False), (False, True), (True, False), (True, True)]
 
 
-# -- an independent, deliberately naive checker --------------------------------
-def is_tree(heads):
-    n = len(heads) - 1
-    if heads[0] != -1:
-        return False
-    for m in range(1, n + 1):
-        if not 0 <= heads[m] <= n or heads[m] == m:
-            return False
-        seen, z = set(), m
-        while z != 0:
-            if z in seen:
-                return False
-            seen.add(z)
-            z = heads[z]
-    return True
-
-
-def is_projective(heads):
-    """No two arcs cross (the root sits at position 0)."""
-    spans = [tuple(sorted((heads[m], m))) for m in range(1, len(heads))]
-    for (a, b), (c, d) in itertools.combinations(spans, 2):
-        if a < c < b < d or c < a < d < b:
-            return False
-    return True
-
-
-def is_valid(heads, projective, single_root):
-    return (is_tree(heads)
-            and (not projective or is_projective(heads))
-            and (not single_root or sum(1 for h in heads[1:] if h == 0) == 1))
-
-
+# -- brute force over the independent enumeration of tests/_reference.py ---------
 @functools.lru_cache(maxsize=None)
 def all_trees(n, projective, single_root):
     """Every valid tree, as a (k, n) array of the heads of words 1..n (cached)."""
