@@ -225,7 +225,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
                                      bool(return_history))
     else:
         if S0 is not None:
-            raise ValueError(f"init: warm starts are supported by method='active_set' only")
+            raise ValueError("init: warm starts are supported by method='active_set' only")
         from sparsemap._cg import conditional_gradient
         raw = conditional_gradient(factor, eu, ev, variant=method, max_iter=int(max_iter),
                                    tol=float(tol), return_history=bool(return_history))
