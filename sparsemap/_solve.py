@@ -7,6 +7,7 @@ import numpy as np
 
 from sparsemap import _active_set
 from sparsemap._active_set import STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED
+from sparsemap._cg import conditional_gradient
 from sparsemap._factors._base import Factor, _as_float_array
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
@@ -226,7 +227,6 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     else:
         if S0 is not None:
             raise ValueError("init: warm starts are supported by method='active_set' only")
-        from sparsemap._cg import conditional_gradient
         raw = conditional_gradient(factor, eu, ev, variant=method, max_iter=int(max_iter),
                                    tol=float(tol), return_history=bool(return_history))
     result = SparseMAPResult(factor, raw, method, eu, ev)
