@@ -117,32 +117,11 @@ cdef int _grow_vec(double** p, Py_ssize_t n) except -1 nogil:
 
 
 cdef class _Workspace:
-    """Support, weights and Cholesky factor of one solve (not thread-shared)."""
-    cdef Factor f
-    cdef Py_ssize_t k, n_u, n_v
-    cdef Py_ssize_t cap, nI
-    cdef double c              # the shift in G_c
-    cdef int* S                # cap x k structures
-    cdef double* y             # weights
-    cdef double* yhat          # relaxed KKT solution
-    cdef double* theta         # scores a_t . eta, shifted by theta0
-    cdef double* theta_abs     # |a_t| . |eta|, for the tolerance scale
-    cdef double* L             # cap x cap, row-major lower triangular
-    cdef double* x1            # scratch
-    cdef double* w1            # L^{-1} theta, kept up to date with L
-    cdef double* w2            # L^{-1} 1
-    cdef double theta0
-    cdef double* u
-    cdef double* v
-    cdef double* adj           # eta_u - u
-    cdef int* snew
-    cdef char* work
-    cdef const double* eta_u
-    cdef const double* eta_v
-    cdef double* abs_eu        # |eta_u|, |eta_v| (n_u + n_v doubles, one block)
-    cdef double* abs_ev
-    cdef Py_ssize_t n_map
-    cdef unsigned long long hash   # order-independent hash of the support
+    """Support, weights and Cholesky factor of one solve (not thread-shared).
+
+    Declared in ``_active_set.pxd``, so that other Cython solvers (the factor
+    graph) drive it at C level.
+    """
 
     def __cinit__(self, Factor f, Py_ssize_t cap):
         self.f = f

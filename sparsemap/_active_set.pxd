@@ -1,0 +1,56 @@
+# The active-set workspace at C level, for solvers built on top of it (the
+# factor graph runs one warm-started workspace per factor, without the GIL).
+from sparsemap._factors._base cimport Factor
+
+
+cdef class _Workspace:
+    cdef Factor f
+    cdef Py_ssize_t k, n_u, n_v
+    cdef Py_ssize_t cap, nI
+    cdef double c              # the shift in G_c
+    cdef int* S                # cap x k structures
+    cdef double* y             # weights
+    cdef double* yhat          # relaxed KKT solution
+    cdef double* theta         # scores a_t . eta, shifted by theta0
+    cdef double* theta_abs     # |a_t| . |eta|, for the tolerance scale
+    cdef double* L             # cap x cap, row-major lower triangular
+    cdef double* x1            # scratch
+    cdef double* w1            # L^{-1} theta, kept up to date with L
+    cdef double* w2            # L^{-1} 1
+    cdef double theta0
+    cdef double* u
+    cdef double* v
+    cdef double* adj           # eta_u - u
+    cdef int* snew
+    cdef char* work
+    cdef const double* eta_u
+    cdef const double* eta_v
+    cdef double* abs_eu        # |eta_u|, |eta_v| (n_u + n_v doubles, one block)
+    cdef double* abs_ev
+    cdef Py_ssize_t n_map
+    cdef unsigned long long hash   # order-independent hash of the support
+
+    cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1
+    cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil
+    cdef void _solve_lower(self, double* x) noexcept nogil
+    cdef void _solve_upper(self, double* x) noexcept nogil
+    cdef void _relaxed_kkt(self) noexcept nogil
+    cdef Py_ssize_t _find(self, const int* s) noexcept nogil
+    cdef int _append(self, const int* s, const double* lrow, double diag, double w) except -1 nogil
+    cdef void _remove(self, Py_ssize_t r) noexcept nogil
+    cdef int _insert(self, const int* s, double w) except -1 nogil
+    cdef int _rebuild(self) except -1 nogil
+    cdef int _compute_u(self, const double* w, bint with_v) except -1 nogil
+    cdef int _refine(self) except -1 nogil
+    cdef double _linear(self) noexcept nogil
+    cdef double _linear_abs(self) noexcept nogil
+    cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil
+    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1
+    cdef void _drop_below(self, double threshold) noexcept nogil
+    cdef object _export(self)
+
+
+# The loop: runs until converged, stalled or max_iter; hist (or NULL) gets
+# 4 doubles per iteration. Returns the status code.
+cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
+              Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
