@@ -6,6 +6,7 @@ import pytest
 
 import sparsemap
 import sparsemap.losses
+import sparsemap.plot
 import sparsemap.testing
 
 DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.rst"))
@@ -15,7 +16,8 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 def public_docstring_examples():
     """Every docstring with examples among the public names, each once."""
     finder = doctest.DocTestFinder()
-    found = [t for mod in (sparsemap.losses, sparsemap.testing) for t in finder.find(mod)]
+    modules = (sparsemap.losses, sparsemap.plot, sparsemap.testing)
+    found = [t for mod in modules for t in finder.find(mod)]
     found += [t for name in sparsemap.__all__
               for t in finder.find(getattr(sparsemap, name), name=f"sparsemap.{name}")]
     unique = {}
