@@ -23,6 +23,7 @@ import numbers
 import numpy as np
 
 try:
+    import matplotlib.colors as mcolors
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch, Rectangle
     from matplotlib.path import Path
@@ -72,9 +73,11 @@ def _check_labels(labels, n, name):
 
 
 def _fmt(p):
-    """A probability as a short label: '.76', '1', '<.01'."""
-    if p >= 1 - 5e-3:
+    """A probability as a short label: '.76', '1', '>.99', '<.01'."""
+    if p >= 1 - _CERTAIN:
         return "1"
+    if p >= 1 - 5e-3:
+        return ">.99"
     if p < 5e-3:
         return "<.01"
     return f"{p:.2f}".lstrip("0")
@@ -343,7 +346,7 @@ def tree_support(structures, weights=None, words=None, *, ax=None, max_trees=8,
 
 def heatmap(u, structures=None, weights=None, *, factor=None, row_labels=None,
             col_labels=None, ax=None, max_structures=6, values=None, title=None,
-            cmap="Greys", colorbar=None):
+            cmap=None, colorbar=None):
     """Heatmap of posteriors ``u``, with the support's structures outlined.
 
     Each structure of the support (the `max_structures` heaviest) outlines
@@ -378,8 +381,9 @@ def heatmap(u, structures=None, weights=None, *, factor=None, row_labels=None,
         most 12 rows and columns.
     title : str, optional
         Replaces the sparsity title.
-    cmap : str or Colormap, default "Greys"
-        Colour map, over ``[0, 1]``.
+    cmap : str or Colormap, optional
+        Colour map over ``[0, 1]``; by default white to dark grey (not
+        black, so that outlines stay visible on certain cells).
     colorbar : bool, optional
         Draw a colour bar; by default when the values are not written.
 
@@ -436,6 +440,8 @@ def heatmap(u, structures=None, weights=None, *, factor=None, row_labels=None,
                                  f"got {mask.size}")
             masks.append(mask.reshape(u.shape) > 0.5)
     ax = _new_axes(ax, (max(3.0, 0.5 * n_cols + 1.6), max(2.2, 0.5 * n_rows + 1.6)))
+    if cmap is None:
+        cmap = mcolors.LinearSegmentedColormap.from_list("sparsemap_grey", ["white", "0.3"])
     im = ax.imshow(u, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest",
                    aspect="equal")
     if values is None:

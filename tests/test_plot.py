@@ -110,6 +110,15 @@ def test_arc_marginals_from_a_plain_array():
     assert ax.texts[-4].get_text() == "*"
 
 
+def test_arc_marginals_labels_near_certain_and_faint_arcs():
+    u = np.zeros((3, 3))
+    u[0, 1], u[2, 1] = 0.997, 0.003
+    u[1, 2] = 1.0
+    ax = smp.arc_marginals(u)
+    assert [t.get_text() for t in ax.texts][:2] == ["<.01", ">.99"]   # 1.0 is not labelled
+    assert len(ax.texts) == 2 + 3
+
+
 def test_arc_marginals_draws_both_directions_between_two_words():
     u = np.zeros((3, 3))
     u[0, 1] = u[0, 2] = u[1, 2] = u[2, 1] = 0.5
