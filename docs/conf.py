@@ -29,6 +29,7 @@ extensions = [
     "sphinx.ext.mathjax",
     "sphinx.ext.doctest",
     "numpydoc",
+    "matplotlib.sphinxext.plot_directive",
 ]
 
 root_doc = "index"
@@ -54,6 +55,15 @@ numpydoc_show_class_members = False
 numpydoc_show_inherited_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
+
+# -- plot directive (docs/plotting.rst) ----------------------------------------
+# The figures are drawn at build time from the doctest-format code shown above
+# them, so that the code on the page is what made the picture.
+plot_include_source = True
+plot_html_show_source_link = False
+plot_html_show_formats = False
+plot_formats = [("png", 110)]
+plot_rcparams = {"figure.dpi": 110}
 
 # -- doctest -------------------------------------------------------------------
 # Every page imports what its examples use, so that ``python -m doctest
