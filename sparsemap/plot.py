@@ -530,7 +530,7 @@ def _runs_by_label(runs):
 
 
 def sparsity_over_training(runs, metrics=("mean_trees", "mean_heads_per_word"), *,
-                           axes=None, yscale=None):
+                           labels=None, axes=None, yscale=None):
     """Plot sparsity over training epochs, one line per loss (Figure 4).
 
     For each label (a loss), the mean over its runs (seeds) at each epoch,
@@ -546,6 +546,11 @@ def sparsity_over_training(runs, metrics=("mean_trees", "mean_heads_per_word"), 
         An epoch record is a dict with ``"epoch"`` and the `metrics`.
     metrics : sequence of str, default ("mean_trees", "mean_heads_per_word")
         The keys to plot, one panel each, stacked.
+    labels : sequence of str, optional
+        The labels (losses) to draw, in this order; by default all, in the
+        order met. A CRF's dense counts (every tree, every head) dwarf the
+        sparse losses' few trees even on a log scale: leave it out to see
+        those shrink.
     axes : sequence of matplotlib.axes.Axes, optional
         One Axes per metric; a new figure when ``None``.
     yscale : dict, optional
@@ -564,7 +569,8 @@ def sparsity_over_training(runs, metrics=("mean_trees", "mean_heads_per_word"), 
     ------
     ValueError
         If `runs` is not in one of the accepted forms, a record lacks a
-        metric, or `axes` does not have one Axes per metric.
+        metric, `labels` names a label without runs, or `axes` does not
+        have one Axes per metric.
 
     Examples
     --------
@@ -576,6 +582,12 @@ def sparsity_over_training(runs, metrics=("mean_trees", "mean_heads_per_word"), 
     ['sparsemap']
     """
     groups = _runs_by_label(runs)
+    if labels is not None:
+        labels = [labels] if isinstance(labels, str) else [str(la) for la in labels]
+        missing = [la for la in labels if la not in groups]
+        if missing:
+            raise ValueError(f"labels: no runs for {missing}; the runs have {list(groups)}")
+        groups = {la: groups[la] for la in labels}
     if not groups:
         raise ValueError("runs: expected at least one run")
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)

@@ -277,6 +277,8 @@ def test_sparsity_over_training_inputs_and_scales():
     out = smp.sparsity_over_training(runs, ["mean_trees"], axes=ax,
                                      yscale={"mean_trees": "linear"})
     assert out is fig2 and ax.get_yscale() == "linear"
+    fig = smp.sparsity_over_training(runs, labels=["b"])
+    assert [line.get_label() for line in fig.axes[1].get_lines()] == ["b"]
 
 
 @pytest.mark.parametrize("call, match", [
@@ -294,6 +296,7 @@ def test_sparsity_over_training_inputs_and_scales():
     (lambda: smp.heatmap(np.zeros((2, 2)), [np.ones(3)], [1.0]), "^structures: "),
     (lambda: smp.heatmap(np.zeros((2, 2)), row_labels=["a"]), "^row_labels: "),
     (lambda: smp.sparsity_over_training([{"epochs": []}]), "^runs: "),
+    (lambda: smp.sparsity_over_training({"a": epochs([(1.0, 1.0)])}, labels=["b"]), "^labels: "),
     (lambda: smp.sparsity_over_training({"a": epochs([(1.0, 1.0)])}, ["dev_uas"]), "^runs: "),
     (lambda: smp.sparsity_over_training({"a": epochs([(1.0, 1.0)])},
                                         axes=plt.subplots()[1]), "^axes: "),
