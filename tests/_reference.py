@@ -93,9 +93,10 @@ def box_sum_projection(a, lo=-np.inf, hi=np.inf):
         return z
     target = hi if z.sum() > hi else lo
     assert 0 <= target <= a.size
-    bps = np.unique(np.r_[a - 1.0, a])
+    # breakpoints, and two points beyond them where the sum is exactly n and 0
+    bps = np.unique(np.r_[a.min() - 2.0, a - 1.0, a, a.max() + 1.0])
     g = np.array([np.clip(a - t, 0.0, 1.0).sum() for t in bps])    # non-increasing
-    j = np.flatnonzero(g >= target).max()     # g[0] = n >= target and g[-1] = 0
+    j = np.flatnonzero(g >= target).max()
     if g[j] == target or j == bps.size - 1:
         tau = bps[j]
     else:
