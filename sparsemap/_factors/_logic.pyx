@@ -41,6 +41,11 @@ def _check_budget(value, exact, n):
     return int(value)
 
 
+def _show(s):
+    """A structure for an error message, summarised when long."""
+    return np.array2string(np.asarray(s), separator=", ", threshold=40, edgeitems=5)
+
+
 cdef class _BinaryFactor(Factor):
     """Shared part of the factors over ``n`` binary variables with ``m_s = s``.
 
@@ -69,10 +74,10 @@ cdef class _BinaryFactor(Factor):
 
     def _validate_structure(self, s, name):
         if np.any((s != 0) & (s != 1)):
-            raise ValueError(f"{name}: expected 0/1 entries, got {s.tolist()}")
+            raise ValueError(f"{name}: expected 0/1 entries, got {_show(s)}")
         msg = self._constraint_error(s)
         if msg is not None:
-            raise ValueError(f"{name}: {msg}, got {s.tolist()}")
+            raise ValueError(f"{name}: {msg}, got {_show(s)}")
 
     def _constraint_error(self, s):
         """A message saying which constraint the 0/1 array ``s`` breaks, or None."""
