@@ -10,6 +10,9 @@ SparseMAP on top of any factor; the losses of Section 4 live in
 """
 from sparsemap._factors._base import Factor
 from sparsemap._factors._generic import GenericFactor, OracleFactor
+from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor, OrFactor,
+                                       OrOutFactor, PairFactor, SequenceBudgetFactor, XorFactor,
+                                       XorOutFactor)
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
@@ -20,6 +23,8 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Factor", "SequenceFactor", "TreeFactor", "MatchingFactor", "GenericFactor", "OracleFactor",
+    "XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor", "PairFactor", "OrOutFactor",
+    "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor",
     "solve", "SparseMAPResult", "ConvergenceWarning",
     "sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss",
 ]

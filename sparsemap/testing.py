@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import sparsemap
+from sparsemap._factors._logic import _BinaryFactor
 
 __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
            "KKTReport", "finite_difference_jvp", "check_jacobian", "JacobianReport",
            "factors", "scores", "problems", "FAMILIES"]
 
 #: Family names understood by :func:`factors`.
-FAMILIES = ("sequence", "tree", "matching", "generic")
+FAMILIES = ("sequence", "tree", "matching", "generic", "logic")
 
 
 # -- brute force over structures ----------------------------------------------------
@@ -57,6 +58,8 @@ def _candidate_values(factor):
     if isinstance(factor, sparsemap.MatchingFactor):
         low = -1 if factor.n_rows > factor.n_cols else 0
         return [range(low, factor.n_cols)] * factor.n_rows
+    if isinstance(factor, _BinaryFactor):   # the logic factors: 0/1 vectors
+        return [(0, 1)] * factor.struct_size
     return None
 
 
@@ -516,7 +519,9 @@ def factors(families=None, max_size=None):
         ``"tree"`` (up to 4 words; projective or not, single root or not),
         ``"matching"`` (up to 4 x 4), ``"generic"`` (random 0/1 columns with
         zero columns, exact duplicates and columns equal in ``M`` but different
-        in ``N``). Default: every family.
+        in ``N``), ``"logic"`` (the logic factors, :class:`~sparsemap.XorFactor`
+        to :class:`~sparsemap.SequenceBudgetFactor`, up to 6 variables, budgets
+        at most and exactly). Default: every family.
     max_size : int, optional
         Cap on the size parameters above (positions, words, rows, columns).
 
@@ -550,6 +555,23 @@ def factors(families=None, max_size=None):
             N = np.c_[N, 1.0 - N[:, j]]
         return sparsemap.GenericFactor(M, N)
 
+    @st.composite
+    def logic(draw):
+        kind = draw(st.sampled_from(["xor", "at_most_one", "or", "budget", "pair", "or_out",
+                                     "and_out", "xor_out", "sequence_budget"]))
+        if kind == "pair":
+            return sparsemap.PairFactor()
+        low = {"or_out": 3, "and_out": 3, "xor_out": 2}.get(kind, 1)
+        n = draw(st.integers(low, max(low, cap(6))))
+        if kind in ("budget", "sequence_budget"):
+            exact = draw(st.booleans())
+            budget = draw(st.integers(0, n if exact else n + 1))
+            cls = sparsemap.BudgetFactor if kind == "budget" else sparsemap.SequenceBudgetFactor
+            return cls(n, budget, exact=exact)
+        return {"xor": sparsemap.XorFactor, "at_most_one": sparsemap.AtMostOneFactor,
+                "or": sparsemap.OrFactor, "or_out": sparsemap.OrOutFactor,
+                "and_out": sparsemap.AndOutFactor, "xor_out": sparsemap.XorOutFactor}[kind](n)
+
     strategies = {
         "sequence": st.builds(sparsemap.SequenceFactor,
                               st.integers(1, cap(5)), st.integers(1, min(cap(5), 3))),
@@ -558,6 +580,7 @@ def factors(families=None, max_size=None):
         "matching": st.builds(sparsemap.MatchingFactor,
                               st.integers(1, cap(4)), st.integers(1, cap(4))),
         "generic": generic(),
+        "logic": logic(),
     }
     return st.one_of(*[strategies[f] for f in fams])
 

@@ -76,6 +76,92 @@ def pairwise_closed_form(c1, c2, c12):
     return u1, u2, max(0.0, u1 + u2 - 1)
 
 
+def box_sum_projection(a, lo=-np.inf, hi=np.inf):
+    """Euclidean projection of a onto {z in [0, 1]^n : lo <= sum(z) <= hi}.
+
+    If clip(a, 0, 1) is feasible it is the answer; otherwise the violated bound
+    holds with equality and the answer is clip(a - tau, 0, 1) with the scalar tau
+    making the sum equal to that bound (Pardalos and Kovoor). The sum is
+    piecewise linear and non-increasing in tau with breakpoints a_i - 1 and a_i,
+    so tau is found by evaluating it at every breakpoint and interpolating
+    linearly (O(n^2), for tests). Covers the simplex (lo = hi = 1), at most one
+    (hi = 1), at least one (lo = 1) and the budget polytopes.
+    """
+    a = np.asarray(a, dtype=float)
+    z = np.clip(a, 0.0, 1.0)
+    if lo <= z.sum() <= hi:
+        return z
+    target = hi if z.sum() > hi else lo
+    assert 0 <= target <= a.size
+    # breakpoints, and two points beyond them where the sum is exactly n and 0
+    bps = np.unique(np.r_[a.min() - 2.0, a - 1.0, a, a.max() + 1.0])
+    g = np.array([np.clip(a - t, 0.0, 1.0).sum() for t in bps])    # non-increasing
+    j = np.flatnonzero(g >= target).max()
+    if g[j] == target or j == bps.size - 1:
+        tau = bps[j]
+    else:
+        tau = bps[j] + (g[j] - target) * (bps[j + 1] - bps[j]) / (g[j] - g[j + 1])
+    return np.clip(a - tau, 0.0, 1.0)
+
+
+def xor_out_projection(a):
+    """Projection onto conv{z : z[-1] = sum(z[:-1]) <= 1}: sparsemax in the literals
+    (z[:-1], 1 - z[-1]), which sum to one at every vertex."""
+    a = np.asarray(a, dtype=float)
+    p = sparsemax(np.r_[a[:-1], 1.0 - a[-1]])
+    return np.r_[p[:-1], 1.0 - p[-1]]
+
+
+def or_out_projection(a):
+    """Projection onto the OR-out polytope {z in [0, 1]^n : z_i <= z_K <= sum_{i<K} z_i},
+    K = n - 1 the output (AD3's closed form).
+
+    1. Drop z_K <= sum z_i and project onto {z_i <= z_K} (a star-shaped order):
+       the output pools with the inputs above it, z_K = t = (a_K + sum of the j
+       largest inputs) / (j + 1) for the first j after which the next input is
+       at most t, and z_i = min(a_i, t); then clip to [0, 1] (clipping an
+       isotonic projection gives the box-constrained one).
+    2. If that breaks z_K <= sum z_i, the constraint is active at the projection
+       (one half-space added to a convex set), and on z_K = sum z_i the polytope
+       is the XOR-out one: project onto it instead.
+    """
+    a = np.asarray(a, dtype=float)
+    x, out = a[:-1], a[-1]
+    xs = np.sort(x)[::-1]
+    j, t = 0, out
+    while j < xs.size and xs[j] > t:
+        j += 1
+        t = (out + xs[:j].sum()) / (j + 1)
+    z = np.clip(np.r_[np.minimum(x, t), t], 0.0, 1.0)
+    if z[-1] > z[:-1].sum():
+        return xor_out_projection(a)
+    return z
+
+
+def and_out_projection(a):
+    """Projection onto the AND-out polytope: the OR-out one on negated variables."""
+    return 1.0 - or_out_projection(1.0 - np.asarray(a, dtype=float))
+
+
+def budget_viterbi(eta_u, eta_v, budget, exact=False):
+    """Best score of a binary sequence with at most (exactly) ``budget`` ones, by a
+    forward NumPy dynamic program over (count, state).
+
+    eta_u (n,) scores a position being 1; eta_v (n - 1, 2, 2) scores transitions
+    as eta_v[i, a, b] (state a at i, b at i + 1).
+    """
+    n = eta_u.shape[0]
+    V = np.full((n + 2, 2), -np.inf)      # V[c, x]: best prefix score with c ones, last state x
+    V[0, 0], V[1, 1] = 0.0, eta_u[0]
+    for i in range(1, n):
+        new = np.full_like(V, -np.inf)
+        new[:, 0] = np.max(V + eta_v[i - 1][:, 0], axis=1)
+        new[1:, 1] = np.max(V[:-1] + eta_v[i - 1][:, 1], axis=1) + eta_u[i]
+        V = new
+    counts = [budget] if exact else range(min(budget, n) + 1)
+    return max(V[c].max() for c in counts)
+
+
 #: (z1, z2) of the structures 00, 01, 10, 11 of the pairwise factor, and z1 z2.
 PAIRWISE_M = np.array([[0, 0, 1, 1], [0, 1, 0, 1]], float)
 PAIRWISE_N = np.array([[0, 0, 0, 1]], float)
@@ -163,6 +249,11 @@ def simplex_qp(M, theta, t=1.0):
 
 
 # -- structures, enumerated without the package ---------------------------------------
+
+def binary_configurations(n, allowed):
+    """Every 0/1 vector of length n (int arrays, lexicographic order) for which allowed(z)."""
+    return [np.array(z) for z in itertools.product((0, 1), repeat=n) if allowed(np.array(z))]
+
 
 def all_sequences(n, m):
     """Every tag sequence of n positions over m states, as int arrays, in lexicographic order."""

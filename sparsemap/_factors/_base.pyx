@@ -323,3 +323,12 @@ def check_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def check_bool(value, name):
+    """Return ``value`` as a bool (a bool, or the integer 0 or 1), or raise ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool, got {value!r}")

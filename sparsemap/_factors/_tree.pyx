@@ -9,7 +9,7 @@ import numpy as np
 from libc.math cimport INFINITY
 
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import check_positive_int
+from sparsemap._factors._base import check_bool, check_positive_int
 
 # Slot states in the Chu-Liu-Edmonds contraction.
 cdef enum:
@@ -92,8 +92,8 @@ cdef class TreeFactor(Factor):
         if n > MAX_WORDS:
             raise ValueError(f"n_words: expected at most {MAX_WORDS}, got {n}")
         self.n_words = n
-        self.projective = _check_bool(projective, "projective")
-        self.single_root = _check_bool(single_root, "single_root")
+        self.projective = check_bool(projective, "projective")
+        self.single_root = check_bool(single_root, "single_root")
         cdef Py_ssize_t N = n + 1, nb
         if self.projective:
             # 3 tables of doubles and a backtracking stack
@@ -146,14 +146,6 @@ cdef class TreeFactor(Factor):
             for m in range(1, N):
                 u[s[m] * N + m] += w
         return 0
-
-
-def _check_bool(value, name):
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
 # ---------------------------------------------------------------------------
