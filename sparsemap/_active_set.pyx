@@ -606,6 +606,7 @@ cdef class _Solution:
     cdef readonly Py_ssize_t n_support, n_iter, n_map
     cdef readonly int status
     cdef readonly double gap, objective
+    cdef readonly double seconds       # spent in the solve without the GIL (benchmarks)
     cdef readonly bint has_cholesky
     cdef public object history
 
@@ -771,7 +772,7 @@ cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const dou
                     double tol) except -1 nogil:
     """One active-set solve into sol; status INFEASIBLE when every structure is forbidden."""
     cdef Py_ssize_t n_iter = 0
-    cdef double gap = 0, obj = 0
+    cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
     _point(ws, eta_u, eta_v)
     if n_init > 0:
@@ -783,11 +784,13 @@ cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const dou
         if status != 0 or _begin(ws, ws.snew) != 0:
             sol.status = INFEASIBLE
             sol.n_map = ws.n_map
+            sol.seconds = _now() - t0
             return 0
         ws._insert(ws.snew, 0.0)
         ws.y[0] = 1.0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     _export_to(sol, ws, n_iter, status, gap, obj)
+    sol.seconds = _now() - t0
     return 0
 
 
@@ -994,7 +997,8 @@ def jacobian_chunk(list sols, ins_u, ins_v, bint transpose):
 
     Returns
     -------
-    list of flat ``du`` arrays (jvp), or of ``(g_u, g_v)`` pairs (vjp).
+    list of ``du`` arrays (jvp), or of ``(g_u, g_v)`` pairs (vjp), shaped like
+    the factor's scores.
     """
     cdef Py_ssize_t n = len(sols), j, cur = 0, max_support = 0
     cdef _Problem* P = <_Problem*> malloc((n if n > 0 else 1) * sizeof(_Problem))
@@ -1017,11 +1021,11 @@ def jacobian_chunk(list sols, ins_u, ins_v, bint transpose):
             if sol.factor.n_v and ins_v is not None and (type(ins_v) is not list
                                                           or ins_v[j] is not None):
                 P[j].eta_v = _data(ins_v, j)
-            gu = np.empty(sol.factor.n_u)
+            gu = np.empty(sol.factor.shape_u)
             outs[2 * j] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gu)
             outs[2 * j + 1] = NULL
             if transpose:
-                gv = np.empty(sol.factor.n_v)
+                gv = np.empty(sol.factor.shape_v)
                 if sol.factor.n_v:
                     outs[2 * j + 1] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gv)
                 results[j] = (gu, gv)

@@ -206,9 +206,8 @@ class SparseMAPResult:
         support, from the kept Cholesky factor in ``O(|I| n + |I|^2)``.
         """
         du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
-        out = _active_set.jacobian_chunk([self._backward_solution()], [du],
-                                         None if dv is None else [dv], False)[0]
-        return out.reshape(self.factor.shape_u)
+        return _active_set.jacobian_chunk([self._backward_solution()], [du],
+                                          None if dv is None else [dv], False)[0]
 
     def vjp(self, du):
         """Transpose Jacobian product, for backpropagation.
@@ -224,8 +223,7 @@ class SparseMAPResult:
         g_eta_v : ndarray, shape ``factor.shape_v``
         """
         g = self.factor._check_array(du, "du", False, False)
-        gu, gv = _active_set.jacobian_chunk([self._backward_solution()], [g], None, True)[0]
-        return gu.reshape(self.factor.shape_u), gv.reshape(self.factor.shape_v)
+        return _active_set.jacobian_chunk([self._backward_solution()], [g], None, True)[0]
 
 
 def _check_directions(factor, d_u, d_v, name_u, name_v):
@@ -318,14 +316,10 @@ def _solve_remote(factors, etas_u, etas_v, inits, method, max_iter, tol, return_
                            return_history)
 
 
-def _result(factor, sol, method, eta, where, stacklevel):
-    """The result of a solved problem; warns if it did not converge."""
-    result = SparseMAPResult(factor, sol, method, eta)
-    if sol.status != STATUS_CONVERGED:
-        warnings.warn(f"{where}SparseMAP ({method}) stopped after {result.n_iter} iterations "
-                      f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
-                      ConvergenceWarning, stacklevel=stacklevel + 1)
-    return result
+def _warn_not_converged(result, where, stacklevel):
+    warnings.warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
+                  f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
+                  ConvergenceWarning, stacklevel=stacklevel + 1)
 
 
 def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
@@ -398,7 +392,10 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
                           bool(return_history))[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
-    return _result(factor, sol, method, (eu, ev), "", 2)
+    result = SparseMAPResult(factor, sol, method, (eu, ev))
+    if sol.status != STATUS_CONVERGED:
+        _warn_not_converged(result, "", 2)
+    return result
 
 
 # -- batches -----------------------------------------------------------------------------
@@ -657,37 +654,43 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     if B == 0:
         return []
 
-    def factor(i):
-        return factors if shared else factors[i]
-
+    fs = [factors] * B if shared else factors
     chunks = _chunks([0] * B if shared else [_problem_cost(f) for f in factors], n_jobs)
     if executor is None:
         def run(idx):
             return _solve_problems(factors, eus, evs, idx, inits, method, max_iter, tol,
                                    return_history)
-        parts = _run_chunks(run, chunks, n_jobs)
+        sols = _gather(chunks, _run_chunks(run, chunks, n_jobs), B)
     else:
         futures = [executor.submit(
             _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
             _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
             for idx in chunks]
-        parts = [fut.result() for fut in futures]
-        for idx, part in zip(chunks, parts):
-            for i, sol in zip(idx, part):
-                sol.factor = factor(i)   # the caller's factor objects, not copies
-    sols = [None] * B
-    for idx, part in zip(chunks, parts):
-        for i, sol in zip(idx, part):
-            sols[i] = sol
+        sols = _gather(chunks, [fut.result() for fut in futures], B)
+        for f, sol in zip(fs, sols):
+            sol.factor = f   # the caller's factor objects, not copies
     for i, sol in enumerate(sols):
         if sol.status == STATUS_INFEASIBLE:
-            raise ValueError(factor(i)._infeasible_message(
-                _names(factor(i), "etas_u", "etas_v", f"[{i}]")))
-    results = []
-    for i, sol in enumerate(sols):
-        results.append(_result(factor(i), sol, method, (_take(eus, i), _take(evs, i)),
-                               f"problem {i}: ", 2))
+            raise ValueError(fs[i]._infeasible_message(_names(fs[i], "etas_u", "etas_v",
+                                                              f"[{i}]")))
+    if method == "active_set":   # the scores are kept for CG's backward pass only
+        results = [SparseMAPResult(f, sol, method) for f, sol in zip(fs, sols)]
+    else:
+        results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i)))
+                   for i, (f, sol) in enumerate(zip(fs, sols))]
+    for i, r in enumerate(results):
+        if r._sol.status != STATUS_CONVERGED:
+            _warn_not_converged(r, f"problem {i}: ", 2)
     return results
+
+
+def _gather(chunks, parts, n):
+    """Outputs per chunk back in problem order."""
+    out = [None] * n
+    for idx, part in zip(chunks, parts):
+        for i, o in zip(idx.tolist(), part):
+            out[i] = o
+    return out
 
 
 def _take(xs, idx):
@@ -714,11 +717,7 @@ def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     def run(idx):
         return _active_set.jacobian_chunk([sols[i] for i in idx], _take(ins_u, idx),
                                           _take(ins_v, idx), transpose)
-    out = [None] * len(rs)
-    for idx, part in zip(chunks, _run_chunks(run, chunks, n_jobs)):
-        for i, o in zip(idx, part):
-            out[i] = o
-    return out
+    return _gather(chunks, _run_chunks(run, chunks, n_jobs), len(rs))
 
 
 def vjp_batch(results, dus, *, n_jobs=None):
@@ -748,8 +747,7 @@ def vjp_batch(results, dus, *, n_jobs=None):
     if B == 0:
         return []
     g = _check_batch_scores(factors, False, dus, "dus", False, B, masks=False)
-    out = _backward_batch(rs, g, None, True, n_jobs)
-    return [(gu.reshape(f.shape_u), gv.reshape(f.shape_v)) for f, (gu, gv) in zip(factors, out)]
+    return _backward_batch(rs, g, None, True, n_jobs)
 
 
 def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
@@ -785,5 +783,4 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
         dv = _check_batch_scores(factors, False, d_etas_v, "d_etas_v", True, B, masks=False)
         if isinstance(dv, list):
             dv = [None if f.n_v == 0 else d for f, d in zip(factors, dv)]
-    out = _backward_batch(rs, du, dv, False, n_jobs)
-    return [o.reshape(f.shape_u) for f, o in zip(factors, out)]
+    return _backward_batch(rs, du, dv, False, n_jobs)
