@@ -4,7 +4,8 @@ Implements Niculae, Martins, Blondel and Cardie, *SparseMAP: Differentiable
 Sparse Structured Inference* (ICML 2018).
 
 Factors describe a family of structures and solve MAP; :func:`solve` computes
-SparseMAP on top of any factor; the losses of Section 4 live in
+SparseMAP on top of any factor, :func:`solve_batch` many problems at once in
+threads; the losses of Section 4 live in
 :mod:`sparsemap.losses` and tools to property-test a factor of your own in
 :mod:`sparsemap.testing`.
 """
@@ -16,7 +17,8 @@ from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFact
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
-from sparsemap._solve import ConvergenceWarning, SparseMAPResult, solve
+from sparsemap._solve import (ConvergenceWarning, SparseMAPResult, jvp_batch, solve, solve_batch,
+                              vjp_batch)
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
 __version__ = "0.1.0.dev0"
@@ -25,6 +27,6 @@ __all__ = [
     "Factor", "SequenceFactor", "TreeFactor", "MatchingFactor", "GenericFactor", "OracleFactor",
     "XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor", "PairFactor", "OrOutFactor",
     "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor",
-    "solve", "SparseMAPResult", "ConvergenceWarning",
+    "solve", "solve_batch", "vjp_batch", "jvp_batch", "SparseMAPResult", "ConvergenceWarning",
     "sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss",
 ]

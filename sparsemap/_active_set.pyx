@@ -19,6 +19,8 @@ Python objects and runs without the GIL; the workspace grows geometrically.
 """
 import numpy as np
 
+cimport numpy as cnp
+from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, hypot, INFINITY
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -26,6 +28,8 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from scipy.linalg.cython_blas cimport dtrsv
 
 from sparsemap._factors._base cimport Factor
+
+cnp.import_array()
 
 # A new column is affinely dependent on the active ones when its squared
 # distance to their affine hull is below DEP_TOL times its squared norm in G_c.
@@ -44,8 +48,10 @@ cdef enum:
     CONVERGED = 1
     MAX_ITER = 2
     STALLED = 3   # no further progress possible in double precision
+    INFEASIBLE = 4  # every structure uses a forbidden (-inf) part: nothing was solved
 
 STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED = CONVERGED, MAX_ITER, STALLED
+STATUS_INFEASIBLE = INFEASIBLE
 
 
 cdef inline double _now() noexcept nogil:
@@ -577,58 +583,342 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     return status
 
 
-def active_set(Factor factor, double[::1] eta_u, double[::1] eta_v, Py_ssize_t max_iter,
-               double tol, init=None, bint return_history=False):
-    """Run the active-set solver on validated, flattened float64 scores.
+# ---------------------------------------------------------------------------
+# Solving problems: setup with the GIL, then a whole chunk of problems in one
+# block without it, the outcome left in C buffers until asked for.
+# ---------------------------------------------------------------------------
+
+cdef class _Solution:
+    """Outcome of one solve, in C buffers; NumPy copies are made on request.
+
+    The support ``S``, weights ``y`` and Cholesky factor ``L`` (``n x n``,
+    row-major lower triangular) are in the solver's order, which the backward
+    pass uses as it is; ``u`` and ``v`` are flat. A solution of a solver that
+    keeps no factor (CG) has no ``L``. One malloc'ed block holds them all.
+    """
+    cdef public Factor factor
+    cdef void* buf
+    cdef int* S
+    cdef double* y
+    cdef double* L
+    cdef double* u
+    cdef double* v
+    cdef readonly Py_ssize_t n_support, n_iter, n_map
+    cdef readonly int status
+    cdef readonly double gap, objective
+    cdef readonly double seconds       # spent in the solve without the GIL (benchmarks)
+    cdef readonly bint has_cholesky
+    cdef public object history
+
+    def __dealloc__(self):
+        free(self.buf)
+
+    cdef int _alloc(self, Py_ssize_t n, bint with_L) except -1 nogil:
+        cdef Py_ssize_t n_u = self.factor.n_u, n_v = self.factor.n_v
+        cdef Py_ssize_t nL = n * n if with_L else 0
+        free(self.buf)
+        self.buf = malloc((n + nL + n_u + n_v) * sizeof(double)
+                          + n * self.factor.struct_size * sizeof(int) + sizeof(double))
+        if self.buf == NULL:
+            with gil:
+                raise MemoryError()
+        self.y = <double*> self.buf
+        self.L = self.y + n
+        self.u = self.L + nL
+        self.v = self.u + n_u
+        self.S = <int*> (self.v + n_v)
+        self.n_support = n
+        self.has_cholesky = with_L
+        return 0
+
+    def structures_array(self):
+        """The support, ``(n_support, struct_size)`` intc, solver's order."""
+        cdef Py_ssize_t k = self.factor.struct_size
+        out = np.empty((self.n_support, k), dtype=np.intc)
+        cdef int[:, ::1] o = out
+        if self.n_support:
+            memcpy(&o[0, 0], self.S, self.n_support * k * sizeof(int))
+        return out
+
+    def weights_array(self):
+        return _copy_out(self.y, self.n_support)
+
+    def u_array(self):
+        return _copy_out(self.u, self.factor.n_u)
+
+    def v_array(self):
+        return _copy_out(self.v, self.factor.n_v)
+
+    def cholesky_array(self):
+        """``L`` as an ``(n, n)`` array, or None."""
+        if not self.has_cholesky:
+            return None
+        return _copy_out(self.L, self.n_support * self.n_support).reshape(
+            self.n_support, self.n_support)
+
+    def __reduce__(self):
+        return (solution_from_arrays,
+                (self.factor, self.structures_array(), self.weights_array(), self.cholesky_array(),
+                 self.u_array(), self.v_array(), self.n_iter, self.n_map, self.status, self.gap,
+                 self.objective, self.history))
+
+
+def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssize_t n_map,
+                         int status, double gap, double objective, history=None):
+    """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling)."""
+    cdef _Solution sol = _Solution.__new__(_Solution)
+    cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc).reshape(
+        -1, factor.struct_size)
+    cdef const double[::1] yv = np.ascontiguousarray(y, dtype=np.float64).reshape(-1)
+    cdef const double[::1] uv = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
+    cdef const double[::1] vv = np.ascontiguousarray(v, dtype=np.float64).reshape(-1)
+    cdef const double[::1] Lv
+    cdef Py_ssize_t n = Sv.shape[0]
+    sol.factor = factor
+    sol._alloc(n, L is not None)
+    if n:
+        memcpy(sol.S, &Sv[0, 0], n * factor.struct_size * sizeof(int))
+        memcpy(sol.y, &yv[0], n * sizeof(double))
+        if L is not None:
+            Lv = np.ascontiguousarray(L, dtype=np.float64).reshape(-1)
+            memcpy(sol.L, &Lv[0], n * n * sizeof(double))
+    memcpy(sol.u, &uv[0], factor.n_u * sizeof(double))
+    if factor.n_v:
+        memcpy(sol.v, &vv[0], factor.n_v * sizeof(double))
+    sol.n_iter = n_iter
+    sol.n_map = n_map
+    sol.status = status
+    sol.gap = gap
+    sol.objective = objective
+    sol.history = history
+    return sol
+
+
+cdef int _export_to(_Solution sol, _Workspace ws, Py_ssize_t n_iter, int status, double gap,
+                    double obj) except -1 nogil:
+    """Copy a finished solve out of the workspace (which the next problem reuses)."""
+    cdef Py_ssize_t n = ws.nI, i
+    ws._compute_u(ws.y, True)
+    sol._alloc(n, True)
+    memcpy(sol.S, ws.S, n * ws.k * sizeof(int))
+    memcpy(sol.y, ws.y, n * sizeof(double))
+    for i in range(n):
+        memcpy(sol.L + i * n, ws.L + i * ws.cap, (i + 1) * sizeof(double))
+        memset(sol.L + i * n + i + 1, 0, (n - 1 - i) * sizeof(double))
+    memcpy(sol.u, ws.u, ws.n_u * sizeof(double))
+    memcpy(sol.v, ws.v, ws.n_v * sizeof(double))
+    sol.n_iter = n_iter
+    sol.n_map = ws.n_map
+    sol.status = status
+    sol.gap = gap
+    sol.objective = obj
+    return 0
+
+
+cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil:
+    """Point an empty workspace at new scores (the caller keeps them alive), fill |eta|."""
+    cdef Py_ssize_t j
+    ws.eta_u = eta_u if ws.n_u else NULL
+    ws.eta_v = eta_v if ws.n_v else NULL
+    for j in range(ws.n_u):
+        ws.abs_eu[j] = fabs(eta_u[j])
+    for j in range(ws.n_v):
+        ws.abs_ev[j] = fabs(eta_v[j])
+    ws.nI = 0
+    ws.n_map = 0
+    ws.hash = 0
+
+
+cdef int _begin(_Workspace ws, const int* s) except -1 nogil:
+    """Shift c and score offset theta0 from the first structure; 1 if s is forbidden."""
+    cdef double g0, th
+    ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
+    if not (th > -INFINITY):     # a -inf part (or a nan score): not allowed
+        return 1
+    ws.f.c_overlap(s, s, &g0)
+    # a shift of the order of the Gram entries keeps G_c well conditioned
+    ws.c = g0 if g0 > 1.0 else 1.0
+    ws.theta0 = th
+    return 0
+
+
+cdef int _warm_start(_Workspace ws, const int* S, Py_ssize_t n) except -1 nogil:
+    """Insert the rows of S in turn with uniform weights (repeats skipped).
+
+    Rows that use a forbidden part are skipped: a support from a solve with
+    other masks is still a valid warm start.
+    """
+    cdef Py_ssize_t i
+    cdef const int* s
+    cdef double th
+    for i in range(n):
+        s = S + i * ws.k
+        if ws.nI == 0:
+            if _begin(ws, s) != 0:
+                continue
+        else:
+            ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
+            if not (th > -INFINITY):
+                continue
+        if ws._find(s) < 0:
+            ws._insert(s, 0.0)
+    for i in range(ws.nI):
+        ws.y[i] = 1.0 / ws.nI
+    return 0
+
+
+cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const double* eta_v,
+                    const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
+                    double tol) except -1 nogil:
+    """One active-set solve into sol; status INFEASIBLE when every structure is forbidden."""
+    cdef Py_ssize_t n_iter = 0
+    cdef double gap = 0, obj = 0, t0 = _now()
+    cdef int status
+    _point(ws, eta_u, eta_v)
+    if n_init > 0:
+        _warm_start(ws, init, n_init)
+    if ws.nI == 0:
+        # cold start from the MAP structure
+        status = ws.f.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
+        ws.n_map += 1
+        if status != 0 or _begin(ws, ws.snew) != 0:
+            sol.status = INFEASIBLE
+            sol.n_map = ws.n_map
+            sol.seconds = _now() - t0
+            return 0
+        ws._insert(ws.snew, 0.0)
+        ws.y[0] = 1.0
+    status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
+    _export_to(sol, ws, n_iter, status, gap, obj)
+    sol.seconds = _now() - t0
+    return 0
+
+
+cdef struct _Problem:
+    PyObject* ws
+    PyObject* sol
+    const double* eta_u
+    const double* eta_v
+    const int* init
+    Py_ssize_t n_init
+    double* hist
+
+
+cdef inline const double* _data(object arrays, Py_ssize_t i) except NULL:
+    """Row i of a 2-d float64 C-contiguous array, or item i of a list of flat arrays."""
+    cdef cnp.ndarray a
+    if type(arrays) is list:
+        a = <cnp.ndarray> arrays[i]
+        return <const double*> cnp.PyArray_DATA(a)
+    a = <cnp.ndarray> arrays
+    return (<const double*> cnp.PyArray_DATA(a)) + i * a.shape[1]
+
+
+def _add_note(exc, Py_ssize_t i):
+    if hasattr(exc, "add_note"):   # Python >= 3.11
+        exc.add_note(f"(while solving problem {i} of the batch)")
+
+
+def solve_chunk(factors, etas_u, etas_v, const Py_ssize_t[::1] idx, inits,
+                Py_ssize_t max_iter, double tol, bint return_history):
+    """Active-set solves of the problems ``idx``, all in one block without the GIL.
+
+    Inputs must be validated: their pointers are read without checks.
 
     Parameters
     ----------
-    factor : Factor
-    eta_u, eta_v : 1-d float64 arrays of sizes ``factor.n_u`` and ``factor.n_v``
-    max_iter : int
-    tol : float
-        Converged when ``gap <= tol * gap_scale``.
-    init : (k, struct_size) intc array, optional
-        Structures to start from (warm start), with uniform weights;
-        repeated ones are skipped, dependent ones replace one they depend on.
-        Default: the MAP structure.
-    return_history : bool
+    factors : Factor or list of Factor
+        Shared by every problem, or one per problem (indexed by problem).
+    etas_u : ndarray or list of ndarray
+        A 2-d float64 C-contiguous array (row ``i``: problem ``i``) or a list
+        of flat float64 C-contiguous arrays.
+    etas_v : None, ndarray or list
+        As ``etas_u``; None (or None entries of a list): zeros.
+    idx : int array
+        The problems to solve.
+    inits : None or list
+        Warm starts: None entries, or ``(k, struct_size)`` intc arrays.
+    max_iter, tol, return_history
+        As for :func:`sparsemap.solve`.
 
     Returns
     -------
-    dict with keys structures, weights, u, v, L, n_iter, status, gap,
-    objective, n_map, history (or None).
+    list of _Solution, in the order of ``idx``. A problem whose structures
+    all use a forbidden part has status ``STATUS_INFEASIBLE``.
+
+    Notes
+    -----
+    Problems sharing a factor object share one workspace, reset between them;
+    a solve's arithmetic does not depend on the workspace's history.
     """
-    cdef _Workspace ws = _Workspace(factor, 16)
-    cdef int[:, ::1] init_mv
-    cdef Py_ssize_t n_iter = 0
-    cdef double gap = 0, obj = 0
-    cdef int status
-    cdef double[::1] hist_mv
-    cdef double* hist = NULL
-    ws._set_scores(eta_u, eta_v)
-    if init is None or len(init) == 0:
+    cdef Py_ssize_t n = idx.shape[0], j, i, cur = 0, max_nv = 0
+    cdef _Problem* P = <_Problem*> malloc((n if n > 0 else 1) * sizeof(_Problem))
+    cdef Factor f, last = None
+    cdef _Workspace ws = None
+    cdef _Solution sol
+    cdef bint shared = isinstance(factors, Factor)
+    cdef cnp.ndarray a
+    cdef const double* zeros = NULL
+    if P == NULL:
+        raise MemoryError()
+    sols = [None] * n
+    workspaces = {}
+    hists = [None] * n if return_history else None
+    zero_buf = None
+    try:
+        for j in range(n):
+            f = factors if shared else factors[idx[j]]
+            if f.n_v > max_nv:
+                max_nv = f.n_v
+        if etas_v is None or type(etas_v) is list:
+            zero_buf = np.zeros(max_nv + 1)
+            zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
+        for j in range(n):
+            i = idx[j]
+            f = factors if shared else factors[i]
+            if f is not last:
+                ws = workspaces.get(id(f))
+                if ws is None:
+                    ws = _Workspace(f, 16)
+                    workspaces[id(f)] = ws
+                last = f
+            sol = _Solution.__new__(_Solution)
+            sol.factor = f
+            sols[j] = sol
+            P[j].ws = <PyObject*> ws
+            P[j].sol = <PyObject*> sol
+            P[j].eta_u = _data(etas_u, i)
+            if f.n_v == 0:
+                P[j].eta_v = NULL
+            elif etas_v is None or (type(etas_v) is list and etas_v[i] is None):
+                P[j].eta_v = zeros
+            else:
+                P[j].eta_v = _data(etas_v, i)
+            P[j].init = NULL
+            P[j].n_init = 0
+            if inits is not None and inits[i] is not None:
+                a = <cnp.ndarray> inits[i]
+                P[j].init = <const int*> cnp.PyArray_DATA(a)
+                P[j].n_init = a.shape[0]
+            P[j].hist = NULL
+            if return_history:
+                hists[j] = np.zeros(4 * max_iter + 4)
+                P[j].hist = <double*> cnp.PyArray_DATA(<cnp.ndarray> hists[j])
         with nogil:
-            factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
-        ws.n_map += 1
-        init_mv = np.empty((1, ws.k), dtype=np.intc)
-        memcpy(&init_mv[0, 0], ws.snew, ws.k * sizeof(int))
-    else:
-        init_mv = init
-    ws._start(init_mv, NULL)
+            for j in range(n):
+                cur = j
+                _solve_one(<_Workspace> P[j].ws, <_Solution> P[j].sol, P[j].eta_u, P[j].eta_v,
+                           P[j].init, P[j].n_init, P[j].hist, max_iter, tol)
+    except BaseException as exc:
+        _add_note(exc, idx[cur])
+        raise
+    finally:
+        free(P)
     if return_history:
-        hist_mv = np.zeros(4 * max(max_iter, 1) + 4)
-        hist = &hist_mv[0]
-    with nogil:
-        status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
-    ws._compute_u(ws.y, True)
-    structures, weights, L = ws._export()
-    history = None
-    if return_history:
-        history = np.asarray(hist_mv)[:4 * n_iter].reshape(n_iter, 4).copy()
-    return dict(structures=structures, weights=weights, u=_copy_out(ws.u, ws.n_u),
-                v=_copy_out(ws.v, ws.n_v), L=L, n_iter=n_iter, status=status, gap=gap,
-                objective=obj, n_map=ws.n_map, history=history)
+        for j in range(n):
+            sol = sols[j]
+            sol.history = hists[j][:4 * sol.n_iter].reshape(sol.n_iter, 4).copy()
+    return sols
 
 
 def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
@@ -657,55 +947,106 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     return S, y / y.sum(), L
 
 
-cdef void _jacobian_transform(double[:, ::1] L, double* x, double* ones) noexcept nogil:
-    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1)."""
-    cdef int n = <int> L.shape[0], lda = <int> L.shape[1], inc = 1
+cdef void _jacobian_transform(const double* L, int n, double* x, double* ones) noexcept nogil:
+    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1), L n x n."""
+    cdef int lda = n, inc = 1
     cdef Py_ssize_t t
     cdef double a
     for t in range(n):
         ones[t] = 1.0
-    dtrsv(b"U", b"T", b"N", &n, &L[0, 0], &lda, x, &inc)
-    dtrsv(b"U", b"N", b"N", &n, &L[0, 0], &lda, x, &inc)
-    dtrsv(b"U", b"T", b"N", &n, &L[0, 0], &lda, ones, &inc)
-    dtrsv(b"U", b"N", b"N", &n, &L[0, 0], &lda, ones, &inc)
+    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, x, &inc)
+    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
+    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, ones, &inc)
+    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, ones, &inc)
     a = _sum(x, n) / _sum(ones, n)
     for t in range(n):
         x[t] -= a * ones[t]
 
 
-cdef object _jacobian_product(Factor factor, const int[:, ::1] S, double[:, ::1] L,
-                              const double[::1] in_u, const double* in_v, bint out_v):
-    """``A_I D M_I^T`` or ``M_I D A_I^T`` applied to a vector, D of Prop. 1.
+cdef int _jacobian_apply(_Solution sol, const double* in_u, const double* in_v, double* out_u,
+                         double* out_v, double* x) except -1 nogil:
+    """``M_I D A_I^T`` or ``A_I D M_I^T`` applied to a vector, D of Prop. 1.
 
-    x_t = a_t . [in_u; in_v] (in_v NULL: only the m_t part), x <- D x, and the
-    output accumulates sum_t x_t m_t (plus sum_t x_t n_t when out_v).
+    x_t = a_t . [in_u; in_v] (in_v NULL: only the m_t part), x <- D x, and
+    out_u = sum_t x_t m_t, plus out_v = sum_t x_t n_t when out_v is not NULL.
+    x is scratch for 2 |I| doubles. O(|I| n + |I|^2).
     """
-    cdef Py_ssize_t n = S.shape[0], t
-    cdef double[::1] x = np.empty(n), ones = np.empty(n)
-    ou = np.zeros(factor.n_u)
-    ov = np.zeros(factor.n_v)
-    cdef double[::1] ou_mv = ou
-    cdef double[::1] ov_mv = ov
-    cdef double* pv = &ov_mv[0] if (out_v and factor.n_v) else NULL
-    with nogil:
-        for t in range(n):
-            factor.c_score(&S[t, 0], &in_u[0], in_v, &x[t])
-        _jacobian_transform(L, &x[0], &ones[0])
-        for t in range(n):
-            factor.c_add(&S[t, 0], x[t], &ou_mv[0], pv)
-    return ou, ov
+    cdef Py_ssize_t n = sol.n_support, k = sol.factor.struct_size, t
+    memset(out_u, 0, sol.factor.n_u * sizeof(double))
+    if out_v != NULL:
+        memset(out_v, 0, sol.factor.n_v * sizeof(double))
+    for t in range(n):
+        sol.factor.c_score(sol.S + t * k, in_u, in_v, &x[t])
+    _jacobian_transform(sol.L, <int> n, x, x + n)
+    for t in range(n):
+        sol.factor.c_add(sol.S + t * k, x[t], out_u, out_v)
+    return 0
 
 
-def jvp(Factor factor, const int[:, ::1] structures, double[:, ::1] L,
-        const double[::1] d_eta_u, const double[::1] d_eta_v):
-    """Jacobian-vector product ``du = M_I D A_I^T d_eta`` in O(|I| n + |I|^2)."""
-    return _jacobian_product(factor, structures, L, d_eta_u,
-                             &d_eta_v[0] if factor.n_v else NULL, False)[0]
+def jacobian_chunk(list sols, ins_u, ins_v, bint transpose):
+    """Jacobian products of several solutions (each with ``L``), in one block without the GIL.
 
+    Parameters
+    ----------
+    sols : list of _Solution
+    ins_u : list of flat float64 arrays, or a 2-d float64 array (row j for sols[j])
+        ``d_eta_u`` (jvp) or ``du`` (vjp), validated.
+    ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
+    transpose : bool
+        False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
 
-def vjp(Factor factor, const int[:, ::1] structures, double[:, ::1] L, const double[::1] g_u):
-    """Vector-Jacobian product ``(g_eta_u, g_eta_v) = A_I D M_I^T g_u``."""
-    return _jacobian_product(factor, structures, L, g_u, NULL, True)
+    Returns
+    -------
+    list of ``du`` arrays (jvp), or of ``(g_u, g_v)`` pairs (vjp), shaped like
+    the factor's scores.
+    """
+    cdef Py_ssize_t n = len(sols), j, cur = 0, max_support = 0
+    cdef _Problem* P = <_Problem*> malloc((n if n > 0 else 1) * sizeof(_Problem))
+    cdef double* x = NULL
+    cdef double** outs = <double**> malloc(2 * (n if n > 0 else 1) * sizeof(double*))
+    cdef _Solution sol
+    if P == NULL or outs == NULL:
+        free(P)
+        free(outs)
+        raise MemoryError()
+    results = [None] * n
+    try:
+        for j in range(n):
+            sol = sols[j]
+            if sol.n_support > max_support:
+                max_support = sol.n_support
+            P[j].sol = <PyObject*> sol
+            P[j].eta_u = _data(ins_u, j)
+            P[j].eta_v = NULL
+            if sol.factor.n_v and ins_v is not None and (type(ins_v) is not list
+                                                          or ins_v[j] is not None):
+                P[j].eta_v = _data(ins_v, j)
+            gu = np.empty(sol.factor.shape_u)
+            outs[2 * j] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gu)
+            outs[2 * j + 1] = NULL
+            if transpose:
+                gv = np.empty(sol.factor.shape_v)
+                if sol.factor.n_v:
+                    outs[2 * j + 1] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gv)
+                results[j] = (gu, gv)
+            else:
+                results[j] = gu
+        x = <double*> malloc((2 * max_support + 1) * sizeof(double))
+        if x == NULL:
+            raise MemoryError()
+        with nogil:
+            for j in range(n):
+                cur = j
+                _jacobian_apply(<_Solution> P[j].sol, P[j].eta_u, P[j].eta_v, outs[2 * j],
+                                outs[2 * j + 1], x)
+    except BaseException as exc:
+        _add_note(exc, cur)
+        raise
+    finally:
+        free(P)
+        free(outs)
+        free(x)
+    return results
 
 
 def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ssize_t repeats):

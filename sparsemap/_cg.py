@@ -126,16 +126,20 @@ class _Vertex:
     __slots__ = ("s", "m", "n", "score", "score_x", "gap", "scale", "g_u")
 
 
-def _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v):
+def _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v, masked=None):
     """Linear minimisation oracle: MAP at the adjusted scores ``eta_u - u``.
 
     Returns the vertex, its linearised score, that of the iterate, and the
     Wolfe gap ``(eta_u - u).(m_s - u) + eta_v.(n_s - v)`` (eq. 14), an upper
-    bound on ``f(u, v) - min f`` by convexity.
+    bound on ``f(u, v) - min f`` by convexity. ``masked``: the scores with
+    their -inf entries, for MAP (``eta_u``, ``eta_v`` have 0 there).
     """
     fw = _Vertex()
     fw.g_u = eta_u - u
-    fw.s = factor._map_flat(fw.g_u, eta_v)
+    if masked is None:
+        fw.s = factor._map_flat(fw.g_u, eta_v)
+    else:
+        fw.s = factor._map_flat(masked[0] - u, masked[1])
     fw.m, fw.n = active.column(fw.s)
     eu, ev, usq = float(eta_u @ u), float(eta_v @ v), float(u @ u)
     fw.score = float(fw.g_u @ fw.m + eta_v @ fw.n)
@@ -298,9 +302,16 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     t0 = time.perf_counter()
     eta_u = np.asarray(eta_u, dtype=np.float64)
     eta_v = np.asarray(eta_v, dtype=np.float64)
-    abs_eta_u, abs_eta_v = np.abs(eta_u), np.abs(eta_v)
     active = _ActiveSet(factor)
     active.add(factor._map_flat(eta_u, eta_v), 1.0)
+    masked = None
+    if np.isneginf(eta_u).any() or np.isneginf(eta_v).any():
+        # Masks: MAP sees the -inf scores, so no structure of the support uses
+        # a forbidden part; the dense products use 0 there (0 * -inf is nan).
+        masked = (eta_u, eta_v)
+        eta_u = np.where(np.isneginf(eta_u), 0.0, eta_u)
+        eta_v = np.where(np.isneginf(eta_v), 0.0, eta_v)
+    abs_eta_u, abs_eta_v = np.abs(eta_u), np.abs(eta_v)
     n_map = 1
     hist = np.zeros((max_iter + 1, 4)) if return_history else None
     it = 0
@@ -308,7 +319,7 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     moved = True
     u, v = active.uv()
     while True:
-        fw = _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v)
+        fw = _fw_vertex(factor, active, eta_u, eta_v, abs_eta_u, abs_eta_v, u, v, masked)
         n_map += 1
         if hist is not None and it > 0:
             hist[it - 1, 1] = fw.gap

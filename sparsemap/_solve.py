@@ -1,14 +1,27 @@
-"""``solve``: the single entry point to every SparseMAP solver, and its result type."""
+"""``solve`` and ``solve_batch``: the entry points to every SparseMAP solver, and the result type.
+
+Both run through one path: validated scores go to
+``_active_set.solve_chunk``, which solves a chunk of problems in one block
+without the GIL and leaves each outcome in C buffers (a ``_Solution``);
+:class:`SparseMAPResult` converts its fields to NumPy on first access. A batch
+is cut into chunks that the threads of a shared pool (the caller's thread
+included) take in turn, largest problems first; ``vjp_batch`` and
+``jvp_batch`` run ``_active_set.jacobian_chunk`` the same way.
+"""
+import concurrent.futures
 import math
 import numbers
+import os
+import threading
 import warnings
 
 import numpy as np
 
 from sparsemap import _active_set
-from sparsemap._active_set import STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED
+from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_MAX_ITER,
+                                   STATUS_STALLED, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
-from sparsemap._factors._base import Factor, _as_float_array
+from sparsemap._factors._base import SCAN_BAD, Factor, _NoAllowedStructure, _real_array, scan_values
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 DEFAULT_TOL = 1e-12
@@ -21,13 +34,20 @@ _MESSAGES = {
                     "(round-off floor or degenerate cycling)",
 }
 
+# Chunks per thread in a batch: enough for the threads to balance problems of
+# unequal cost, few enough that the per-chunk setup stays small.
+CHUNKS_PER_JOB = 4
+
 
 class ConvergenceWarning(UserWarning):
     """A solver stopped before its duality gap reached the tolerance."""
 
 
 class SparseMAPResult:
-    """Outcome of :func:`solve`.
+    """Outcome of :func:`solve` (one per problem for :func:`solve_batch`).
+
+    Fields are converted from the solver's buffers on first access, so a
+    result that is only differentiated never builds its list of structures.
 
     Attributes
     ----------
@@ -36,9 +56,12 @@ class SparseMAPResult:
     v : ndarray, shape ``factor.shape_v``
         ``N y*`` (empty when the factor has no ``eta_v``).
     structures : list
-        The support: structures in the factor's compact form.
+        The support: structures in the factor's compact form, by decreasing
+        weight, as one reads a distribution. Weights equal to 12 decimals
+        are ties, kept in the solver's order (which starts with the MAP
+        structure of a cold start).
     weights : ndarray
-        Their weights ``y*`` (positive, summing to one).
+        Their weights ``y*`` (positive, summing to one), in the same order.
     n_iter : int
         Iterations run.
     n_map : int
@@ -55,48 +78,113 @@ class SparseMAPResult:
         ``"support_size"`` and ``"seconds"`` (elapsed since the start).
     method : str
     message : str
+    factor : Factor
+
+    Notes
+    -----
+    The backward pass (:meth:`jvp`, :meth:`vjp`) works on the support in the
+    solver's own order, with the Cholesky factor it kept; the order of
+    ``structures`` does not affect it. Results pickle (for process pools).
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> r = sm.solve(sm.GenericFactor(np.eye(3)), [0.2, 1.0, 0.5])
+    >>> r.structures, r.weights
+    ([1, 2], array([0.75, 0.25]))
     """
 
-    def __init__(self, factor, raw, method, eta_u, eta_v):
+    def __init__(self, factor, solution, method, eta=None):
         self.factor = factor
         self.method = method
-        self._S = np.ascontiguousarray(raw["structures"], dtype=np.intc)
-        self.weights = np.asarray(raw["weights"], dtype=np.float64)
-        self._structures = None
-        self.u = np.asarray(raw["u"]).reshape(factor.shape_u)
-        self.v = np.asarray(raw["v"]).reshape(factor.shape_v)
-        self.n_iter = int(raw["n_iter"])
-        self.n_map = int(raw["n_map"])
-        self.converged = raw["status"] == STATUS_CONVERGED
-        self.gap = float(raw["gap"])
-        self.objective = float(raw["objective"])
-        self.message = _MESSAGES[raw["status"]]
-        h = raw.get("history")
-        self.history = None if h is None else {
-            "objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
-            "support_size": h[:, 2].astype(int), "seconds": h[:, 3].copy()}
-        # The support and Cholesky factor the backward pass uses; a solver that
-        # returns no factor (CG) gets a reduced support on first use.
-        self._backward = None if raw["L"] is None else (self._S, raw["L"])
-        self._eta = (eta_u, eta_v) if self._backward is None else None  # for the reduction
+        self._sol = solution
+        # CG keeps no Cholesky factor: the backward pass reduces the support
+        # once, which needs the scores.
+        self._eta = None if solution.has_cholesky else eta
+        self._backward = solution if solution.has_cholesky else None
+        self._u = self._v = self._order = self._weights = self._structures = None
+        self._history = None
+
+    @property
+    def u(self):
+        if self._u is None:
+            self._u = self._sol.u_array().reshape(self.factor.shape_u)
+        return self._u
+
+    @property
+    def v(self):
+        if self._v is None:
+            self._v = self._sol.v_array().reshape(self.factor.shape_v)
+        return self._v
+
+    def _by_weight(self):
+        if self._order is None:
+            y = self._sol.weights_array()
+            # weights equal to 12 decimals are ties (round-off makes exact ties
+            # rare), and ties keep the solver's order, which starts at the MAP
+            self._order = np.argsort(-np.round(y, 12), kind="stable")
+            self._weights = y[self._order]
+        return self._order
+
+    @property
+    def weights(self):
+        self._by_weight()
+        return self._weights
 
     @property
     def structures(self):
         """The support, as a list of structures in the factor's compact form."""
-        if self._structures is None:  # built on first use: solves in a loop rarely need it
-            self._structures = [self.factor._to_public(s) for s in self._S]
+        if self._structures is None:
+            S = self._sol.structures_array()[self._by_weight()]
+            self._structures = [self.factor._to_public(s) for s in S]
         return self._structures
+
+    @property
+    def n_iter(self):
+        return self._sol.n_iter
+
+    @property
+    def n_map(self):
+        return self._sol.n_map
+
+    @property
+    def converged(self):
+        return self._sol.status == STATUS_CONVERGED
+
+    @property
+    def gap(self):
+        return self._sol.gap
+
+    @property
+    def objective(self):
+        return self._sol.objective
+
+    @property
+    def message(self):
+        return _MESSAGES[self._sol.status]
+
+    @property
+    def history(self):
+        h = self._sol.history
+        if h is not None and self._history is None:
+            self._history = {"objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
+                             "support_size": h[:, 2].astype(int), "seconds": h[:, 3].copy()}
+        return self._history
 
     def __repr__(self):
         return (f"SparseMAPResult(method={self.method!r}, converged={self.converged}, "
-                f"n_iter={self.n_iter}, support={len(self._S)}, "
+                f"n_iter={self.n_iter}, support={self._sol.n_support}, "
                 f"gap={self.gap:.3g}, objective={self.objective:.10g})")
 
-    def _backward_state(self):
+    def _backward_solution(self):
         if self._backward is None:
             # CG may end on an affinely dependent support: reduce it (same u).
-            S, _, L = _active_set.reduce_support(self.factor, self._S, self.weights, *self._eta)
-            self._backward = (S, L)
+            eu, ev = self._eta
+            S, y, L = _active_set.reduce_support(
+                self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
+                np.zeros(self.factor.n_v) if ev is None else ev)
+            self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
+                                                  self._sol.v_array(), 0, 0, 0, 0.0, 0.0)
         return self._backward
 
     def jvp(self, d_eta_u, d_eta_v=None):
@@ -117,9 +205,9 @@ class SparseMAPResult:
         ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
         support, from the kept Cholesky factor in ``O(|I| n + |I|^2)``.
         """
-        du, dv = self.factor.check_scores(d_eta_u, d_eta_v, names=("d_eta_u", "d_eta_v"))
-        S, L = self._backward_state()
-        return _active_set.jvp(self.factor, S, L, du, dv).reshape(self.factor.shape_u)
+        du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
+        return _active_set.jacobian_chunk([self._backward_solution()], [du],
+                                          None if dv is None else [dv], False)[0]
 
     def vjp(self, du):
         """Transpose Jacobian product, for backpropagation.
@@ -134,75 +222,25 @@ class SparseMAPResult:
         g_eta_u : ndarray, shape ``factor.shape_u``
         g_eta_v : ndarray, shape ``factor.shape_v``
         """
-        g = _as_float_array(du, "du", self.factor.shape_u).reshape(-1)
-        S, L = self._backward_state()
-        gu, gv = _active_set.vjp(self.factor, S, L, g)
-        return gu.reshape(self.factor.shape_u), gv.reshape(self.factor.shape_v)
+        g = self.factor._check_array(du, "du", False, False)
+        return _active_set.jacobian_chunk([self._backward_solution()], [g], None, True)[0]
 
 
-def _check_init(factor, init):
-    if init is None:
-        return None
-    if isinstance(init, SparseMAPResult):
-        # Any valid structures make a correct warm start; validate them for this factor.
-        init = init.structures
-    try:
-        seq = list(init)
-    except TypeError:
-        raise ValueError(f"init: expected a SparseMAPResult or a list of structures, got {init!r}")
-    if len(seq) == 0:
-        return None
-    return factor.check_structures(seq, "init")
+def _check_directions(factor, d_u, d_v, name_u, name_v):
+    du = factor._check_array(d_u, name_u, False, False)
+    dv = None if d_v is None or factor.n_v == 0 else factor._check_array(d_v, name_v, True, False)
+    return du, dv
 
 
-def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
-          init=None, return_history=False):
-    """Solve SparseMAP: ``argmax_{y in simplex} eta^T A y - 1/2 ||M y||^2`` (eq. 6).
+# -- validation ------------------------------------------------------------------------
 
-    Parameters
-    ----------
-    factor : Factor
-        Any factor (:class:`SequenceFactor`, :class:`TreeFactor`,
-        :class:`MatchingFactor`, :class:`GenericFactor`, :class:`OracleFactor`, ...).
-    eta_u : array_like, shape ``factor.shape_u``
-        Unary scores.
-    eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores (zeros when omitted).
-    method : {"active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
-        The active set (Cython, exact; Appendix A.2) or a conditional-gradient
-        variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
-        blended pairwise (Tsuji, Tanaka and Pokutta, 2022).
-    max_iter : int, optional
-        Iteration limit (default 10000).
-    tol : float, default 1e-12
-        The solve has converged when the Wolfe gap satisfies
-        ``gap <= tol * max(1, sum |eta_u * u| + sum |eta_v * v| + ||u||^2)``
-        (elementwise products): absolute for scores of order one, relative for
-        large ones. The active set also stops, as stalled (``converged=False``
-        unless the gap meets the tolerance), when round-off makes it cycle: a
-        support it has met at one of the last 64 MAP calls comes back a second
-        time after a refactorisation.
-    init : SparseMAPResult or list of structures, optional
-        Warm start: the active set starts from these structures with uniform
-        weights; repeated ones are skipped and one affinely dependent on those
-        before it replaces one of them (as in the solver's own insertions).
-        Any valid structures of the factor will do. Active set only.
-    return_history : bool, default False
-        Record objective, gap, support size and seconds at every iteration
-        (this costs one extra MAP call on iterations that make none).
-
-    Returns
-    -------
-    SparseMAPResult
-
-    Warns
-    -----
-    ConvergenceWarning
-        When the gap is above tolerance at return (``converged=False``); the
-        best iterate is still returned, with its gap.
-    """
+def _check_factor(factor, name="factor"):
     if not isinstance(factor, Factor):
-        raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+        raise ValueError(f"{name}: expected a sparsemap Factor, got {type(factor).__name__}")
+    return factor
+
+
+def _check_options(method, max_iter, tol):
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if max_iter is None:
@@ -219,19 +257,530 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         tol = float(tol)
     if not math.isfinite(tol) or tol < 0:
         raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
+    return method, max_iter, tol
+
+
+def _check_init(factor, init, name="init"):
+    if init is None:
+        return None
+    if isinstance(init, SparseMAPResult):
+        # Any valid structures make a correct warm start; validate them for this
+        # factor. The solver's order, as the solve that found them inserted them.
+        init = init._sol.structures_array()
+    try:
+        seq = list(init)
+    except TypeError:
+        raise ValueError(f"{name}: expected a SparseMAPResult or a list of structures, got {init!r}")
+    if len(seq) == 0:
+        return None
+    return factor.check_structures(seq, name)
+
+
+def _names(factor, u, v, suffix=""):
+    return f"{u}{suffix}" if factor.n_v == 0 else f"{u}{suffix}, {v}{suffix}"
+
+
+# -- running problems ------------------------------------------------------------------
+
+def _solve_problems(factors, etas_u, etas_v, idx, inits, method, max_iter, tol,
+                    return_history):
+    """Solutions of problems ``idx`` (see ``_active_set.solve_chunk`` for the arguments)."""
+    if method == "active_set":
+        return _active_set.solve_chunk(factors, etas_u, etas_v, idx, inits, max_iter, tol,
+                                       return_history)
+    out = []
+    for i in idx:
+        f = factors if isinstance(factors, Factor) else factors[i]
+        eu = etas_u[i]
+        ev = None if etas_v is None else etas_v[i]
+        if ev is None:
+            ev = np.zeros(f.n_v)
+        try:
+            raw = conditional_gradient(f, eu, ev, variant=method, max_iter=max_iter, tol=tol,
+                                       return_history=return_history)
+        except _NoAllowedStructure:
+            out.append(solution_from_arrays(f, np.zeros((0, f.struct_size)), [], None,
+                                            np.zeros(f.n_u), np.zeros(f.n_v), 0, 1,
+                                            STATUS_INFEASIBLE, math.nan, math.nan))
+            continue
+        out.append(solution_from_arrays(f, raw["structures"], raw["weights"], None, raw["u"],
+                                        raw["v"], raw["n_iter"], raw["n_map"], raw["status"],
+                                        raw["gap"], raw["objective"], raw["history"]))
+    return out
+
+
+def _solve_remote(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history):
+    """One chunk of a batch in an executor's worker (a module-level function, so it pickles)."""
+    idx = np.arange(len(etas_u), dtype=np.intp)
+    return _solve_problems(factors, etas_u, etas_v, idx, inits, method, max_iter, tol,
+                           return_history)
+
+
+def _warn_not_converged(result, where, stacklevel):
+    warnings.warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
+                  f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
+                  ConvergenceWarning, stacklevel=stacklevel + 1)
+
+
+def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
+          init=None, return_history=False):
+    """Solve SparseMAP: ``argmax_{y in simplex} eta^T A y - 1/2 ||M y||^2`` (eq. 6).
+
+    Parameters
+    ----------
+    factor : Factor
+        Any factor (:class:`SequenceFactor`, :class:`TreeFactor`,
+        :class:`MatchingFactor`, :class:`GenericFactor`, :class:`OracleFactor`, ...).
+    eta_u : array_like, shape ``factor.shape_u``
+        Unary scores. ``-inf`` forbids a part (a mask): no structure in the
+        support uses it, so ``u`` and the Jacobian are 0 there.
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Additional scores (zeros when omitted); ``-inf`` forbids a part too.
+    method : {"active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
+        The active set (Cython, exact; Appendix A.2) or a conditional-gradient
+        variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
+        blended pairwise (Tsuji, Tanaka and Pokutta, 2022).
+    max_iter : int, optional
+        Iteration limit (default 10000).
+    tol : float, default 1e-12
+        The solve has converged when the Wolfe gap satisfies
+        ``gap <= tol * max(1, sum |eta_u * u| + sum |eta_v * v| + ||u||^2)``
+        (elementwise products): absolute for scores of order one, relative for
+        large ones. The active set also stops, as stalled (``converged=False``
+        unless the gap meets the tolerance), when round-off makes it cycle: a
+        support it has met at one of the last 64 MAP calls comes back a second
+        time after a refactorisation.
+    init : SparseMAPResult or list of structures, optional
+        Warm start: the active set starts from these structures with uniform
+        weights; repeated ones are skipped, as are ones that use a forbidden
+        part, and one affinely dependent on those before it replaces one of
+        them (as in the solver's own insertions). Any valid structures of the
+        factor will do. Active set only.
+    return_history : bool, default False
+        Record objective, gap, support size and seconds at every iteration
+        (this costs one extra MAP call on iterations that make none).
+
+    Returns
+    -------
+    SparseMAPResult
+
+    Raises
+    ------
+    ValueError
+        Invalid arguments (named in the message): scores of the wrong shape,
+        complex, or holding nan or ``+inf``; or every structure uses a
+        forbidden part.
+
+    Warns
+    -----
+    ConvergenceWarning
+        When the gap is above tolerance at return (``converged=False``); the
+        best iterate is still returned, with its gap.
+
+    See Also
+    --------
+    solve_batch : many problems at once, in threads.
+    """
+    _check_factor(factor)
+    method, max_iter, tol = _check_options(method, max_iter, tol)
     eu, ev = factor.check_scores(eta_u, eta_v)
     S0 = _check_init(factor, init)
-    if method == "active_set":
-        raw = _active_set.active_set(factor, eu, ev, int(max_iter), float(tol), S0,
-                                     bool(return_history))
-    else:
-        if S0 is not None:
-            raise ValueError("init: warm starts are supported by method='active_set' only")
-        raw = conditional_gradient(factor, eu, ev, variant=method, max_iter=int(max_iter),
-                                   tol=float(tol), return_history=bool(return_history))
-    result = SparseMAPResult(factor, raw, method, eu, ev)
-    if not result.converged:
-        warnings.warn(f"SparseMAP ({method}) stopped after {result.n_iter} iterations with "
-                      f"gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
-                      ConvergenceWarning, stacklevel=2)
+    if S0 is not None and method != "active_set":
+        raise ValueError("init: warm starts are supported by method='active_set' only")
+    sol = _solve_problems(factor, [eu], [ev], np.zeros(1, dtype=np.intp),
+                          None if S0 is None else [S0], method, max_iter, tol,
+                          bool(return_history))[0]
+    if sol.status == STATUS_INFEASIBLE:
+        raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
+    result = SparseMAPResult(factor, sol, method, (eu, ev))
+    if sol.status != STATUS_CONVERGED:
+        _warn_not_converged(result, "", 2)
     return result
+
+
+# -- batches -----------------------------------------------------------------------------
+
+def _default_jobs():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
+def _check_n_jobs(n_jobs):
+    if n_jobs is None:
+        return _default_jobs()
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs < 1:
+        raise ValueError(f"n_jobs: expected None (all cores) or a positive integer, got {n_jobs!r}")
+    return int(n_jobs)
+
+
+_pool_lock = threading.Lock()
+_pool = None            # (pid, size, ThreadPoolExecutor), shared by every batch call
+
+
+def _thread_pool(n_threads):
+    """A process-wide pool of at least n_threads threads (rebuilt after a fork)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] < n_threads:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            _pool = (os.getpid(), n_threads, concurrent.futures.ThreadPoolExecutor(
+                max_workers=n_threads, thread_name_prefix="sparsemap"))
+        return _pool[2]
+
+
+def _chunks(costs, n_jobs):
+    """Problem indices cut into chunks, most expensive problems first (1 chunk if serial)."""
+    n = len(costs)
+    order = np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
+    n_chunks = 1 if n_jobs == 1 else min(n, CHUNKS_PER_JOB * n_jobs)
+    return [c for c in np.array_split(order, max(n_chunks, 1)) if len(c)]
+
+
+def _run_chunks(fn, chunks, n_jobs):
+    """``[fn(c) for c in chunks]``, the chunks taken in turn by n_jobs threads (the caller's too).
+
+    Once a chunk raises, no new chunk starts; the error of the first failing
+    chunk is raised after every thread stopped.
+    """
+    n_threads = min(n_jobs, len(chunks))
+    if n_threads <= 1:
+        return [fn(c) for c in chunks]
+    out = [None] * len(chunks)
+    errors = {}
+    lock = threading.Lock()
+    pending = iter(range(len(chunks)))
+
+    def work():
+        while True:
+            with lock:
+                c = None if errors else next(pending, None)
+            if c is None:
+                return
+            try:
+                out[c] = fn(chunks[c])
+            except BaseException as exc:  # re-raised in the caller
+                with lock:
+                    errors[c] = exc
+                return
+
+    pool = _thread_pool(n_threads - 1)
+    futures = [pool.submit(work) for _ in range(n_threads - 1)]
+    work()
+    concurrent.futures.wait(futures)
+    if errors:
+        raise errors[min(errors)]
+    return out
+
+
+def _batch_size(name, x):
+    try:
+        return len(x)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence of arrays or a stacked array, got "
+                         f"{type(x).__name__}")
+
+
+def _check_batch_scores(factors, shared, x, name, on_v, B, masks=True):
+    """Validated scores of a batch: a 2-d (B, n) float64 array, or a list of flat arrays.
+
+    A stacked array is checked in one pass; only a row holding non-finite values
+    goes through the factor's per-entry screening.
+    """
+    if isinstance(x, np.ndarray):
+        f0 = factors if shared else (factors[0] if B else None)
+        shape = () if f0 is None else (f0.shape_v if on_v else f0.shape_u)
+        if not shared:
+            for i, f in enumerate(factors):
+                if (f.shape_v if on_v else f.shape_u) != shape:
+                    raise ValueError(f"{name}: a stacked array needs factors of one shape "
+                                     f"(factors[{i}] differs from factors[0]); pass a list "
+                                     f"with one array per problem")
+        arr = _real_array(x, name)
+        if arr.shape != (B,) + shape:
+            raise ValueError(f"{name}: expected shape {(B,) + shape} (one row per problem), "
+                             f"got {arr.shape}")
+        arr = np.ascontiguousarray(arr).reshape(B, int(np.prod(shape, dtype=np.int64)))
+        flags = scan_values(arr.reshape(-1))
+        if not flags:
+            return arr
+        if shared:
+            ignored = factors._ignored_entries(on_v)
+            if ignored is not None:   # they accept anything: set them to 0, all rows at once
+                arr = arr.copy()
+                arr[:, ignored] = 0.0
+                flags = scan_values(arr.reshape(-1))
+            if flags & SCAN_BAD or not masks:
+                for i in range(B):    # raise, naming the first bad problem
+                    if scan_values(arr[i]):
+                        factors._screen(arr[i], f"{name}[{i}]", on_v, masks, scan_values(arr[i]))
+            return arr
+        out = arr
+        for i in range(B):
+            row_flags = scan_values(arr[i])
+            if row_flags:
+                screened = factors[i]._screen(arr[i], f"{name}[{i}]", on_v, masks, row_flags)
+                if screened is not arr[i] and not np.shares_memory(screened, arr):
+                    if out is arr:
+                        out = arr.copy()
+                    out[i] = screened
+        return arr
+    items = list(x)
+    if len(items) != B:
+        raise ValueError(f"{name}: expected {B} entries (one per problem), got {len(items)}")
+    out = []
+    for i, item in enumerate(items):
+        f = factors if shared else factors[i]
+        if item is None and on_v:
+            out.append(None)
+        else:
+            out.append(f._check_array(item, f"{name}[{i}]", on_v, masks))
+    return out
+
+
+def _check_batch(factors, etas_u, etas_v):
+    B = _batch_size("etas_u", etas_u)
+    shared = isinstance(factors, Factor)
+    if not shared:
+        if isinstance(factors, (str, bytes)) or not hasattr(factors, "__len__"):
+            raise ValueError(f"factors: expected a Factor or a sequence of factors, got "
+                             f"{type(factors).__name__}")
+        factors = list(factors)
+        if len(factors) != B:
+            raise ValueError(f"factors: expected one factor per problem ({B}, the length of "
+                             f"etas_u), got {len(factors)}")
+        for i, f in enumerate(factors):
+            _check_factor(f, f"factors[{i}]")
+    eus = _check_batch_scores(factors, shared, etas_u, "etas_u", False, B)
+    evs = None
+    if etas_v is not None:
+        if _batch_size("etas_v", etas_v) != B:
+            raise ValueError(f"etas_v: expected {B} entries (one per problem), got {len(etas_v)}")
+        evs = _check_batch_scores(factors, shared, etas_v, "etas_v", True, B)
+    return B, factors, shared, eus, evs
+
+
+def _problem_cost(f):
+    return f.n_u + f.n_v
+
+
+def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **solve_kw):
+    """Solve many SparseMAP problems, in threads (or any executor).
+
+    Parameters
+    ----------
+    factors : Factor or sequence of Factor
+        One factor shared by every problem, or one per problem (for example
+        trees over sentences of different lengths).
+    etas_u : sequence of array_like, or ndarray
+        The unary scores of each problem: a sequence of arrays, or one stacked
+        array whose leading axis is the problem (then every factor has the
+        same shape). ``-inf`` forbids a part, as in :func:`solve`.
+    etas_v : None, sequence or ndarray, optional
+        The additional scores, likewise; entries of a sequence may be None
+        (zeros).
+    n_jobs : int, optional
+        Threads to use, the calling thread included: None means every core
+        this process may run on, 1 runs serially in the calling thread. The
+        solves run without the GIL, so threads scale with the cores (except
+        for an :class:`OracleFactor`, whose callbacks hold the GIL).
+    executor : concurrent.futures.Executor, optional
+        Run the problems there instead of in threads: a
+        ``ProcessPoolExecutor``, or the executor of a Dask or Ray cluster
+        (any object with an Executor's ``submit``). Factors, scores and
+        results travel by pickle, so an :class:`OracleFactor` needs picklable
+        callables (module-level functions, not lambdas). The batch is cut into
+        ``4 * n_jobs`` tasks (``n_jobs=None``: this machine's cores).
+    **solve_kw
+        ``method``, ``max_iter``, ``tol``, ``return_history`` as for
+        :func:`solve`, applied to every problem; ``init``, if given, is a
+        sequence with one warm start per problem (None entries: cold).
+
+    Returns
+    -------
+    list of SparseMAPResult
+        In input order, bitwise equal to ``solve`` on each problem.
+
+    Raises
+    ------
+    ValueError
+        Invalid arguments; the message names the problem, as in
+        ``etas_u[3]: expected shape (11, 11), got (12, 12)``, or
+        ``etas_u[3]: every structure ... uses a forbidden part``.
+
+    Warns
+    -----
+    ConvergenceWarning
+        For each problem that did not converge, naming it.
+
+    See Also
+    --------
+    vjp_batch, jvp_batch : the backward pass of a batch.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> rng = np.random.default_rng(0)
+    >>> f = sm.SequenceFactor(5, 3)
+    >>> etas_u = rng.standard_normal((8, 5, 3))         # 8 problems, stacked
+    >>> rs = sm.solve_batch(f, etas_u, n_jobs=2)
+    >>> len(rs), all(np.array_equal(r.u, sm.solve(f, e).u) for r, e in zip(rs, etas_u))
+    (8, True)
+    """
+    unknown = set(solve_kw) - {"method", "max_iter", "tol", "init", "return_history"}
+    if unknown:
+        raise TypeError(f"solve_batch() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+                                           solve_kw.get("max_iter"),
+                                           solve_kw.get("tol", DEFAULT_TOL))
+    return_history = bool(solve_kw.get("return_history", False))
+    n_jobs = _check_n_jobs(n_jobs)
+    if executor is not None and not callable(getattr(executor, "submit", None)):
+        raise ValueError(f"executor: expected a concurrent.futures.Executor (an object with "
+                         f"submit), got {type(executor).__name__}")
+    B, factors, shared, eus, evs = _check_batch(factors, etas_u, etas_v)
+    inits = None
+    if solve_kw.get("init") is not None:
+        init = solve_kw["init"]
+        if isinstance(init, SparseMAPResult) or _batch_size("init", init) != B:
+            raise ValueError(f"init: expected one warm start per problem (a sequence of {B} "
+                             f"results, lists of structures or None)")
+        inits = [_check_init(factors if shared else factors[i], s, f"init[{i}]")
+                 for i, s in enumerate(init)]
+        if method != "active_set" and any(s is not None for s in inits):
+            raise ValueError("init: warm starts are supported by method='active_set' only")
+    if B == 0:
+        return []
+
+    fs = [factors] * B if shared else factors
+    chunks = _chunks([0] * B if shared else [_problem_cost(f) for f in factors], n_jobs)
+    if executor is None:
+        def run(idx):
+            return _solve_problems(factors, eus, evs, idx, inits, method, max_iter, tol,
+                                   return_history)
+        sols = _gather(chunks, _run_chunks(run, chunks, n_jobs), B)
+    else:
+        futures = [executor.submit(
+            _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
+            _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
+            for idx in chunks]
+        sols = _gather(chunks, [fut.result() for fut in futures], B)
+        for f, sol in zip(fs, sols):
+            sol.factor = f   # the caller's factor objects, not copies
+    for i, sol in enumerate(sols):
+        if sol.status == STATUS_INFEASIBLE:
+            raise ValueError(fs[i]._infeasible_message(_names(fs[i], "etas_u", "etas_v",
+                                                              f"[{i}]")))
+    if method == "active_set":   # the scores are kept for CG's backward pass only
+        results = [SparseMAPResult(f, sol, method) for f, sol in zip(fs, sols)]
+    else:
+        results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i)))
+                   for i, (f, sol) in enumerate(zip(fs, sols))]
+    for i, r in enumerate(results):
+        if r._sol.status != STATUS_CONVERGED:
+            _warn_not_converged(r, f"problem {i}: ", 2)
+    return results
+
+
+def _gather(chunks, parts, n):
+    """Outputs per chunk back in problem order."""
+    out = [None] * n
+    for idx, part in zip(chunks, parts):
+        for i, o in zip(idx.tolist(), part):
+            out[i] = o
+    return out
+
+
+def _take(xs, idx):
+    """Entries idx (an index array, or one index) of None, a stacked array or a list."""
+    if xs is None:
+        return None
+    if isinstance(xs, np.ndarray) or np.ndim(idx) == 0:
+        return xs[idx]
+    return [xs[i] for i in idx]
+
+
+def _check_results(results):
+    rs = list(results)
+    for i, r in enumerate(rs):
+        if not isinstance(r, SparseMAPResult):
+            raise ValueError(f"results[{i}]: expected a SparseMAPResult, got {type(r).__name__}")
+    return rs
+
+
+def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
+    sols = [r._backward_solution() for r in rs]
+    chunks = _chunks([s.n_support * s.factor.n_u for s in sols], n_jobs)
+
+    def run(idx):
+        return _active_set.jacobian_chunk([sols[i] for i in idx], _take(ins_u, idx),
+                                          _take(ins_v, idx), transpose)
+    return _gather(chunks, _run_chunks(run, chunks, n_jobs), len(rs))
+
+
+def vjp_batch(results, dus, *, n_jobs=None):
+    """:meth:`SparseMAPResult.vjp` of many results, in threads.
+
+    Parameters
+    ----------
+    results : sequence of SparseMAPResult
+        For example from :func:`solve_batch`.
+    dus : sequence of array_like, or ndarray
+        Gradient with respect to each ``u``; a stacked array when all
+        results share one shape.
+    n_jobs : int, optional
+        Threads, as for :func:`solve_batch`.
+
+    Returns
+    -------
+    list of (g_eta_u, g_eta_v)
+        Bitwise equal to ``r.vjp(du)`` for each pair.
+    """
+    rs = _check_results(results)
+    n_jobs = _check_n_jobs(n_jobs)
+    factors = [r.factor for r in rs]
+    B = len(rs)
+    if _batch_size("dus", dus) != B:
+        raise ValueError(f"dus: expected {B} entries (one per result), got {len(dus)}")
+    if B == 0:
+        return []
+    g = _check_batch_scores(factors, False, dus, "dus", False, B, masks=False)
+    return _backward_batch(rs, g, None, True, n_jobs)
+
+
+def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
+    """:meth:`SparseMAPResult.jvp` of many results, in threads.
+
+    Parameters
+    ----------
+    results : sequence of SparseMAPResult
+    d_etas_u : sequence of array_like, or ndarray
+        A direction for each ``eta_u``.
+    d_etas_v : None, sequence or ndarray, optional
+        A direction for each ``eta_v`` (None, or None entries: zeros).
+    n_jobs : int, optional
+        Threads, as for :func:`solve_batch`.
+
+    Returns
+    -------
+    list of ndarray
+        ``du`` for each result, bitwise equal to ``r.jvp(d_eta_u, d_eta_v)``.
+    """
+    rs = _check_results(results)
+    n_jobs = _check_n_jobs(n_jobs)
+    factors = [r.factor for r in rs]
+    B = len(rs)
+    for name, x in (("d_etas_u", d_etas_u), ("d_etas_v", d_etas_v)):
+        if x is not None and _batch_size(name, x) != B:
+            raise ValueError(f"{name}: expected {B} entries (one per result), got {len(x)}")
+    if B == 0:
+        return []
+    du = _check_batch_scores(factors, False, d_etas_u, "d_etas_u", False, B, masks=False)
+    dv = None
+    if d_etas_v is not None:
+        dv = _check_batch_scores(factors, False, d_etas_v, "d_etas_v", True, B, masks=False)
+        if isinstance(dv, list):
+            dv = [None if f.n_v == 0 else d for f, d in zip(factors, dv)]
+    return _backward_batch(rs, du, dv, False, n_jobs)

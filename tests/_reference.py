@@ -309,3 +309,34 @@ def all_matchings(n_rows, n_cols):
             s[list(rows)] = cols
             out.append(s)
     return out
+
+
+# -- dense columns of structures, built without the package ----------------------------
+
+def sequence_column(tags, n_states):
+    """(m_s, n_s) of a tag sequence: m_s[i, t] = [tags[i] == t] (n, m) and
+    n_s[i, a, b] = [tags[i] == a and tags[i + 1] == b] (n - 1, m, m)."""
+    n = len(tags)
+    m_s = np.zeros((n, n_states))
+    m_s[np.arange(n), tags] = 1.0
+    n_s = np.zeros((max(n - 1, 0), n_states, n_states))
+    for i in range(n - 1):
+        n_s[i, tags[i], tags[i + 1]] = 1.0
+    return m_s, n_s
+
+
+def arc_matrix(heads):
+    """The 0/1 arc matrix m[h, m] = [heads[m] == h] of a head array."""
+    m = np.zeros((len(heads), len(heads)))
+    for w in range(1, len(heads)):
+        m[heads[w], w] = 1
+    return m
+
+
+def matching_matrix(s, n_cols):
+    """The 0/1 matrix with ones at (i, s[i]) for the matched rows (s[i] != -1)."""
+    m = np.zeros((len(s), n_cols))
+    for i, c in enumerate(s):
+        if c != -1:
+            m[i, c] = 1.0
+    return m

@@ -6,6 +6,19 @@
 # Every method returns 0 on success and -1 with a Python exception set on error,
 # so factors written in Python (which need the GIL) fit the same interface;
 # typed factors never fail and the check costs one comparison.
+#
+# Masks. A score of -inf forbids a part, and c_map must then return a
+# structure using no forbidden part whenever one exists. Max-sum recursions
+# and argmax / sort oracles do this unchanged (-inf + x = -inf, and -inf never
+# wins a comparison); guard subtractions of two scores (inf - inf is nan) and
+# scalings such as max |eta| against infinite entries. When every structure
+# uses a forbidden part, c_map returns 1 (or any structure: its -inf score
+# tells the solvers); callers then raise a ValueError. c_score of a structure
+# that avoids the forbidden parts must stay finite: with explicit columns,
+# skip the parts a structure does not use (0 * -inf is nan). Entries c_map
+# never reads are listed by the Python hook _ignored_entries and accept any
+# value. u, and both Jacobian products, are then exactly 0 on forbidden parts
+# without further work, since no structure in a support uses one.
 
 cdef class Factor:
     cdef readonly Py_ssize_t n_u          # length of the flattened eta_u / u
@@ -21,6 +34,7 @@ cdef class Factor:
 
     # Best structure for scores (eta_u, eta_v), written to out[:struct_size].
     # work points to at least work_bytes bytes, 16-byte aligned, owned by the caller.
+    # Returns 1 when every structure uses a forbidden part (see Masks above).
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil
     # out[0] = a_s . [eta_u; eta_v]  (eta_v may be NULL when n_v == 0)

@@ -7,6 +7,17 @@ gets ``map``, ``vertex``, ``score``, ``overlap`` and ``add_column`` for free.
 """
 import numpy as np
 
+from libc.math cimport INFINITY
+
+# Value classes found by _scan.
+cdef enum:
+    HAS_NEGINF = 1   # -inf somewhere: a forbidden part
+    HAS_BAD = 2      # nan or +inf somewhere
+
+
+class _NoAllowedStructure(ValueError):
+    """Every structure uses a forbidden part (MAP on masked scores)."""
+
 
 def _sizes_message(name, expected, got):
     return f"{name}: expected shape {tuple(expected)}, got {tuple(got)}"
@@ -87,7 +98,7 @@ cdef class Factor:
         return f"{type(self).__name__}({args})"
 
     # -- validation shared by every family ------------------------------------
-    def check_scores(self, eta_u, eta_v=None, names=("eta_u", "eta_v")):
+    def check_scores(self, eta_u, eta_v=None, names=("eta_u", "eta_v"), masks=True):
         """Validate scores and return them as flat C-contiguous float64 arrays.
 
         Parameters
@@ -98,24 +109,73 @@ cdef class Factor:
             ``eta_v``).
         names : pair of str
             Argument names used in error messages.
+        masks : bool, default True
+            Accept ``-inf``, which forbids a part (see "Masks" in the solvers
+            documentation). Directions and gradients pass ``False``.
 
         Returns
         -------
         eta_u, eta_v : ndarray of float64, 1-d
             Copies are made only when the input is not already float64 and
-            C-contiguous.
+            C-contiguous, or when entries the factor ignores hold non-finite
+            values (they are set to 0).
 
         Raises
         ------
         ValueError
-            Wrong shape, or non-finite values.
+            Wrong shape; complex, boolean or non-numeric values; nan or
+            ``+inf`` (and ``-inf`` unless ``masks``) in an entry the factor
+            reads.
         """
-        eu = _as_float_array(eta_u, names[0], self.shape_u)
+        eu = self._check_array(eta_u, names[0], False, masks)
         if eta_v is None:
             ev = np.zeros(self.n_v, dtype=np.float64)
         else:
-            ev = _as_float_array(eta_v, names[1], self.shape_v)
-        return eu.reshape(-1), ev.reshape(-1)
+            ev = self._check_array(eta_v, names[1], True, masks)
+        return eu, ev
+
+    def _check_array(self, x, name, bint on_v, bint masks):
+        """One score array (``eta_v``-shaped if on_v), flat float64; see check_scores."""
+        shape = self.shape_v if on_v else self.shape_u
+        arr = _real_array(x, name)
+        if arr.shape != shape:
+            if arr.size == 0 and (self.n_v if on_v else self.n_u) == 0:
+                return np.zeros(0, dtype=np.float64)
+            raise ValueError(_sizes_message(name, shape, arr.shape))
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        cdef int flags = scan_values(flat)
+        if flags:
+            flat = self._screen(flat, name, on_v, masks, flags)
+        return flat
+
+    def _screen(self, flat, name, bint on_v, bint masks, int flags):
+        """Slow path of validation, for arrays holding non-finite values.
+
+        Entries the factor ignores (:meth:`_ignored_entries`) accept any value
+        and are set to 0 in a copy; elsewhere nan and +inf raise, and -inf
+        (a forbidden part) raises unless ``masks``.
+        """
+        ignored = self._ignored_entries(on_v)
+        if ignored is not None and len(ignored):
+            flat = flat.copy()
+            flat[ignored] = 0.0
+            flags = scan_values(flat)
+        if flags & HAS_BAD:
+            if masks:
+                raise ValueError(f"{name}: contains non-finite values other than -inf (nan or "
+                                 f"+inf); only -inf is accepted, to forbid a part")
+            raise ValueError(f"{name}: contains non-finite values (nan or inf)")
+        if flags & HAS_NEGINF and not masks:
+            raise ValueError(f"{name}: contains non-finite values (-inf)")
+        return flat
+
+    def _ignored_entries(self, bint on_v):
+        """Flat indices of the ``eta_u`` (``eta_v`` if on_v) entries MAP never reads.
+
+        They accept any value, non-finite included. Override in a factor that
+        ignores some entries (the tree's diagonal and column 0); None: none.
+        """
+        return None
 
     def check_structure(self, s, name="s"):
         """Validate a compact structure and return it as a C int array.
@@ -178,20 +238,43 @@ cdef class Factor:
         -------
         structure
             The highest-scoring structure in the factor's compact form; ties
-            are broken deterministically.
+            are broken deterministically. A ``-inf`` score forbids a part: the
+            structure returned uses none.
+
+        Raises
+        ------
+        ValueError
+            Invalid scores (see :meth:`check_scores`), or every structure uses
+            a forbidden part.
         """
         eu, ev = self.check_scores(eta_u, eta_v)
         return self._to_public(self._map_flat(eu, ev))
 
     def _map_flat(self, double[::1] eu, double[::1] ev):
+        """MAP on validated flat scores, as an intc array; ValueError when every
+        structure uses a forbidden part (a -inf score)."""
         cdef out = np.empty(self.struct_size, dtype=np.intc)
         cdef double[::1] work = np.empty(self.work_bytes // 8 + 2, dtype=np.float64)
         cdef int[::1] o = out
         cdef const double* pu = &eu[0] if eu.shape[0] > 0 else NULL
         cdef const double* pv = &ev[0] if ev.shape[0] > 0 else NULL
+        cdef int rc
+        cdef double score = 0
         with nogil:
-            self.c_map(pu, pv, &o[0], <char*> &work[0])
+            rc = self.c_map(pu, pv, &o[0], <char*> &work[0])
+            if rc == 0:
+                self.c_score(&o[0], pu, pv, &score)
+        if rc != 0 or not (score > -INFINITY):
+            raise _NoAllowedStructure(self._infeasible_message("eta_u" if self.n_v == 0 else "eta_u, eta_v",
+                                                      score))
         return out
+
+    def _infeasible_message(self, names, double score=-INFINITY):
+        if score != score:
+            return (f"{names}: the MAP structure of {type(self).__name__} scores nan (with "
+                    f"-inf scores, a structure's score must ignore the parts it does not use)")
+        return (f"{names}: every structure of {type(self).__name__} uses a forbidden part "
+                f"(a -inf score); no structure is allowed")
 
     def vertex(self, s):
         """Dense column of a structure.
@@ -272,38 +355,79 @@ cdef class Factor:
         self.c_add(&sa[0], w, &uv[0] if self.n_u else NULL, pv)
 
 
-def _as_float_array(x, name, tuple shape):
-    """Float64 C-contiguous array of the given shape, or a ValueError naming ``name``."""
+# Bits of -inf, the one non-finite score that is allowed (it forbids a part).
+cdef unsigned long long NEGINF_BITS = 0xfff0000000000000ULL
+
+
+cdef int _scan(const double* x, Py_ssize_t n) noexcept nogil:
+    """HAS_NEGINF | HAS_BAD flags of x (-inf; nan or +inf), in one vectorisable pass."""
+    # nan and +-inf are exactly the doubles whose exponent bits are all ones; an
+    # integer OR-reduction over them vectorises, where float comparisons would not.
+    cdef Py_ssize_t i
+    cdef const unsigned long long* bits = <const unsigned long long*> x
+    cdef unsigned long long b, neg = 0, bad = 0
+    for i in range(n):
+        b = bits[i]
+        neg |= b == NEGINF_BITS
+        bad |= (((b >> 52) & 0x7ff) == 0x7ff) & (b != NEGINF_BITS)
+    return (HAS_NEGINF if neg else 0) | (HAS_BAD if bad else 0)
+
+
+def scan_values(const double[::1] x):
+    """``HAS_NEGINF | HAS_BAD`` flags of a flat float64 array: -inf; nan or +inf."""
+    if x.shape[0] == 0:
+        return 0
+    return _scan(&x[0], x.shape[0])
+
+
+SCAN_NEGINF, SCAN_BAD = HAS_NEGINF, HAS_BAD
+
+
+def _real_array(x, name, bint allow_bool=False):
+    """``x`` as a float64 ndarray (no copy when it already is one).
+
+    Complex input raises instead of losing its imaginary part (NumPy would only
+    warn), and so do strings, other non-numeric dtypes and, unless
+    ``allow_bool``, booleans: a boolean array passed as scores is most likely a
+    mask meant to forbid parts, which is written with ``-inf``.
+    """
+    if type(x) is np.ndarray and x.dtype == np.float64:
+        return x
     if x is None:
-        raise ValueError(f"{name}: expected an array of shape {shape}, got None")
+        raise ValueError(f"{name}: expected an array of floats, got None")
     try:
-        arr = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: expected an array of floats of shape {shape} ({exc})")
+        arr = np.asarray(x)
+    except Exception as exc:  # ragged lists and other junk
+        raise ValueError(f"{name}: expected an array of floats ({exc})")
+    kind = arr.dtype.kind
+    if kind == "c":
+        raise ValueError(f"{name}: expected real values, got complex dtype {arr.dtype} "
+                         f"(pass np.real(...) if the imaginary part should be dropped)")
+    if kind == "b" and not allow_bool:
+        raise ValueError(f"{name}: expected real scores, got a boolean array (to forbid "
+                         f"parts, put -inf in the scores: np.where(allowed, scores, -np.inf))")
+    if kind == "O":
+        try:
+            return arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: expected an array of floats ({exc})")
+    if kind not in "biuf":
+        raise ValueError(f"{name}: expected an array of floats, got dtype {arr.dtype}")
+    return arr.astype(np.float64, copy=False)
+
+
+def _as_float_array(x, name, tuple shape):
+    """Float64 C-contiguous array of the given shape, all finite, or a ValueError naming ``name``."""
+    arr = _real_array(x, name)
     if arr.shape != shape:
         if arr.size == 0 and int(np.prod(shape)) == 0:
             return np.zeros(shape, dtype=np.float64)
         raise ValueError(_sizes_message(name, shape, arr.shape))
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    if not _all_finite(arr.reshape(-1)):
+    if scan_values(arr.reshape(-1)):
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
     return arr
-
-
-cdef bint _all_finite(const double[::1] x) noexcept:
-    # nan and +-inf are exactly the doubles whose exponent bits are all ones; an
-    # integer OR-reduction over them vectorises, where a float sum would not.
-    cdef Py_ssize_t i, n = x.shape[0]
-    cdef const unsigned long long* bits
-    cdef unsigned long long bad = 0
-    if n == 0:
-        return True
-    bits = <const unsigned long long*> &x[0]
-    with nogil:
-        for i in range(n):
-            bad |= ((bits[i] >> 52) & 0x7ff) == 0x7ff
-    return bad == 0
 
 
 def _as_out_array(x, name, shape):

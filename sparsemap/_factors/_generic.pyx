@@ -1,8 +1,10 @@
 """Generic factors: explicit columns (GenericFactor) and a user's own MAP oracle (OracleFactor)."""
 import numpy as np
 
+from libc.math cimport INFINITY
+
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import check_positive_int
+from sparsemap._factors._base import _real_array, check_positive_int
 
 
 cdef class GenericFactor(Factor):
@@ -65,10 +67,10 @@ cdef class GenericFactor(Factor):
         cdef Py_ssize_t j
         cdef double acc = 0
         for j in range(self.n_u):
-            acc += self.Mt[s, j] * eta_u[j]
+            acc += _term(self.Mt[s, j], eta_u[j])
         if eta_v != NULL:
             for j in range(self.n_v):
-                acc += self.Nt[s, j] * eta_v[j]
+                acc += _term(self.Nt[s, j], eta_v[j])
         return acc
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
@@ -80,6 +82,8 @@ cdef class GenericFactor(Factor):
             if val > best:
                 best = val
                 arg = s
+        if best == -INFINITY:
+            return 1    # every column has a nonzero at a forbidden part
         out[0] = arg
         return 0
 
@@ -107,11 +111,23 @@ cdef class GenericFactor(Factor):
         return 0
 
 
+cdef inline double _term(double c, double e) noexcept nogil:
+    """Contribution ``c * e`` of one part to a column's score.
+
+    A part the column does not use (``c == 0``) contributes 0 even at an
+    infinite score (``0 * -inf`` is nan), and a used part with an infinite
+    score contributes that score whatever the sign of ``c``: ``-inf`` forbids
+    the column (``-1 * -inf`` would be ``+inf``).
+    """
+    if c == 0.0:
+        return 0.0
+    if e == INFINITY or e == -INFINITY:
+        return e
+    return c * e
+
+
 def _as_matrix(X, name, allow_empty_rows=False):
-    try:
-        X = np.array(X, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: expected a 2-d array of floats ({exc})")
+    X = np.array(_real_array(X, name, allow_bool=True), dtype=np.float64)
     if X.ndim != 2:
         raise ValueError(f"{name}: expected a 2-d array (n_{name.lower()}, n_structures), "
                          f"got shape {X.shape}")
@@ -199,9 +215,14 @@ cdef class OracleFactor(Factor):
         return self.vertex_fn(s)
 
     def oracle_score(self, s, eta_u, eta_v):
-        """``a_s . eta``; the default goes through :meth:`oracle_vertex`."""
+        """``a_s . eta``; the default goes through :meth:`oracle_vertex`.
+
+        With masks, the score of a structure must ignore the parts it does not
+        use (``0 * -inf`` is nan) and be ``-inf`` when it uses a part scored
+        ``-inf``; the default does both.
+        """
         m, n = self._dense(s)
-        return float(m @ eta_u.reshape(-1) + n @ eta_v.reshape(-1))
+        return _column_score(m, eta_u.reshape(-1)) + _column_score(n, eta_v.reshape(-1))
 
     def oracle_overlap(self, s, t):
         """``m_s . m_t``; the default goes through :meth:`oracle_vertex`."""
@@ -213,13 +234,13 @@ cdef class OracleFactor(Factor):
             m, n = out
         else:
             m, n = out, None
-        m = np.asarray(m, dtype=np.float64).reshape(-1)
+        m = _real_array(m, "oracle_vertex() result", allow_bool=True).reshape(-1)
         if m.shape != (self.n_u,):
             raise ValueError(f"oracle_vertex: expected m of size {self.n_u}, got shape {m.shape}")
         if n is None or self.n_v == 0:
             n = np.zeros(self.n_v)
         else:
-            n = np.asarray(n, dtype=np.float64).reshape(-1)
+            n = _real_array(n, "oracle_vertex() result", allow_bool=True).reshape(-1)
             if n.shape != (self.n_v,):
                 raise ValueError(f"oracle_vertex: expected n of size {self.n_v}, got shape {n.shape}")
         return m, n
@@ -268,6 +289,16 @@ cdef class OracleFactor(Factor):
                 for j in range(self.n_v):
                     v[j] += w * n[j]
         return 0
+
+
+def _column_score(m, eta):
+    """``m . eta`` over the parts ``m`` uses, -inf if one of them scores -inf (see _term)."""
+    used = m != 0
+    e = eta[used]
+    inf = np.isinf(e)
+    if inf.any():
+        return float(e[inf].min())   # only -inf in scores (+inf in their absolute values)
+    return float(m[used] @ e)
 
 
 def _rebuild_oracle(cls, map_fn, vertex_fn, shape_u, shape_v, k, state):

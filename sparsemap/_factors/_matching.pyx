@@ -51,6 +51,11 @@ cdef class MatchingFactor(Factor):
     could overflow are scaled by an exact power of two first, which leaves the
     optimal matching unchanged.
 
+    A ``-inf`` score forbids a pair: the augmenting paths then run over the
+    allowed pairs only (a forbidden pair's reduced cost is ``+inf``, never
+    reached while a finite path exists, so no ``inf - inf`` arises), and no
+    finite path left means that no matching avoids the forbidden pairs.
+
     Ties are broken deterministically; in particular, constant scores give the
     diagonal matching ``s[i] = i`` for ``i < min(n_rows, n_cols)`` (and ``-1``
     for the remaining rows). ``score``, ``overlap`` and ``add_column`` are
@@ -133,7 +138,7 @@ cdef class MatchingFactor(Factor):
         maxabs = 0.0
         for e in range(k * K):
             d = fabs(eta_u[e])
-            if d > maxabs:
+            if d > maxabs and d != INFINITY:   # -inf: a forbidden pair
                 maxabs = d
         neg = -1.0
         d = DBL_MAX / (64.0 * <double> (k + K + 2))
@@ -170,11 +175,11 @@ cdef class MatchingFactor(Factor):
                 else:
                     idx = _scan(row, cs, h, neg, <int> i, n_rem, remaining, v, dist, path,
                                 row4col, &lowest)
-                if idx < 0:
-                    # unreachable with finite scores; never loop or read out of bounds
-                    with gil:
-                        raise RuntimeError("MatchingFactor.map: no augmenting path "
-                                           "(non-finite reduced costs)")
+                if idx < 0 or lowest == INFINITY:
+                    # Only forbidden pairs (-inf) reach the columns left: no
+                    # matching avoids them. Otherwise every path followed is
+                    # finite, so duals and reduced costs stay finite (no inf - inf).
+                    return 1
                 min_val = lowest
                 j = remaining[idx]
                 if row4col[j] < 0:

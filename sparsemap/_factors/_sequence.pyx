@@ -1,6 +1,8 @@
 """Sequence tagging factor: first-order chain, MAP by Viterbi in O(n m^2)."""
 import numpy as np
 
+from libc.math cimport INFINITY
+
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import check_positive_int
 
@@ -25,6 +27,9 @@ cdef class SequenceFactor(Factor):
     ``eta_v[i, a, b]`` scoring tag ``a`` at ``i`` followed by ``b`` at ``i + 1``.
     MAP is Viterbi, O(n m^2); ``score``, ``overlap`` and ``add_column`` are O(n).
     Ties are broken towards the lowest tag index at each backtracking step.
+    A ``-inf`` score forbids a tag at a position (in ``eta_u``) or a
+    transition (in ``eta_v``, e.g. BIO constraints); Viterbi needs no change
+    for that, since it only adds and compares scores.
     """
     cdef readonly int n_positions
     cdef readonly int n_states
@@ -73,6 +78,8 @@ cdef class SequenceFactor(Factor):
         for b in range(1, m):
             if prev[b] > prev[arg]:
                 arg = b
+        if prev[arg] == -INFINITY:
+            return 1    # every tag sequence uses a forbidden tag or transition
         out[n - 1] = arg
         for i in range(n - 1, 0, -1):
             out[i - 1] = back[i * m + out[i]]

@@ -49,8 +49,9 @@ cdef class TreeFactor(Factor):
     Notes
     -----
     Scores: ``eta_u`` of shape ``(n + 1, n + 1)``, ``eta_u[h, m]`` scoring the
-    arc ``h -> m``; column 0 and the diagonal are ignored (they must still be
-    finite).
+    arc ``h -> m``; column 0 and the diagonal are ignored and accept any value
+    (``-inf``, nan). ``-inf`` elsewhere forbids an arc; no tree returned uses
+    one (see "Masks" in the solvers documentation).
 
     MAP:
 
@@ -74,6 +75,13 @@ cdef class TreeFactor(Factor):
     * projective, ``single_root=True``: Eisner over the words ``1..n``, then
       the root attaches the best single word ``m`` whose left and right
       complete spans cover the sentence, O(n^3).
+
+    Forbidden arcs need no penalty constant. Eisner's recursions only add
+    and compare. Chu-Liu-Edmonds subtracts in-arc scores, which stay finite
+    as long as an allowed arc enters every (super)node; one that none enters
+    proves that every tree uses a forbidden arc. With ``single_root=True``, a
+    word with no allowed word head takes the root early, and a result with
+    more than one root child proves that no single-root tree is allowed.
 
     Ties are broken deterministically: in the non-projective case every
     (super)node takes the lowest-numbered head word among its best in-arcs;
@@ -117,10 +125,14 @@ cdef class TreeFactor(Factor):
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
         if self.projective:
-            _eisner(eta_u, self.n_words, self.single_root, out, work)
-        else:
-            _cle(eta_u, self.n_words, self.single_root, out, work)
-        return 0
+            return _eisner(eta_u, self.n_words, self.single_root, out, work)
+        return _cle(eta_u, self.n_words, self.single_root, out, work)
+
+    def _ignored_entries(self, bint on_v):
+        if on_v:
+            return None
+        N = self.n_words + 1
+        return np.concatenate([np.arange(0, N * N, N), np.arange(N + 1, N * N, N + 1)])
 
     # -- vertex/column interface, O(n) --------------------------------------
     cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v,
@@ -172,8 +184,9 @@ cdef class TreeFactor(Factor):
 # holds them all, and only that supernode takes a root arc: exactly one word
 # is attached to the root, and no big penalty constant is involved.
 # ---------------------------------------------------------------------------
-cdef void _cle(const double* eta, int n, bint single_root, int* out,
-               char* work) noexcept nogil:
+cdef int _cle(const double* eta, int n, bint single_root, int* out,
+              char* work) noexcept nogil:
+    """Best arborescence into out; 1 when every one uses a forbidden (-inf) arc."""
     cdef int N = n + 1
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double* T = <double*> work
@@ -246,6 +259,11 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
                     b = j
             if b == 0:
                 bs = row[0]
+            if bs == -INFINITY:
+                # No allowed arc enters x: every tree uses a forbidden arc.
+                # While each in-score is finite, contracting subtracts only
+                # finite numbers, so -inf never meets -inf (no nan).
+                return 1
             in_score[x] = bs
             in_head[x] = b
             in_mod[x] = M[cs * N + b] if x >= N else x
@@ -345,6 +363,17 @@ cdef void _cle(const double* eta, int n, bint single_root, int* out,
                     top += 1
                 v = next_sib[v]
             z = p
+    if single_root:
+        # Without masks exactly one word takes the root. A word left with no
+        # allowed word head takes it too: then the lexicographic optimum has
+        # the fewest root children, and more than one means no single-root
+        # tree avoids the forbidden arcs.
+        k = 0
+        for m in range(1, N):
+            k += out[m] == 0
+        if k != 1:
+            return 1
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -395,8 +424,9 @@ cdef inline int _argmax_sum(const double* a, const double* b, int k) noexcept no
     return 0
 
 
-cdef void _eisner(const double* eta, int n, bint single_root, int* out,
-                  char* work) noexcept nogil:
+cdef int _eisner(const double* eta, int n, bint single_root, int* out,
+                 char* work) noexcept nogil:
+    """Best projective tree into out; 1 when every one uses a forbidden (-inf) arc."""
     cdef int N = n + 1
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double* Cr = <double*> work
@@ -440,11 +470,15 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
             if val > best:
                 best = val
                 bm = m
+        if best == -INFINITY:
+            return 1
         out[bm] = 0
         stack[0] = 1; stack[1] = 1; stack[2] = bm
         stack[3] = 0; stack[4] = bm; stack[5] = n
         top = 2
     else:
+        if Cr[n] == -INFINITY:   # the complete span 0..n headed at the root
+            return 1
         stack[0] = 0; stack[1] = 0; stack[2] = n
         top = 1
     while top > 0:
@@ -473,6 +507,7 @@ cdef void _eisner(const double* eta, int n, bint single_root, int* out,
             stack[3 * top] = 0; stack[3 * top + 1] = s; stack[3 * top + 2] = r
             stack[3 * top + 3] = 1; stack[3 * top + 4] = r + 1; stack[3 * top + 5] = t
             top += 2
+    return 0
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,287 @@
+"""solve_batch, vjp_batch and jvp_batch: bitwise equal to the serial calls, errors naming the problem."""
+import pickle
+import warnings
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import sparsemap as sm
+
+
+def same_result(r, s):
+    """Bitwise equality of everything a result reports."""
+    assert np.array_equal(r.u, s.u) and np.array_equal(r.v, s.v)
+    assert np.array_equal(r.weights, s.weights)
+    assert all(np.array_equal(a, b) for a, b in zip(r.structures, s.structures))
+    assert len(r.structures) == len(s.structures)
+    assert (r.n_iter, r.n_map, r.converged, r.message) == (s.n_iter, s.n_map, s.converged, s.message)
+    assert r.gap == s.gap or (np.isnan(r.gap) and np.isnan(s.gap))
+    assert r.objective == s.objective
+
+
+def ragged_trees(rng, B, scale=1.0, lo=2, hi=12):
+    fs = [sm.TreeFactor(int(n)) for n in rng.integers(lo, hi, size=B)]
+    return fs, [scale * rng.standard_normal(f.shape_u) for f in fs]
+
+
+def problem_sets(rng):
+    """(factors, etas_u, etas_v) for each family, shared and per-problem factors."""
+    seq = sm.SequenceFactor(6, 4)
+    mat = sm.MatchingFactor(4, 5)
+    gen = sm.GenericFactor(rng.standard_normal((5, 7)), rng.standard_normal((2, 7)))
+    trees, tree_etas = ragged_trees(rng, 13)
+    return {
+        "tree-ragged": (trees, tree_etas, None),
+        "tree-shared-stacked": (sm.TreeFactor(7, projective=True),
+                                3 * rng.standard_normal((9, 8, 8)), None),
+        "sequence-stacked": (seq, rng.standard_normal((11,) + seq.shape_u),
+                             rng.standard_normal((11,) + seq.shape_v)),
+        "sequence-list-vNone": (seq, list(rng.standard_normal((5,) + seq.shape_u)),
+                                [None, rng.standard_normal(seq.shape_v), None,
+                                 rng.standard_normal(seq.shape_v), None]),
+        "matching": (mat, list(rng.standard_normal((7, 4, 5))), None),
+        "generic": (gen, rng.standard_normal((6, 5)), rng.standard_normal((6, 2))),
+        "mixed": ([seq, mat, gen, trees[0]],
+                  [rng.standard_normal(seq.shape_u), rng.standard_normal(mat.shape_u),
+                   rng.standard_normal(gen.shape_u), tree_etas[0]],
+                  [rng.standard_normal(seq.shape_v), None, rng.standard_normal(2), None]),
+    }
+
+
+def serial(factors, etas_u, etas_v, **kw):
+    B = len(etas_u)
+    fs = factors if isinstance(factors, list) else [factors] * B
+    evs = [None] * B if etas_v is None else list(etas_v)
+    return [sm.solve(f, eu, ev, **kw) for f, eu, ev in zip(fs, etas_u, evs)]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, 3])
+def test_solve_batch_bitwise_equals_serial(n_jobs):
+    rng = np.random.default_rng(0)
+    for name, (factors, etas_u, etas_v) in problem_sets(rng).items():
+        rs = sm.solve_batch(factors, etas_u, etas_v, n_jobs=n_jobs)
+        ref = serial(factors, etas_u, etas_v)
+        assert len(rs) == len(ref), name
+        for r, s in zip(rs, ref):
+            same_result(r, s)
+            assert r.factor is s.factor
+
+
+def test_solve_batch_repeated_and_reordered_problems():
+    """A problem's result does not depend on its neighbours (workspaces are reused)."""
+    rng = np.random.default_rng(1)
+    f = sm.TreeFactor(9)
+    etas = 2 * rng.standard_normal((12, 10, 10))
+    a = sm.solve_batch(f, etas, n_jobs=2)
+    b = sm.solve_batch(f, etas[::-1].copy(), n_jobs=1)[::-1]
+    for r, s in zip(a, b):
+        same_result(r, s)
+
+
+def test_solve_kw_apply_to_every_problem():
+    rng = np.random.default_rng(2)
+    f = sm.SequenceFactor(5, 3)
+    etas = rng.standard_normal((4, 5, 3))
+    for kw in (dict(method="pairwise_cg", max_iter=50), dict(tol=1e-6),
+               dict(return_history=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sm.ConvergenceWarning)
+            rs = sm.solve_batch(f, etas, n_jobs=2, **kw)
+            ref = serial(f, etas, None, **kw)
+        for r, s in zip(rs, ref):
+            same_result(r, s)
+            if kw.get("return_history"):
+                assert all(np.array_equal(r.history[k], s.history[k])
+                           for k in ("objective", "gap", "support_size"))
+
+
+def test_warm_starts_per_problem():
+    rng = np.random.default_rng(3)
+    f = sm.TreeFactor(8)
+    etas = rng.standard_normal((5, 9, 9))
+    cold = sm.solve_batch(f, etas)
+    new = etas + 1e-3 * rng.standard_normal(etas.shape)
+    init = [cold[0], None, cold[2].structures, cold[3], None]
+    warm = sm.solve_batch(f, new, init=init, n_jobs=2)
+    for r, e, i in zip(warm, new, init):
+        same_result(r, sm.solve(f, e, init=i))
+    with pytest.raises(ValueError, match="init"):
+        sm.solve_batch(f, new, init=cold[:2])          # not one per problem
+    with pytest.raises(ValueError, match=r"init\[1\]"):
+        sm.solve_batch(f, new, init=[None, [[0] * 9], None, None, None])
+
+
+def test_backward_batches_bitwise_equal_single_products():
+    rng = np.random.default_rng(4)
+    for name, (factors, etas_u, etas_v) in problem_sets(rng).items():
+        rs = sm.solve_batch(factors, etas_u, etas_v, n_jobs=2)
+        dus = [rng.standard_normal(r.factor.shape_u) for r in rs]
+        d_v = [rng.standard_normal(r.factor.shape_v) if r.factor.n_v and i % 2 else None
+               for i, r in enumerate(rs)]
+        for n_jobs in (1, 2):
+            g = sm.vjp_batch(rs, dus, n_jobs=n_jobs)
+            d = sm.jvp_batch(rs, dus, d_v, n_jobs=n_jobs)
+            for r, du, dv, (gu, gv), dd in zip(rs, dus, d_v, g, d):
+                gu1, gv1 = r.vjp(du)
+                assert np.array_equal(gu, gu1) and np.array_equal(gv, gv1), name
+                assert gu.shape == r.factor.shape_u and gv.shape == r.factor.shape_v
+                assert np.array_equal(dd, r.jvp(du, dv)), name
+        if not isinstance(factors, list) and isinstance(etas_u, np.ndarray):
+            # stacked directions
+            G = rng.standard_normal(etas_u.shape)
+            for (gu, _), r, gi in zip(sm.vjp_batch(rs, G), rs, G):
+                assert np.array_equal(gu, r.vjp(gi)[0])
+
+
+def test_backward_batch_of_cg_results():
+    rng = np.random.default_rng(5)
+    f = sm.SequenceFactor(4, 3)
+    etas = rng.standard_normal((3, 4, 3))
+    rs = sm.solve_batch(f, etas, method="bpcg")
+    dus = rng.standard_normal((3, 4, 3))
+    for r, du, (gu, gv) in zip(rs, dus, sm.vjp_batch(rs, dus, n_jobs=2)):
+        assert np.array_equal(gu, r.vjp(du)[0]) and np.array_equal(gv, r.vjp(du)[1])
+
+
+def test_empty_batch():
+    f = sm.SequenceFactor(3, 2)
+    assert sm.solve_batch(f, []) == []
+    assert sm.solve_batch(f, np.zeros((0, 3, 2))) == []
+    assert sm.vjp_batch([], []) == [] and sm.jvp_batch([], []) == []
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda f: sm.solve_batch(f, [np.zeros((4, 3)), np.zeros((3, 3))]),
+     r"etas_u\[1\]: expected shape \(4, 3\), got \(3, 3\)"),
+    (lambda f: sm.solve_batch(f, np.zeros((5, 3, 3))), r"etas_u: expected shape \(5, 4, 3\)"),
+    (lambda f: sm.solve_batch(f, [np.zeros((4, 3))] * 3 + [np.full((4, 3), np.nan)]),
+     r"etas_u\[3\]: contains non-finite"),
+    (lambda f: sm.solve_batch(f, np.where(np.arange(60).reshape(5, 4, 3) == 40, np.inf, 0.0)),
+     r"etas_u\[3\]: contains non-finite"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), np.zeros((3, 3, 3, 3))), r"etas_v"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), [None, np.zeros((3, 3))]),
+     r"etas_v\[1\]: expected shape \(3, 3, 3\)"),
+    (lambda f: sm.solve_batch([f, f], np.zeros((3, 4, 3))), r"factors: expected one factor"),
+    (lambda f: sm.solve_batch([f, "tree"], np.zeros((2, 4, 3))), r"factors\[1\]"),
+    (lambda f: sm.solve_batch([f, sm.SequenceFactor(3, 3)], np.zeros((2, 4, 3))),
+     r"etas_u: a stacked array needs factors of one shape"),
+    (lambda f: sm.solve_batch(f, 5), r"etas_u"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), n_jobs=0), r"n_jobs"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), n_jobs=1.5), r"n_jobs"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), executor=5), r"executor"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)), method="newton"), r"method"),
+    (lambda f: sm.solve_batch(f, np.zeros((2, 4, 3)) + 0j), r"etas_u: expected real values"),
+    (lambda f: sm.vjp_batch(sm.solve_batch(f, np.zeros((2, 4, 3))), [np.zeros((4, 3))]), r"dus"),
+    (lambda f: sm.vjp_batch(sm.solve_batch(f, np.zeros((2, 4, 3))),
+                            [np.zeros((4, 3)), np.zeros((4, 2))]), r"dus\[1\]"),
+    (lambda f: sm.vjp_batch(sm.solve_batch(f, np.zeros((2, 4, 3))),
+                            [np.zeros((4, 3)), np.full((4, 3), -np.inf)]), r"dus\[1\]"),
+    (lambda f: sm.vjp_batch([sm.solve(f, np.zeros((4, 3))), None], np.zeros((2, 4, 3))),
+     r"results\[1\]"),
+    (lambda f: sm.jvp_batch(sm.solve_batch(f, np.zeros((2, 4, 3))), np.zeros((2, 4, 3)),
+                            [None, np.full((3, 3, 3), np.nan)]), r"d_etas_v\[1\]"),
+])
+def test_errors_name_the_problem(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(sm.SequenceFactor(4, 3))
+
+
+def test_unknown_keyword():
+    with pytest.raises(TypeError, match="eta"):
+        sm.solve_batch(sm.SequenceFactor(2, 2), np.zeros((1, 2, 2)), eta=1)
+
+
+def test_convergence_warnings_name_the_problem():
+    rng = np.random.default_rng(6)
+    f = sm.TreeFactor(20)
+    etas = rng.standard_normal((3, 21, 21))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rs = sm.solve_batch(f, etas, max_iter=2, n_jobs=2)
+    assert all(w.category is sm.ConvergenceWarning for w in caught)
+    assert sorted(str(w.message).split(":")[0] for w in caught) == \
+        ["problem 0", "problem 1", "problem 2"]
+    assert not any(r.converged for r in rs)
+    assert all(w.filename == __file__ for w in caught)
+
+
+def test_oracle_factor_errors_propagate_with_the_problem():
+    calls = []
+
+    def oracle(eu, ev):
+        calls.append(1)
+        if eu[0] > 10:
+            raise ZeroDivisionError("boom")
+        return int(np.argmax(eu))
+
+    f = sm.OracleFactor(oracle, lambda s: np.eye(3)[s], shape_u=3)
+    etas = np.zeros((6, 3))
+    etas[:, 1] = 1.0
+    rs = sm.solve_batch(f, etas, n_jobs=2)        # callbacks take the GIL: still correct
+    assert all(np.array_equal(r.u, [0, 1, 0]) for r in rs)
+    etas[4, 0] = 11.0
+    with pytest.raises(ZeroDivisionError, match="boom") as info:
+        sm.solve_batch(f, etas, n_jobs=1)
+    assert any("problem 4" in note for note in getattr(info.value, "__notes__", ["problem 4"]))
+
+
+def test_results_pickle_and_keep_their_backward_pass():
+    rng = np.random.default_rng(7)
+    for f, kw in ((sm.TreeFactor(6), {}), (sm.SequenceFactor(4, 3), dict(method="away_cg"))):
+        eu = rng.standard_normal(f.shape_u)
+        r = sm.solve(f, eu, **kw)
+        r.u  # a field already converted travels too
+        s = pickle.loads(pickle.dumps(r))
+        same_result(r, s)
+        du = rng.standard_normal(f.shape_u)
+        assert np.array_equal(r.vjp(du)[0], s.vjp(du)[0])
+        assert np.array_equal(r.jvp(du), s.jvp(du))
+
+
+def test_process_pool_executor():
+    rng = np.random.default_rng(8)
+    fs, etas = ragged_trees(rng, 10, scale=2.0)
+    with ProcessPoolExecutor(max_workers=2) as ex:
+        rs = sm.solve_batch(fs, etas, executor=ex, n_jobs=2)
+    ref = serial(fs, etas, None)
+    for r, s, f in zip(rs, ref, fs):
+        same_result(r, s)
+        assert r.factor is f                       # the caller's objects, not copies
+        du = rng.standard_normal(f.shape_u)
+        assert np.array_equal(r.vjp(du)[0], s.vjp(du)[0])
+
+
+def test_thread_pool_executor_and_infeasible_problem_in_executor():
+    f = sm.SequenceFactor(3, 2)
+    etas = np.zeros((4, 3, 2))
+    with ThreadPoolExecutor(2) as ex:
+        rs = sm.solve_batch(f, etas, executor=ex)
+        for r, s in zip(rs, serial(f, etas, None)):
+            same_result(r, s)
+        etas[2, 1] = -np.inf
+        with pytest.raises(ValueError, match=r"etas_u\[2\], etas_v\[2\]: every structure"):
+            sm.solve_batch(f, etas, executor=ex)
+
+
+def test_results_are_ordered_by_decreasing_weight():
+    rng = np.random.default_rng(9)
+    f = sm.TreeFactor(8)
+    for _ in range(5):
+        r = sm.solve(f, rng.standard_normal(f.shape_u))
+        assert np.all(np.diff(r.weights) <= 1e-12)
+        # a permutation of the solver's support: the same distribution
+        S = r._sol.structures_array()
+        assert sorted(map(tuple, S)) == sorted(tuple(s) for s in r.structures)
+        for s, w in zip(r.structures, r.weights):
+            assert w == r._sol.weights_array()[[tuple(t) for t in S].index(tuple(s))]
+        u = sum(wk * f.vertex(s)[0] for wk, s in zip(r.weights, r.structures))
+        np.testing.assert_allclose(u, r.u, atol=1e-12)
+
+
+def test_ties_keep_the_solver_order():
+    # symmetric problems: equal weights up to round-off, MAP (lowest index) first
+    for eta in ([0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [-1.0, 0.3, 0.3, -1.0]):
+        r = sm.solve(sm.GenericFactor(np.eye(len(eta))), eta)
+        assert r.structures == sorted(r.structures)
+        np.testing.assert_allclose(r.weights, 1 / len(r.weights), rtol=1e-14)
