@@ -525,3 +525,51 @@ def test_bad_scores():
         sm.SequenceBudgetFactor(3, 1).map(np.zeros(3), np.zeros((3, 2)))
     with pytest.raises(ValueError, match="eta_u: contains non-finite"):
         sm.solve(sm.BudgetFactor(3, 1), [0.0, np.nan, 1.0])
+
+
+# -- masks: -inf forbids a variable being on (or, for eta_v, a pair / transition) ----------
+
+def masked_draws(f, rng, n_draws=6, p=0.3):
+    """Feasible masked scores for f and the indices of the allowed configurations."""
+    Z, M, N = columns(f)
+    out = []
+    while len(out) < n_draws:
+        mu, mv = rng.random(f.shape_u) < p, rng.random(f.shape_v) < p
+        ok = [k for k in range(len(Z)) if not (M[:, k] @ mu.ravel() or N[:, k] @ mv.ravel())]
+        if ok:
+            eu, ev = draw_scores(f, rng)
+            out.append((np.where(mu, -np.inf, eu), np.where(mv, -np.inf, ev), mu, mv, ok))
+    return out
+
+
+@pytest.mark.parametrize("f", SMALL, ids=IDS)
+def test_masks(f):
+    rng = np.random.default_rng(21)
+    Z, M, N = columns(f)
+    for eu, ev, mu, mv, ok in masked_draws(f, rng):
+        r = solve_quiet(f, eu, ev)
+        assert np.all(r.u[mu] == 0.0) and np.all(r.v[mv] == 0.0)
+        for s in r.structures + [f.map(eu, ev)]:
+            assert not np.any(s[mu]) and not np.any(extra(f, s)[mv.ravel()])
+        # brute force over the allowed configurations only
+        eu0, ev0 = np.where(mu, 0.0, eu), np.where(mv, 0.0, ev).ravel()
+        theta = M[:, ok].T @ eu0 + N[:, ok].T @ ev0
+        u_ref = simplex_qp(M[:, ok], theta)[0]
+        np.testing.assert_allclose(r.u, u_ref, atol=1e-8)
+        assert f.score(f.map(eu, ev), eu0, ev0.reshape(f.shape_v)) == \
+            pytest.approx(theta.max(), abs=1e-12)
+        d = rng.standard_normal(f.shape_u)
+        assert np.all(r.jvp(d)[mu] == 0.0) and np.all(r.vjp(d)[0][mu] == 0.0)
+
+
+@pytest.mark.parametrize("f,eu,ev", [
+    (sm.XorFactor(3), [-np.inf] * 3, None),
+    (sm.OrFactor(2), [-np.inf, -np.inf], None),
+    (sm.BudgetFactor(3, 2, exact=True), [-np.inf, 0.0, -np.inf], None),
+    (sm.SequenceBudgetFactor(3, 2, exact=True), [0.0, -np.inf, -np.inf], np.zeros((2, 2, 2))),
+    (sm.SequenceBudgetFactor(3, 1, exact=True), [0.0, 0.0, 0.0],
+     np.full((2, 2, 2), -np.inf)),                  # every transition forbidden
+])
+def test_masks_infeasible(f, eu, ev):
+    with pytest.raises(ValueError):
+        sm.solve(f, np.array(eu), ev)
