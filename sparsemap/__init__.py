@@ -9,7 +9,18 @@ threads; the losses of Section 4 live in
 :mod:`sparsemap.losses` and tools to property-test a factor of your own in
 :mod:`sparsemap.testing`.
 """
-from sparsemap._factors._base import Factor
+try:
+    from sparsemap._factors._base import Factor
+except ModuleNotFoundError as exc:   # pragma: no cover - depends on how it was installed
+    if not (exc.name or "").startswith("sparsemap."):
+        raise
+    import os as _os
+    raise ImportError(
+        f"sparsemap's compiled modules are missing from {_os.path.dirname(__file__)}. This is "
+        f"a source folder that was not built in place (it hides any installed sparsemap when "
+        f"Python starts in the folder above it). Build it in place with `pip install -e .` "
+        f"from the repository root, or start Python from another folder to use an installed "
+        f"sparsemap.") from exc
 from sparsemap._factors._generic import GenericFactor, OracleFactor
 from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor, OrFactor,
                                        OrOutFactor, PairFactor, SequenceBudgetFactor, XorFactor,

@@ -87,15 +87,58 @@ cdef class Factor:
         """Turn a validated int array into the factor's public compact form."""
         return s.astype(np.intp)
 
-    def _init_args(self):
+    def _from_dense(self, m, n):
+        """Read the compact form off a dense column; families override.
+
+        ``m`` is a float64 array shaped like :attr:`shape_u`, ``n`` one shaped
+        like :attr:`shape_v` or None. Return an int array of length
+        :attr:`struct_size`, or raise ValueError with the reason
+        (NotImplementedError: the family has no reader). The result needs no
+        checking: :meth:`from_vertex` validates it and compares its column with
+        ``(m, n)``.
+        """
         raise NotImplementedError
 
+    # -- construction: repr, equality, hashing and pickling ----------------------
+    # Each family says how it was built: positional arguments in _init_args(),
+    # keyword options in _init_kwargs(). Two factors built alike compare and hash
+    # equal (arrays by value), so they work as dict keys and in caches.
+    def _init_args(self):
+        raise NotImplementedError(f"{type(self).__name__} does not implement _init_args")
+
+    def _init_kwargs(self):
+        return {}
+
+    def _construction(self):
+        return (type(self), tuple(self._init_args()), tuple(self._init_kwargs().items()),
+                getattr(self, "__dict__", None))
+
     def __reduce__(self):
-        return (type(self), self._init_args())
+        kwargs = self._init_kwargs()
+        state = getattr(self, "__dict__", None) or None
+        if not kwargs and state is None:
+            return (type(self), tuple(self._init_args()))
+        return (_rebuild, (type(self), tuple(self._init_args()), kwargs), state)
 
     def __repr__(self):
-        args = ", ".join(repr(a) for a in self._init_args())
-        return f"{type(self).__name__}({args})"
+        parts = [_short_repr(a) for a in self._init_args()]
+        parts += [f"{k}={_short_repr(v)}" for k, v in self._init_kwargs().items()]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def __eq__(self, other):
+        if other is self:
+            return True
+        if not isinstance(other, Factor):
+            return NotImplemented
+        return type(other) is type(self) and _same(self._construction(), other._construction())
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self):
+        # The instance __dict__ of a Python subclass takes part in equality only.
+        return hash(_hashable(self._construction()[:3]))
 
     # -- validation shared by every family ------------------------------------
     def check_scores(self, eta_u, eta_v=None, names=("eta_u", "eta_v"), masks=True):
@@ -296,6 +339,68 @@ cdef class Factor:
         self.c_add(&sa[0], 1.0, &mv[0] if self.n_u else NULL, &nv[0] if self.n_v else NULL)
         return m.reshape(self.shape_u), n.reshape(self.shape_v)
 
+    def from_vertex(self, m, n=None, names=("m", "n")):
+        """The structure whose dense column is ``(m, n)``: the inverse of :meth:`vertex`.
+
+        Parameters
+        ----------
+        m : array_like of shape :attr:`shape_u`
+            A structure's column ``m_s``, such as a 0/1 target array.
+        n : array_like of shape :attr:`shape_v`, optional
+            Its ``n_s``; when given it must match as well. Only needed to tell
+            apart structures with the same ``m_s`` (possible for a
+            :class:`GenericFactor`).
+        names : pair of str
+            Argument names used in error messages.
+
+        Returns
+        -------
+        structure
+            In the factor's compact form.
+
+        Raises
+        ------
+        ValueError
+            Wrong shape, values that are not finite reals, or an array that is
+            not the column of any structure of the factor (or the column of
+            several that ``n`` would tell apart).
+
+        Examples
+        --------
+        >>> import sparsemap as sm
+        >>> f = sm.TreeFactor(3)
+        >>> m, _ = f.vertex([-1, 2, 0, 2])
+        >>> f.from_vertex(m)
+        array([-1,  2,  0,  2])
+        >>> m[1, 2] = 1.0                     # word 2 gets a second head, word 1
+        >>> f.from_vertex(m)
+        Traceback (most recent call last):
+            ...
+        ValueError: m: not the column of any structure of TreeFactor(3, projective=False, single_root=False): it has 1 at index (1, 2), where the nearest reading, [-1, 2, 0, 2], has 0
+        """
+        mm = _dense_array(m, names[0], self.shape_u)
+        nn = None if n is None else _dense_array(n, names[1], self.shape_v)
+        try:
+            s = self._from_dense(mm, nn)
+        except NotImplementedError:
+            raise ValueError(f"{names[0]}: {type(self).__name__} cannot read a structure off a "
+                             f"dense column; give the structure in its compact form") from None
+        except ValueError as exc:
+            raise ValueError(f"{names[0]}: not the column of any structure of {self!r}: "
+                             f"{exc}") from None
+        arr = self.check_structure(s, names[0])
+        ms, ns = self.vertex(arr)
+        for got, want, nm in ((mm, ms, names[0]), (nn, ns, names[1])):
+            if got is not None and not np.array_equal(got, want):
+                where = tuple(int(i) for i in np.argwhere(got != want)[0])
+                public = self._to_public(arr)
+                public = public.tolist() if isinstance(public, np.ndarray) else public
+                raise ValueError(
+                    f"{nm}: not the column of any structure of {self!r}: it has "
+                    f"{float(got[where]):g} at index {where[0] if len(where) == 1 else where}, where "
+                    f"the nearest reading, {public!r}, has {float(want[where]):g}")
+        return self._to_public(arr)
+
     def score(self, s, eta_u, eta_v=None):
         """Score ``a_s . [eta_u; eta_v]`` of a structure, in time linear in its compact size.
 
@@ -428,6 +533,70 @@ def _as_float_array(x, name, tuple shape):
     if scan_values(arr.reshape(-1)):
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
     return arr
+
+
+def _dense_array(x, name, tuple shape):
+    """A float64 array of the given shape with finite real values, or a ValueError."""
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:   # ragged lists and other junk
+        raise ValueError(f"{name}: expected an array of shape {shape} ({exc})") from None
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: expected real numbers, got dtype {arr.dtype}")
+    if arr.shape != shape:
+        raise ValueError(_sizes_message(name, shape, arr.shape))
+    arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name}: contains non-finite values (nan or inf)")
+    return arr
+
+
+def _rebuild(cls, args, kwargs):
+    """Unpickle a factor: ``cls(*args, **kwargs)`` (the instance state follows)."""
+    return cls(*args, **kwargs)
+
+
+def _short_repr(x):
+    """repr of a construction argument: arrays by shape, functions by name."""
+    if isinstance(x, np.ndarray):
+        return f"<{' x '.join(str(d) for d in x.shape)} array>"
+    name = getattr(x, "__qualname__", None)
+    if callable(x) and isinstance(name, str) and not isinstance(x, type):
+        return name
+    return repr(x)
+
+
+def _same(a, b):
+    """Equality of construction records: arrays by shape and value, the rest by ==."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and a.shape == b.shape and bool(np.array_equal(a, b)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return a is b
+
+
+def _hashable(x):
+    """A hashable stand-in for a construction record, consistent with :func:`_same`."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "biuf":
+            return ("ndarray", x.shape)
+        # Equal values, equal bytes: one dtype, and + 0.0 turns -0.0 into 0.0.
+        return ("ndarray", x.shape, (np.ascontiguousarray(x, dtype=np.float64) + 0.0).tobytes())
+    if isinstance(x, (tuple, list)):
+        return tuple(_hashable(y) for y in x)
+    if isinstance(x, dict):
+        return tuple((k, _hashable(v)) for k, v in x.items())
+    try:
+        hash(x)
+    except TypeError:   # equal unhashable values must still hash alike
+        return ("unhashable", type(x).__qualname__)
+    return x
 
 
 def _as_out_array(x, name, shape):

@@ -50,10 +50,7 @@ cdef class GenericFactor(Factor):
         self._set_shapes((M.shape[0],), (N.shape[0],), 1, 0)
 
     def _init_args(self):
-        return (np.array(self.M), np.array(self.N) if self.n_v else None)
-
-    def __repr__(self):
-        return f"GenericFactor(<{self.n_u} x {self.n_structures}>, <{self.n_v} x {self.n_structures}>)"
+        return (self.M, self.N) if self.n_v else (self.M,)
 
     def _validate_structure(self, s, name):
         if s[0] < 0 or s[0] >= self.n_structures:
@@ -62,6 +59,18 @@ cdef class GenericFactor(Factor):
 
     def _to_public(self, s):
         return int(s[0])
+
+    def _from_dense(self, m, n):
+        hits = np.flatnonzero(np.all(self.M == m[:, None], axis=0))
+        if n is not None:
+            hits = hits[np.all(self.N[:, hits] == n[:, None], axis=0)]
+        if hits.shape[0] == 0:
+            raise ValueError("it is no column of M" + (" with n the same column of N"
+                                                      if n is not None else ""))
+        if any(not np.array_equal(self.N[:, j], self.N[:, hits[0]]) for j in hits[1:]):
+            raise ValueError(f"columns {hits.tolist()} of M equal it but differ in N; "
+                             f"give n too, or the column index")
+        return hits[:1]   # exact duplicates: the lowest index, as MAP breaks ties
 
     cdef inline double _dot(self, int s, const double* eta_u, const double* eta_v) noexcept nogil:
         cdef Py_ssize_t j
@@ -190,13 +199,13 @@ cdef class OracleFactor(Factor):
     def _init_args(self):
         return (self.map_fn, self.vertex_fn)
 
+    def _init_kwargs(self):
+        return {"shape_u": self.shape_u, "shape_v": self.shape_v,
+                "structure_size": self.struct_size}
+
     def __reduce__(self):
         return (_rebuild_oracle, (type(self), self.map_fn, self.vertex_fn, self.shape_u,
                                   self.shape_v, self.struct_size, getattr(self, "__dict__", None)))
-
-    def __repr__(self):
-        return (f"{type(self).__name__}(shape_u={self.shape_u}, shape_v={self.shape_v}, "
-                f"structure_size={self.struct_size})")
 
     def _to_public(self, s):
         return int(s[0]) if self.struct_size == 1 else s.astype(np.intp)

@@ -100,6 +100,10 @@ cdef class MatchingFactor(Factor):
         if np.unique(matched).shape[0] != k:
             raise ValueError(f"{name}: a column is matched to more than one row in {s!r}")
 
+    def _from_dense(self, m, n):
+        # the column of each row's 1, -1 for an empty row
+        return np.where(m.any(axis=1), m.argmax(axis=1), -1)
+
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
         # Logical problem: k rows, K >= k columns, minimise cost(i, j) =

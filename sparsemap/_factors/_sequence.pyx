@@ -49,6 +49,9 @@ cdef class SequenceFactor(Factor):
         if np.any(s < 0) or np.any(s >= self.n_states):
             raise ValueError(f"{name}: tags must lie in [0, {self.n_states}), got {s!r}")
 
+    def _from_dense(self, m, n):
+        return m.argmax(axis=1)   # the tag of each position
+
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
         cdef int n = self.n_positions, m = self.n_states

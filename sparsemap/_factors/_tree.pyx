@@ -114,12 +114,20 @@ cdef class TreeFactor(Factor):
         self._set_shapes((N, N), (0,), N, nb)
 
     def _init_args(self):
-        return (self.n_words, bool(self.projective), bool(self.single_root))
+        return (self.n_words,)
+
+    def _init_kwargs(self):
+        return {"projective": bool(self.projective), "single_root": bool(self.single_root)}
 
     def _validate_structure(self, s, name):
         msg = _tree_error(s, self.n_words, self.projective, self.single_root)
         if msg is not None:
             raise ValueError(f"{name}: {msg}, got heads {s.tolist()!r}")
+
+    def _from_dense(self, m, n):
+        heads = m.argmax(axis=0)   # the head of each word: the 1 in its column
+        heads[0] = -1
+        return heads
 
     # -- MAP ------------------------------------------------------------------
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
