@@ -16,11 +16,12 @@ Hamming cost. For factors whose columns are 0/1 (sequences, trees, matchings,
 the 0/1 structure ``t`` is ``cost(s) = (1 - m_t) . m_s``: the number of parts of
 ``s`` that are not in ``t``, i.e. wrong tags for a sequence, wrong heads for a
 tree, wrong pairs for a matching, and the 0/1 cost for sparsemax. It is linear
-in ``m_s``, so cost-augmented inference only adds ``scale * (1 - m_t)`` to
+in ``m_s``, so cost-augmented inference only adds ``margin * (1 - m_t)`` to
 ``eta_u``, and it vanishes at ``t``. For a soft target the same formula is the
 expected Hamming cost ``sum_k w_k (1 - m_k) . m_s``.
 """
 import numbers
+import re
 
 import numpy as np
 
@@ -57,8 +58,22 @@ def _is_structure_list(factor, first):
     return len(first) == 0 or isinstance(first[0], (list, tuple, np.ndarray))
 
 
+def _is_dense(factor, s):
+    """Whether ``s`` is a dense column (shaped like ``eta_u``) rather than a compact
+    structure; when the two shapes coincide (logic factors, a GenericFactor with one
+    row) it is read as compact."""
+    if factor.shape_u == (factor.struct_size,) or isinstance(s, (numbers.Number, dict)):
+        return False
+    try:
+        return np.shape(s) == factor.shape_u
+    except ValueError:   # ragged nested lists
+        return False
+
+
 def _split_target(factor, target):
     """Return ``(structures, weights)`` for any accepted target form (unvalidated)."""
+    if _is_dense(factor, target):
+        return [target], [1.0]
     if isinstance(target, SparseMAPResult):
         return target.structures, target.weights
     if isinstance(target, dict):
@@ -84,7 +99,12 @@ def _target_columns(factor, target):
         raise ValueError(f"target: expected a list of structures, got {structures!r}")
     if k == 0:
         raise ValueError("target: expected at least one structure, got none")
-    S = factor.check_structures(structures, "target")
+    S = np.empty((k, factor.struct_size), dtype=np.intc)
+    for i, s in enumerate(structures):
+        name = "target" if structures[0] is target else f"target structure {i}"
+        if _is_dense(factor, s):
+            s = factor.from_vertex(s, names=(name, name))
+        S[i] = factor.check_structure(s, name)
     try:
         w = np.asarray(weights, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -119,7 +139,7 @@ def _map_columns(factor, eu, ev):
 
 
 # -- losses -----------------------------------------------------------------------
-def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
+def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs):
     r"""SparseMAP loss and margin SparseMAP loss (Section 4), with their gradient.
 
     The Fenchel-Young loss (eq. 7) with ``Omega(y) = 1/2 ||M y||^2 - rho(y)`` on
@@ -149,17 +169,19 @@ def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
     ----------
     factor : Factor
     eta_u : array_like, shape ``factor.shape_u``
-    eta_v : array_like, shape ``factor.shape_v``, or None
-        ``None`` means zeros.
     target : structure, or (structures, weights), dict, or SparseMAPResult
-        The gold output: one structure in the factor's compact form, or a
-        distribution over structures (``y_t``) given as a pair
-        ``(structures, weights)``, a dict ``{structure: weight}`` (structures as
-        ints or tuples), or a :class:`SparseMAPResult` (its support and
-        weights). Weights must be non-negative and sum to one. A soft target
-        enters only through ``m_t = sum_k w_k m_k`` and ``n_t = sum_k w_k n_k``,
-        with ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming
-        cost; for soft targets ``loss >= plain loss`` is not guaranteed).
+        The gold output: one structure, in the factor's compact form or dense
+        (a 0/1 array shaped like ``eta_u``, as :meth:`Factor.vertex` returns
+        it; read by :meth:`Factor.from_vertex`), or a distribution over
+        structures (``y_t``) given as a pair ``(structures, weights)``, a dict
+        ``{structure: weight}`` (structures as ints or tuples), or a
+        :class:`SparseMAPResult` (its support and weights). Weights must be
+        non-negative and sum to one. A soft target enters only through
+        ``m_t = sum_k w_k m_k`` and ``n_t = sum_k w_k n_k``, with
+        ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming cost;
+        for soft targets ``loss >= plain loss`` is not guaranteed).
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Additional scores; zeros when omitted.
     margin : float, default 0
         Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
     **solve_kwargs
@@ -190,7 +212,7 @@ def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
     --------
     >>> import numpy as np, sparsemap as sm
     >>> f = sm.GenericFactor(np.eye(3))
-    >>> loss, gu, gv = sm.sparsemap_loss(f, np.array([1.0, 0.5, -1.0]), None, 1)
+    >>> loss, gu, gv = sm.sparsemap_loss(f, np.array([1.0, 0.5, -1.0]), 1)
     >>> round(loss, 6), gu
     (0.5625, array([ 0.75, -0.75,  0.  ]))
     """
@@ -207,7 +229,7 @@ def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
     return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
-def perceptron_loss(factor, eta_u, eta_v, target):
+def perceptron_loss(factor, eta_u, target, eta_v=None):
     """Structured perceptron loss (Table 1, ``Omega = 0``) and a subgradient.
 
     ``loss = max_s a_s . eta - a_t . eta``, with subgradient ``a_s - a_t`` at
@@ -217,10 +239,10 @@ def perceptron_loss(factor, eta_u, eta_v, target):
     ----------
     factor : Factor
     eta_u : array_like, shape ``factor.shape_u``
-    eta_v : array_like, shape ``factor.shape_v``, or None
-        ``None`` means zeros.
     target : structure, or (structures, weights), dict, or SparseMAPResult
-        As in :func:`sparsemap_loss`.
+        As in :func:`sparsemap_loss` (compact or dense structures).
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Additional scores; zeros when omitted.
 
     Returns
     -------
@@ -237,21 +259,21 @@ def perceptron_loss(factor, eta_u, eta_v, target):
     uses the factor's deterministic tie-breaking.
     """
     # The structured SVM without its cost term.
-    return structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=0.0)
+    return structured_svm_loss(factor, eta_u, target, eta_v, margin=0.0)
 
 
-def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
+def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
     """Structured SVM loss with the Hamming cost (Table 1) and a subgradient.
 
-    Cost-augmented MAP ``s = MAP(eta_u + cost_scale * (1 - m_t), eta_v)``, then
+    Cost-augmented MAP ``s = MAP(eta_u + margin * (1 - m_t), eta_v)``, then
 
     ``loss = a_s . eta + cost(s) - a_t . eta - cost(y_t)`` with
-    ``cost(s) = cost_scale * (1 - m_t) . m_s``,
+    ``cost(s) = margin * (1 - m_t) . m_s``,
 
     the Hamming cost of the module notes (wrong heads for trees, wrong tags for
     sequences, wrong pairs for matchings); for a 0/1 target ``cost(y_t) = 0``,
     giving the usual ``max_s [a_s . eta + cost(s)] - a_t . eta``. For a soft
-    target ``cost(y_t) = cost_scale * (1 - m_t) . m_t`` (the Fenchel-Young form
+    target ``cost(y_t) = margin * (1 - m_t) . m_t`` (the Fenchel-Young form
     with ``Omega(y) = -cost . y``, which keeps the loss non-negative). The
     subgradient is ``a_s - a_t``.
 
@@ -259,12 +281,13 @@ def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
     ----------
     factor : Factor
     eta_u : array_like, shape ``factor.shape_u``
-    eta_v : array_like, shape ``factor.shape_v``, or None
-        ``None`` means zeros.
     target : structure, or (structures, weights), dict, or SparseMAPResult
-        As in :func:`sparsemap_loss`.
-    cost_scale : float, default 1
-        Multiplier of the Hamming cost (non-negative); 0 gives the perceptron.
+        As in :func:`sparsemap_loss` (compact or dense structures).
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Additional scores; zeros when omitted.
+    margin : float, default 1
+        Scale of the Hamming cost (non-negative), as in :func:`sparsemap_loss`;
+        0 gives the perceptron.
 
     Returns
     -------
@@ -277,8 +300,8 @@ def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
         ``n_s - n_t``.
     """
     eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
-    cost_scale = _check_nonneg(cost_scale, "cost_scale")
-    eu_aug = eu + cost_scale * (1.0 - mt) if cost_scale > 0 else eu
+    margin = _check_nonneg(margin, "margin")
+    eu_aug = eu + margin * (1.0 - mt) if margin > 0 else eu
     ms, ns = _map_columns(factor, eu_aug, ev)
     gu, gv = ms - mt, ns - nt
     loss = eu_aug.dot(gu) + ev.dot(gv)
@@ -289,31 +312,32 @@ def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwargs):
+def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", **kwargs):
     """Apply a loss to a batch of examples, one after the other.
 
     Parameters
     ----------
     loss_fn : callable
         :func:`sparsemap_loss`, :func:`perceptron_loss`,
-        :func:`structured_svm_loss`, or any callable with their signature
-        ``loss_fn(factor, eta_u, eta_v, target, **kwargs) -> (loss, g_u, g_v)``.
+        :func:`structured_svm_loss`, or any callable with their signature, called
+        as ``loss_fn(factor, eta_u, target, eta_v=eta_v, **kwargs)`` (without
+        ``eta_v`` when ``etas_v`` is None) and returning ``(loss, g_u, g_v)``.
     factor : Factor or sequence of Factor
         One factor shared by all examples, or one per example (e.g. sentences of
         different lengths).
     etas_u : sequence of array_like, or ndarray of shape ``(B,) + shape_u``
         Unary scores, one entry per example.
-    etas_v : sequence of (array_like or None), ndarray, or None
-        Additional scores per example; ``None`` means zeros for every example.
     targets : sequence
         One target per example, in any form the loss accepts.
+    etas_v : sequence of (array_like or None), ndarray, or None
+        Additional scores per example; ``None`` means zeros for every example.
     reduction : {"mean", "sum", "none"}, default "mean"
         What to return as the loss: the mean over the batch, the sum, or the
         per-example losses. The gradients are those *of the returned value*:
         per-example gradients divided by ``B`` for ``"mean"``, unscaled for
         ``"sum"`` and ``"none"``.
     **kwargs
-        Passed to ``loss_fn`` (e.g. ``margin``, ``method``, ``cost_scale``).
+        Passed to ``loss_fn`` (e.g. ``margin``, ``method``).
 
     Returns
     -------
@@ -328,7 +352,7 @@ def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwa
     --------
     >>> import numpy as np, sparsemap as sm
     >>> f = sm.GenericFactor(np.eye(3))
-    >>> loss, gu, gv = sm.batch_loss(sm.sparsemap_loss, f, np.eye(3) * 2, None, [0, 1, 0])
+    >>> loss, gu, gv = sm.batch_loss(sm.sparsemap_loss, f, np.eye(3) * 2, [0, 1, 0])
     >>> round(loss, 6), gu.shape
     (0.666667, (3, 3))
     """
@@ -352,7 +376,11 @@ def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwa
     losses = np.empty(B)
     gus, gvs = [], []
     for i in range(B):
-        losses[i], gu, gv = loss_fn(factors[i], etas_u[i], evs[i], tgts[i], **kwargs)
+        kw = kwargs if evs[i] is None else dict(kwargs, eta_v=evs[i])
+        try:
+            losses[i], gu, gv = loss_fn(factors[i], etas_u[i], tgts[i], **kw)
+        except ValueError as exc:
+            raise ValueError(_name_example(str(exc), i, kwargs)) from exc
         gus.append(gu)
         gvs.append(gv)
     if reduction == "mean":
@@ -364,6 +392,18 @@ def batch_loss(loss_fn, factor, etas_u, etas_v, targets, reduction="mean", **kwa
     if reduction == "none":
         return losses, gus, gvs
     return float(losses.mean() if reduction == "mean" else losses.sum()), gus, gvs
+
+
+def _name_example(message, i, kwargs):
+    """An error message of one example's loss, naming batch_loss's own arguments."""
+    head = re.match(r"(\w+):", message)
+    if head and head.group(1) in kwargs:   # a shared option such as margin
+        return message
+    for arg, batch_arg in (("eta_u", "etas_u"), ("eta_v", "etas_v"), ("target", "targets"),
+                           ("factor", "factor")):
+        if re.match(rf"{arg}\b", message):
+            return f"{batch_arg}[{i}]{message[len(arg):]}"
+    return f"example {i}: {message}"
 
 
 def _as_list(x, name, B):

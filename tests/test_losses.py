@@ -153,7 +153,7 @@ def test_sparsemap_loss_matches_brute_force(name, margin, soft):
     for _ in range(3):
         eu, ev = random_scores(case, rng, scale=1.5)
         target, y_t = random_target(case, rng, soft)
-        loss, gu, gv = sparsemap_loss(case.f, eu, ev, target, margin=margin)
+        loss, gu, gv = sparsemap_loss(case.f, eu, target, ev, margin=margin)
         ref, u_ref, v_ref = reference_loss(case, eu, ev, y_t, margin)
         assert loss == pytest.approx(ref, abs=1e-9)
         assert gu.shape == case.f.shape_u and gv.shape == case.f.shape_v
@@ -173,7 +173,7 @@ def test_perceptron_and_svm_match_brute_force(name, soft):
         a_t = np.concatenate([case.M.T @ y_t, case.N.T @ y_t])
         eta = np.concatenate([eu.ravel(), ev.ravel() if ev is not None else []])
 
-        loss, gu, gv = perceptron_loss(case.f, eu, ev, target)
+        loss, gu, gv = perceptron_loss(case.f, eu, target, ev)
         assert loss == pytest.approx(theta.max() - theta @ y_t, abs=1e-9)
         g = np.concatenate([gu.ravel(), gv.ravel()])
         # the subgradient is a_s - a_t for a maximiser s
@@ -182,7 +182,7 @@ def test_perceptron_and_svm_match_brute_force(name, soft):
 
         for scale in (1.0, 2.5):
             cost = scale * case.H @ y_t
-            loss, gu, gv = structured_svm_loss(case.f, eu, ev, target, cost_scale=scale)
+            loss, gu, gv = structured_svm_loss(case.f, eu, target, ev, margin=scale)
             aug = theta + cost
             assert loss == pytest.approx(aug.max() - aug @ y_t, abs=1e-9)
             g = np.concatenate([gu.ravel(), gv.ravel()])
@@ -191,8 +191,8 @@ def test_perceptron_and_svm_match_brute_force(name, soft):
             assert rows.size and aug[rows].max() == pytest.approx(aug.max(), abs=1e-9)
         if not soft:
             # 0/1 target: the cost of the target is zero, svm >= perceptron
-            assert structured_svm_loss(case.f, eu, ev, target)[0] >= \
-                perceptron_loss(case.f, eu, ev, target)[0] - 1e-12
+            assert structured_svm_loss(case.f, eu, target, ev)[0] >= \
+                perceptron_loss(case.f, eu, target, ev)[0] - 1e-12
 
 
 # -- Proposition 2 ---------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_zero_exactly_when_target_wins_by_the_margin(delta, margin, t, seed):
     eta = np.full(4, -10.0)
     eta[j] = rng.uniform(-1, 1)
     eta[t] = eta[j] + 1 + margin - delta
-    loss, gu, gv = sparsemap_loss(f, eta, None, t, margin=margin)
+    loss, gu, gv = sparsemap_loss(f, eta, t, margin=margin)
     if delta <= 0:
         assert loss == pytest.approx(0.0, abs=1e-10)
         np.testing.assert_allclose(gu, 0, atol=1e-10)
@@ -224,13 +224,13 @@ def test_zero_exactly_when_target_wins_by_the_margin(delta, margin, t, seed):
 def test_sparsemax_threshold(gap, wins):
     f = sm.GenericFactor(np.eye(3))
     eta = np.array([0.3, 0.3 + gap, -0.2])
-    loss = sparsemap_loss(f, eta, None, 1)[0]
+    loss = sparsemap_loss(f, eta, 1)[0]
     if wins:
         assert loss <= 1e-10
     else:
         assert loss > 1e-8
     # margin: the target must win by 1 + margin
-    assert (sparsemap_loss(f, eta + [0, 0.5, 0], None, 1, margin=0.5)[0] <= 1e-10) == wins
+    assert (sparsemap_loss(f, eta + [0, 0.5, 0], 1, margin=0.5)[0] <= 1e-10) == wins
 
 
 @settings(max_examples=40, deadline=None)
@@ -243,9 +243,9 @@ def test_nonnegative_and_convex_along_lines(name, soft, margin, seed):
     (eu0, ev0), (eu1, ev1) = random_scores(case, rng, 2.0), random_scores(case, rng, 2.0)
     mid_u = (eu0 + eu1) / 2
     mid_v = None if ev0 is None else (ev0 + ev1) / 2
-    l0, gu0, gv0 = sparsemap_loss(case.f, eu0, ev0, target, margin=margin)
-    l1, _, _ = sparsemap_loss(case.f, eu1, ev1, target, margin=margin)
-    lm, _, _ = sparsemap_loss(case.f, mid_u, mid_v, target, margin=margin)
+    l0, gu0, gv0 = sparsemap_loss(case.f, eu0, target, ev0, margin=margin)
+    l1, _, _ = sparsemap_loss(case.f, eu1, target, ev1, margin=margin)
+    lm, _, _ = sparsemap_loss(case.f, mid_u, target, mid_v, margin=margin)
     assert min(l0, l1, lm) >= 0
     assert lm <= (l0 + l1) / 2 + 1e-9
     # first-order condition of convexity: the gradient is a subgradient
@@ -253,8 +253,8 @@ def test_nonnegative_and_convex_along_lines(name, soft, margin, seed):
     assert l1 >= lin - 1e-9
     # margin loss >= plain loss for a 0/1 target, increasing in the margin
     if not soft:
-        plain = sparsemap_loss(case.f, eu0, ev0, target)[0]
-        more = sparsemap_loss(case.f, eu0, ev0, target, margin=margin + 0.5)[0]
+        plain = sparsemap_loss(case.f, eu0, target, ev0)[0]
+        more = sparsemap_loss(case.f, eu0, target, ev0, margin=margin + 0.5)[0]
         assert plain - 1e-10 <= l0 <= more + 1e-10
 
 
@@ -268,7 +268,7 @@ def test_scaling_property(name, t):
         eu, ev = random_scores(case, rng, 1.5)
         target, y_t = random_target(case, rng, soft)
         ref, _, _ = reference_loss(case, eu, ev, y_t, t=t)
-        got = t * sparsemap_loss(case.f, eu / t, None if ev is None else ev / t, target)[0]
+        got = t * sparsemap_loss(case.f, eu / t, target, None if ev is None else ev / t)[0]
         assert got == pytest.approx(ref, abs=1e-9)
 
 
@@ -281,7 +281,7 @@ def test_loss_is_zero_at_the_sparsemap_solution():
         r = sm.solve(case.f, eu, ev)
         for target in (r, (r.structures, r.weights),
                        {tuple(s): w for s, w in zip(r.structures, r.weights)}):
-            loss, gu, gv = sparsemap_loss(case.f, eu, ev, target)
+            loss, gu, gv = sparsemap_loss(case.f, eu, target, ev)
             assert loss == pytest.approx(0.0, abs=1e-10)
             np.testing.assert_allclose(gu, 0, atol=1e-10)
 
@@ -304,13 +304,13 @@ def test_gradient_matches_finite_differences(name, margin, soft):
     rng = np.random.default_rng(len(name) * 31 + int(10 * margin) + soft)
     eu, ev = random_scores(case, rng, 1.5)
     target, _ = random_target(case, rng, soft)
-    _, gu, gv = sparsemap_loss(case.f, eu, ev, target, margin=margin)
-    fd_u = _central_differences(lambda x: sparsemap_loss(case.f, x, ev, target, margin=margin)[0],
+    _, gu, gv = sparsemap_loss(case.f, eu, target, ev, margin=margin)
+    fd_u = _central_differences(lambda x: sparsemap_loss(case.f, x, target, ev, margin=margin)[0],
                                 eu)
     np.testing.assert_allclose(gu, fd_u, atol=1e-5)
     if ev is not None:
         fd_v = _central_differences(
-            lambda x: sparsemap_loss(case.f, eu, x, target, margin=margin)[0], ev)
+            lambda x: sparsemap_loss(case.f, eu, target, x, margin=margin)[0], ev)
         np.testing.assert_allclose(gv, fd_v, atol=1e-5)
 
 
@@ -320,9 +320,9 @@ def test_map_losses_gradients_match_finite_differences_away_from_ties():
     eu, ev = random_scores(case, rng)
     target, _ = random_target(case, rng, False)
     for fn in (perceptron_loss, structured_svm_loss):
-        _, gu, gv = fn(case.f, eu, ev, target)
-        fd_u = _central_differences(lambda x: fn(case.f, x, ev, target)[0], eu, 1e-7)
-        fd_v = _central_differences(lambda x: fn(case.f, eu, x, target)[0], ev, 1e-7)
+        _, gu, gv = fn(case.f, eu, target, ev)
+        fd_u = _central_differences(lambda x: fn(case.f, x, target, ev)[0], eu, 1e-7)
+        fd_v = _central_differences(lambda x: fn(case.f, eu, target, x)[0], ev, 1e-7)
         np.testing.assert_allclose(gu, fd_u, atol=1e-6)
         np.testing.assert_allclose(gv, fd_v, atol=1e-6)
 
@@ -333,8 +333,8 @@ def test_eta_v_none_means_zeros():
     eu = rng.standard_normal((3, 2))
     target = np.array([1, 0, 1])
     for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
-        a = fn(case.f, eu, None, target)
-        b = fn(case.f, eu, np.zeros((2, 2, 2)), target)
+        a = fn(case.f, eu, target)
+        b = fn(case.f, eu, target, np.zeros((2, 2, 2)))
         assert a[0] == pytest.approx(b[0], abs=1e-12)
         np.testing.assert_allclose(a[1], b[1], atol=1e-12)
         np.testing.assert_allclose(a[2], b[2], atol=1e-12)
@@ -344,9 +344,9 @@ def test_eta_v_none_means_zeros():
 def test_solve_kwargs_are_passed_through():
     f = sm.GenericFactor(np.eye(3))
     with pytest.raises(ValueError, match="method"):
-        sparsemap_loss(f, np.zeros(3), None, 0, method="nope")
+        sparsemap_loss(f, np.zeros(3), 0, method="nope")
     with pytest.raises(ValueError, match="max_iter"):
-        sparsemap_loss(f, np.zeros(3), None, 0, max_iter=0)
+        sparsemap_loss(f, np.zeros(3), 0, max_iter=0)
 
 
 # -- batches ----------------------------------------------------------------------
@@ -358,24 +358,24 @@ def test_batch_loss_matches_loop():
     EV = rng.standard_normal((B, 2, 3, 3))
     T = [case.S[int(i)] for i in rng.integers(case.D, size=B)]
     for fn, kw in ((sparsemap_loss, {"margin": 0.3}), (perceptron_loss, {}),
-                   (structured_svm_loss, {"cost_scale": 2.0})):
-        per = [fn(case.f, EU[i], EV[i], T[i], **kw) for i in range(B)]
-        mean, GU, GV = batch_loss(fn, case.f, EU, EV, T, **kw)
+                   (structured_svm_loss, {"margin": 2.0})):
+        per = [fn(case.f, EU[i], T[i], EV[i], **kw) for i in range(B)]
+        mean, GU, GV = batch_loss(fn, case.f, EU, T, EV, **kw)
         assert mean == pytest.approx(np.mean([p[0] for p in per]), abs=1e-12)
         assert GU.shape == (B, 3, 3) and GV.shape == (B, 2, 3, 3)
         np.testing.assert_allclose(GU, np.stack([p[1] for p in per]) / B, atol=1e-12)
-        total, GU, GV = batch_loss(fn, case.f, list(EU), list(EV), T, reduction="sum", **kw)
+        total, GU, GV = batch_loss(fn, case.f, list(EU), T, list(EV), reduction="sum", **kw)
         assert total == pytest.approx(sum(p[0] for p in per), abs=1e-12)
         np.testing.assert_allclose(GV, np.stack([p[2] for p in per]), atol=1e-12)
-        losses, _, _ = batch_loss(fn, case.f, EU, EV, T, reduction="none", **kw)
+        losses, _, _ = batch_loss(fn, case.f, EU, T, EV, reduction="none", **kw)
         np.testing.assert_allclose(losses, [p[0] for p in per], atol=1e-12)
     # one factor per example (different lengths), eta_v None
     fs = [sm.SequenceFactor(n, 2) for n in (1, 2, 4)]
     eus = [rng.standard_normal((n, 2)) for n in (1, 2, 4)]
     ts = [np.zeros(n, dtype=int) for n in (1, 2, 4)]
-    val, gus, gvs = batch_loss(sparsemap_loss, fs, eus, None, ts, reduction="sum")
+    val, gus, gvs = batch_loss(sparsemap_loss, fs, eus, ts, reduction="sum")
     assert isinstance(gus, list) and [g.shape for g in gus] == [(1, 2), (2, 2), (4, 2)]
-    assert val == pytest.approx(sum(sparsemap_loss(f, e, None, t)[0]
+    assert val == pytest.approx(sum(sparsemap_loss(f, e, t)[0]
                                     for f, e, t in zip(fs, eus, ts)), abs=1e-12)
 
 
@@ -383,17 +383,17 @@ def test_batch_loss_validation():
     f = sm.GenericFactor(np.eye(3))
     E = np.zeros((2, 3))
     with pytest.raises(ValueError, match="loss_fn"):
-        batch_loss("sparsemap", f, E, None, [0, 1])
+        batch_loss("sparsemap", f, E, [0, 1])
     with pytest.raises(ValueError, match="reduction"):
-        batch_loss(sparsemap_loss, f, E, None, [0, 1], reduction="max")
+        batch_loss(sparsemap_loss, f, E, [0, 1], reduction="max")
     with pytest.raises(ValueError, match="targets"):
-        batch_loss(sparsemap_loss, f, E, None, [0])
+        batch_loss(sparsemap_loss, f, E, [0])
     with pytest.raises(ValueError, match="etas_v"):
-        batch_loss(sparsemap_loss, f, E, [None], [0, 1])
+        batch_loss(sparsemap_loss, f, E, [0, 1], [None])
     with pytest.raises(ValueError, match="etas_u"):
-        batch_loss(sparsemap_loss, f, [], None, [])
+        batch_loss(sparsemap_loss, f, [], [])
     with pytest.raises(ValueError, match="factor"):
-        batch_loss(sparsemap_loss, [f, "f"], E, None, [0, 1])
+        batch_loss(sparsemap_loss, [f, "f"], E, [0, 1])
 
 
 # -- validation -------------------------------------------------------------------
@@ -402,13 +402,13 @@ def test_input_validation(fn):
     f = sm.SequenceFactor(3, 2)
     eu = np.zeros((3, 2))
     with pytest.raises(ValueError, match="factor"):
-        fn("not a factor", eu, None, [0, 0, 0])
+        fn("not a factor", eu, [0, 0, 0])
     with pytest.raises(ValueError, match="eta_u"):
-        fn(f, np.zeros((2, 3)), None, [0, 0, 0])
+        fn(f, np.zeros((2, 3)), [0, 0, 0])
     with pytest.raises(ValueError, match="eta_v"):
-        fn(f, eu, np.zeros(3), [0, 0, 0])
+        fn(f, eu, [0, 0, 0], np.zeros(3))
     with pytest.raises(ValueError, match="eta_u"):
-        fn(f, eu + np.nan, None, [0, 0, 0])
+        fn(f, eu + np.nan, [0, 0, 0])
     bad_targets = [None, [0, 0], [0, 0, 2], [0.5, 0, 0], "abc", ([], []),
                    ([[0, 0, 0], [1, 1, 1]], [0.5, 0.6]),      # not a distribution
                    ([[0, 0, 0], [1, 1, 1]], [1.5, -0.5]),     # negative weight
@@ -418,31 +418,114 @@ def test_input_validation(fn):
                    {(0, 0, 0): 0.2}]
     for target in bad_targets:
         with pytest.raises(ValueError, match="target"):
-            fn(f, eu, None, target)
+            fn(f, eu, target)
 
 
-def test_margin_and_cost_scale_validation():
+def test_margin_validation():
     f = sm.GenericFactor(np.eye(3))
     for bad in (-0.1, np.nan, np.inf, "1", True, None):
-        with pytest.raises(ValueError, match="margin"):
-            sparsemap_loss(f, np.zeros(3), None, 0, margin=bad)
-        with pytest.raises(ValueError, match="cost_scale"):
-            structured_svm_loss(f, np.zeros(3), None, 0, cost_scale=bad)
+        for fn in (sparsemap_loss, structured_svm_loss):
+            with pytest.raises(ValueError, match="^margin"):
+                fn(f, np.zeros(3), 0, margin=bad)
 
 
 def test_target_forms_agree():
     f = sm.SequenceFactor(3, 2)
     rng = np.random.default_rng(1)
     eu, ev = rng.standard_normal((3, 2)), rng.standard_normal((2, 2, 2))
-    ref = sparsemap_loss(f, eu, ev, [1, 0, 1])
+    ref = sparsemap_loss(f, eu, [1, 0, 1], ev)
     for target in (np.array([1, 0, 1]), (1, 0, 1), ([[1, 0, 1]], [1.0]),
                    (np.array([[1, 0, 1], [0, 0, 0]]), np.array([1.0, 0.0])),
                    {(1, 0, 1): 1.0}):
-        got = sparsemap_loss(f, eu, ev, target)
+        got = sparsemap_loss(f, eu, target, ev)
         assert got[0] == pytest.approx(ref[0], abs=1e-12)
         np.testing.assert_allclose(got[1], ref[1], atol=1e-12)
     g = sm.GenericFactor(np.eye(3))
-    a = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), None, ([0, 2], [0.25, 0.75]))
-    b = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), None, {0: 0.25, 2: 0.75})
+    a = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), ([0, 2], [0.25, 0.75]))
+    b = sparsemap_loss(g, np.array([1.0, 0.2, 0.0]), {0: 0.25, 2: 0.75})
     assert a[0] == pytest.approx(b[0], abs=1e-12)
     np.testing.assert_allclose(a[1], np.array([0.9, 0.1, 0.0]) - [0.25, 0, 0.75], atol=1e-12)
+
+
+# -- dense targets ------------------------------------------------------------------
+@pytest.mark.parametrize("name", CASE_BUILDERS)
+def test_dense_targets_agree_with_compact(name):
+    """A 0/1 array shaped like eta_u (the column built here, not by the factor) is the
+    same target as the compact structure, alone or inside a soft target."""
+    case = get_case(name)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    eu, ev = random_scores(case, rng)
+    dense = [case.M[k].reshape(case.f.shape_u) for k in range(case.D)]
+    # GenericFactor columns with equal m but different n cannot be told apart from m
+    ambiguous = [any(not np.array_equal(case.N[j], case.N[k])
+                     for j in np.flatnonzero(np.all(case.M == case.M[k], axis=1)))
+                 for k in range(case.D)]
+    for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+        for k in range(case.D):
+            if ambiguous[k]:
+                with pytest.raises(ValueError, match="^target: .*differ in N"):
+                    fn(case.f, eu, dense[k], ev)
+                continue
+            want = fn(case.f, eu, case.S[k], ev)
+            got = fn(case.f, eu, dense[k].tolist(), ev)   # nested lists too
+            assert got[0] == pytest.approx(want[0], abs=1e-12)
+            np.testing.assert_allclose(got[1], want[1], atol=1e-12)
+            np.testing.assert_allclose(got[2], want[2], atol=1e-12)
+    ok = [k for k in range(case.D) if not ambiguous[k]][:2]
+    if len(ok) == 2:
+        soft_dense = sparsemap_loss(case.f, eu, ([dense[k] for k in ok], [0.3, 0.7]), ev)
+        soft = sparsemap_loss(case.f, eu, ([case.S[k] for k in ok], [0.3, 0.7]), ev)
+        assert soft_dense[0] == pytest.approx(soft[0], abs=1e-12)
+        np.testing.assert_allclose(soft_dense[1], soft[1], atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["seq3x2", "sparsemax4", "generic01", "tree3_proj_single",
+                                  "match3x2", "match2x3"])
+def test_invalid_dense_targets_are_refused(name):
+    case = get_case(name)
+    eu, ev = random_scores(case, np.random.default_rng(0))
+    # a structure whose column no other structure shares
+    k = next(k for k in range(case.D) if np.sum(np.all(case.M == case.M[k], axis=1)) == 1)
+    m = case.M[k].reshape(case.f.shape_u)
+    bad = [0.5 * m, m + 1.0, np.full(case.f.shape_u, np.nan)]
+    zero = np.flatnonzero(case.M[k] == 0)
+    if zero.size:   # one part too many: no structure has this column
+        extra = m.copy().reshape(-1)
+        extra[zero[0]] = 1.0
+        if not np.any(np.all(case.M == extra, axis=1)):
+            bad.append(extra.reshape(m.shape))
+    for target in bad:
+        for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+            with pytest.raises(ValueError, match="^target: "):
+                fn(case.f, eu, target, ev)
+        with pytest.raises(ValueError, match=r"^target structure 1: "):
+            sparsemap_loss(case.f, eu, ([m, target], [0.5, 0.5]), ev)
+
+
+def test_dense_target_of_a_factor_without_a_reader():
+    f = sm.OracleFactor(lambda eu, ev: int(np.argmax(eu)), lambda s: np.eye(3)[s], shape_u=3,
+                        structure_size=2)
+    with pytest.raises(ValueError, match="^target: OracleFactor .*compact form"):
+        sparsemap_loss(f, np.zeros(3), np.array([1.0, 0.0, 0.0]))
+
+
+def test_old_argument_order_is_refused():
+    """(factor, eta_u, eta_v, target), the order before eta_v became optional, fails loudly."""
+    f = sm.SequenceFactor(3, 2)
+    eu, ev = np.zeros((3, 2)), np.zeros((2, 2, 2))
+    for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+        with pytest.raises(ValueError, match="^(target|eta_v): "):
+            fn(f, eu, ev, [0, 1, 0])
+
+
+def test_batch_loss_names_the_example():
+    f = sm.SequenceFactor(3, 2)
+    E = np.zeros((2, 3, 2))
+    with pytest.raises(ValueError, match=r"^targets\[1\]: tags"):
+        batch_loss(sparsemap_loss, f, E, [[0, 0, 0], [0, 0, 5]])
+    with pytest.raises(ValueError, match=r"^etas_u\[1\]: expected shape"):
+        batch_loss(sparsemap_loss, f, [E[0], np.zeros(3)], [[0, 0, 0]] * 2)
+    with pytest.raises(ValueError, match=r"^etas_v\[0\]: expected shape"):
+        batch_loss(sparsemap_loss, f, E, [[0, 0, 0]] * 2, [np.zeros(2), None])
+    with pytest.raises(ValueError, match="^margin: "):
+        batch_loss(sparsemap_loss, f, E, [[0, 0, 0]] * 2, margin=-1)
