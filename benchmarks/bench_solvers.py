@@ -8,9 +8,6 @@ adjusted scores eta_u - u* at the solution (for trees and matchings these
 near-ties make MAP up to 2x slower than fresh random scores, which are timed
 too). A ratio near 1 means the solver costs little beyond its MAP calls.
 
-Reference points (lp-sparsemap / AD3 C++ active set, explicit inverse updates,
-standard normal scores, on a machine like ours) are printed beside ours.
-
 A second table times the logic factors alone (n = 10, 100, 1000) against their
 closed-form SparseMAP written in NumPy (sparsemax; clip, then sparsemax or the
 projection onto a budget by sorting the breakpoints; the XOR-out and OR-out
@@ -29,16 +26,6 @@ import numpy as np
 
 import sparsemap as sm
 from sparsemap._active_set import _time_map
-
-# seconds per solve of the AD3-based reference implementation
-AD3_REFERENCE = {
-    ("tree", 20, 1.0): 2.0e-3,
-    ("tree", 100, 1.0): 3.1,
-    ("tree", 20, 5.0): 0.4e-3,
-    ("sequence", (20, 10), 1.0): 0.38e-3,
-    ("sequence", (50, 20), 1.0): 6.6e-3,
-}
-
 
 def families():
     for n in (20, 50, 100):
@@ -203,20 +190,16 @@ def main(argv=None):
         bench_logic(args.instances, args.repeats, args.seed)
         return
     head = (f"{'family':<10}{'size':>10}{'scale':>6}{'solve':>11}{'iters':>7}{'MAPs':>6}"
-            f"{'support':>8}{'MAP fresh':>10}{'MAP adj.':>10}{'overhead':>9}{'gap':>10}"
-            f"{'vs AD3':>9}")
+            f"{'support':>8}{'MAP fresh':>10}{'MAP adj.':>10}{'overhead':>9}{'gap':>10}")
     print(head)
     print("-" * len(head))
     for name, size, scale, f in families():
         t, it, nmap, supp, ratio, tfresh, tadj, gap = bench(f, scale, args.instances, args.repeats,
                                                     args.seed)
-        ref = AD3_REFERENCE.get((name, size, scale))
-        speedup = f"{ref / t:8.1f}x" if ref else ""
         print(f"{name:<10}{str(size):>10}{scale:>6g}{_fmt(t):>11}{it:>7.0f}{nmap:>6.0f}"
-              f"{supp:>8.0f}{_fmt(tfresh):>10}{_fmt(tadj):>10}{ratio:>9.2f}{gap:>10.1e}"
-              f"{speedup:>9}", flush=True)
-    print("\nmedians over instances (gap: duality gap at return); "
-          "'vs AD3' = AD3 reference time / our median solve time\n")
+              f"{supp:>8.0f}{_fmt(tfresh):>10}{_fmt(tadj):>10}{ratio:>9.2f}{gap:>10.1e}",
+              flush=True)
+    print("\nmedians over instances (gap: duality gap at return)\n")
     if args.only is None:
         bench_logic(args.instances, args.repeats, args.seed)
 
