@@ -481,7 +481,7 @@ cdef class _Workspace:
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
-    cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0, n_nan = 0
+    cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0, n_nan = 0, n_pos
     cdef double last_gap = INFINITY, last_scale = 1.0   # of the last MAP call
     cdef unsigned long long ring[RING]
     memset(ring, 0, RING * sizeof(unsigned long long))
@@ -562,7 +562,12 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 ws._gap(&gap, &scale, &obj)
             hist[4 * (it - 1)] = obj
             hist[4 * (it - 1) + 1] = gap
-            hist[4 * (it - 1) + 2] = ws.nI
+            # the support of y: not a structure that has just entered at weight 0
+            n_pos = 0
+            for t in range(ws.nI):
+                if ws.y[t] > 0.0:
+                    n_pos += 1
+            hist[4 * (it - 1) + 2] = n_pos
             hist[4 * (it - 1) + 3] = _now() - t0
         if status != RUNNING:
             break

@@ -470,6 +470,15 @@ def test_result_invariants(problem, return_history):
     assert np.all(h["gap"] >= -1e-12 * size)
 
 
+def test_history_support_counts_positive_weights():
+    """Sparsemax of (0.5, 0) is (0.75, 0.25): iteration 1 sits at the MAP vertex (one
+    structure; the second enters at weight 0), iteration 2 at the solution (two)."""
+    r = sm.solve(sm.GenericFactor(np.eye(2)), np.array([0.5, 0.0]), return_history=True)
+    np.testing.assert_allclose(r.u, [0.75, 0.25])
+    assert r.history["support_size"].tolist() == [1, 2]
+    np.testing.assert_allclose(r.history["objective"], [0.5 * 1 - 0.5, 0.5 * (0.75**2 + 0.25**2) - 0.5 * 0.75])
+
+
 # -- threads --------------------------------------------------------------------------------
 
 def test_shared_factor_across_threads():
