@@ -40,7 +40,9 @@ def test_script_end_to_end(tmp_path, capsys):
     with open(paths["pdf"], "rb") as fh:
         assert fh.read(5) == b"%PDF-"
     assert os.path.getsize(paths["png"]) > 10_000
-    assert "instance 2/2" in stderr
+    # not a terminal: whole lines, no carriage returns
+    assert "\r" not in stderr
+    assert [ln.split(" (")[0] for ln in stderr.splitlines()] == ["instance 1/2", "instance 2/2"]
     assert paths["png"] in stdout and paths["csv"] in stdout
     for method in mod.SOLVERS:
         assert mod.LABELS[method] in stdout
@@ -76,6 +78,38 @@ def test_script_end_to_end(tmp_path, capsys):
     assert table["active_set"]["reached"] == 2
     assert table["active_set"]["iterations"] is not None
     assert table["active_set"]["support"] >= 1
+
+
+def test_steps_start_every_solver_at_the_map_structure():
+    """The figure's step 0 is the MAP structure for every solver: the active set records
+    it as its iteration 1, and the prepended point of the CG variants is computed
+    independently of the solvers (objective and Wolfe gap of the MAP tree)."""
+    mod = load_script()
+    n = 6
+    eta = np.random.default_rng(3).standard_normal((n + 1, n + 1))
+    f = sm.TreeFactor(n)
+    m0 = _arcs(f.map(eta), n)
+    adjusted = np.array([np.sum((eta - m0) * _arcs(t, n)) for t in enumerate_structures(f)])
+    objective = 0.5 * np.sum(m0) - np.sum(eta * m0)   # m0 is 0/1
+    gap = adjusted.max() - np.sum((eta - m0) * m0)
+    assert mod.starting_point(f, eta) == pytest.approx((objective, gap), abs=1e-12)
+
+    runs = mod.run_instance(n, 3, 1.0, 30)
+    for method in mod.SOLVERS:
+        h, steps = runs[method], runs[method]["steps"]
+        extra = 0 if method == "active_set" else 1
+        assert len(steps["floored"]) == len(h["objective"]) + extra
+        assert steps["support"][0] == 1
+        assert steps["floored"][0] == pytest.approx(objective - min(
+            float(r["objective"].min()) for r in runs.values()), abs=1e-12)
+        assert steps["gap"][0] == pytest.approx(gap, abs=1e-12)
+        np.testing.assert_array_equal(steps["support"][extra:], h["support_size"])
+
+
+def _arcs(heads, n):
+    m = np.zeros((n + 1, n + 1))
+    m[heads[1:], np.arange(1, n + 1)] = 1
+    return m
 
 
 def test_script_rejects_bad_options(tmp_path):
