@@ -1,20 +1,31 @@
 """Sphinx configuration for the sparsemap documentation.
 
-Build from the repository root, after building the extensions in place
-(``pip install -e .`` or ``python setup.py build_ext --inplace``)::
+Build from the repository root, after an editable install (which builds the
+extensions in place)::
 
-    pip install ".[docs]"
-    python -m sphinx -b html docs /tmp/sparsemap-docs
+    pip install -e ".[docs]"
+    python -m sphinx -W -n -b html docs docs/_build/html
 
-The output folder is best kept outside the repository. The examples in the
-pages are doctests: ``python -m sphinx -b doctest docs /tmp/sparsemap-doctest``
-runs them.
+``-W -n``: warnings are errors and every cross-reference must resolve (CI builds
+it so). The site lands in ``docs/_build/html`` (git-ignored). The API reference
+(``docs/api/``: its index from ``__all__`` here, one page per name by
+autosummary) and the gallery's figures (``docs/_generated/``) are written at
+the start of the build and are git-ignored too. The examples in
+the pages are doctests, run by ``tests/test_docs.py``.
 """
+import importlib
+import inspect
+import io
 import os
+import pkgutil
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 # The package is imported from the repository root unless it is installed.
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, str(ROOT))
 
 import sparsemap  # noqa: E402
 
@@ -26,31 +37,44 @@ release = sparsemap.__version__
 
 extensions = [
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    # MathJax served from the built site instead of a CDN, so formulas render
+    # offline; the package ships MathJax 3 and sets mathjax_path.
+    "sphinx-mathjax-offline",
     "sphinx.ext.doctest",
     "numpydoc",
     "matplotlib.sphinxext.plot_directive",
 ]
 
 root_doc = "index"
-exclude_patterns = ["_build"]
-templates_path = []
+exclude_patterns = ["_build", "_generated"]
+templates_path = ["_templates"]
 html_static_path = []
-html_theme = "alabaster"
-html_theme_options = {"description": "Sparse, differentiable structured inference",
-                      "page_width": "1100px"}
+html_theme = "pydata_sphinx_theme"
+html_title = "sparsemap"
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    "secondary_sidebar_items": ["page-toc"],
+    "footer_start": ["copyright"],
+    "footer_end": ["sphinx-version", "theme-version"],
+}
+html_sidebars = {"**": ["sidebar-nav-bs"]}
+# No external inventories (intersphinx): the build needs no network.
 
-# -- autodoc -------------------------------------------------------------------
-# Members are listed explicitly in the pages; keep the source order.
+# -- autodoc / autosummary -------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_default_options = {"undoc-members": False}
-# Cython classes: the class docstring carries the parameters; the pages give
-# each constructor's signature explicitly.
+# Cython classes: the class docstring carries the parameters, and its first line
+# the constructor's signature (autodoc_docstring_signature reads it).
 autoclass_content = "class"
+autosummary_generate = True
+autosummary_ignore_module_all = False
 
 # -- numpydoc ------------------------------------------------------------------
-# No autosummary tables of class members (the pages document the members they
-# need with :members:), and no cross-reference guessing for parameter types.
+# The API pages document members with autodoc (templates in _templates/), not
+# numpydoc's member tables; parameter types are prose, not cross-references.
 numpydoc_show_class_members = False
 numpydoc_show_inherited_class_members = False
 numpydoc_class_members_toctree = False
@@ -69,3 +93,110 @@ plot_rcparams = {"figure.dpi": 110}
 # Every page imports what its examples use, so that ``python -m doctest
 # docs/PAGE.rst`` runs them too.
 doctest_global_setup = ""
+
+
+# -- the API reference, from __all__ --------------------------------------------
+def public_modules():
+    """``sparsemap`` and each public submodule, with the names each documents.
+
+    A submodule whose names are all re-exported by ``sparsemap`` (the losses)
+    gets its module docstring only, linking to the re-exported names; a new
+    public module (``sparsemap.torch``, ``sparsemap.plot``, ...) with an
+    ``__all__`` appears without any change here.
+    """
+    top = list(sparsemap.__all__)
+    out = [("sparsemap", sparsemap, top, [])]
+    for info in sorted(pkgutil.iter_modules(sparsemap.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        name = f"sparsemap.{info.name}"
+        mod = importlib.import_module(name)
+        names = list(getattr(mod, "__all__", []))
+        own = [n for n in names if getattr(sparsemap, n, None) is not getattr(mod, n)]
+        shared = [n for n in names if n not in own]
+        out.append((name, mod, own, shared))
+    return out
+
+
+def _kind(obj):
+    if inspect.isclass(obj) and issubclass(obj, sparsemap.Factor):
+        return "Factors"
+    if inspect.isclass(obj) and issubclass(obj, Warning):
+        return "Warnings"
+    if inspect.isclass(obj):
+        return "Classes"
+    if callable(obj):
+        return "Functions"
+    return "Constants"
+
+
+_TEMPLATES = {"Factors": "autosummary/factor.rst", "Classes": "autosummary/class.rst",
+              "Warnings": "autosummary/class.rst"}
+
+
+API_INTRO = """\
+API reference
+=============
+
+Every public name has a page here, generated from its docstring. The package
+``sparsemap`` holds the factors, the solver and the losses; each public
+submodule follows with the names it adds (its ``__all__``). The narrative pages
+(:doc:`../factors`, :doc:`../solvers`, :doc:`../losses`, :doc:`../testing`)
+explain how the pieces fit together.
+"""
+
+
+def write_api_reference(app, config):
+    """Write docs/api/index.rst: one section per public module, an autosummary per
+    kind of name; autosummary then writes a page per name beside it."""
+    lines = API_INTRO.splitlines() + [""]
+    for name, mod, own, shared in public_modules():
+        lines += [f"``{name}``", "-" * (len(name) + 4), "",
+                  f".. automodule:: {name}", "", f".. currentmodule:: {name}", ""]
+        groups = {}
+        for n in own:
+            groups.setdefault(_kind(getattr(mod, n)), []).append(n)
+        for kind in ("Factors", "Functions", "Classes", "Warnings", "Constants"):
+            if kind not in groups:
+                continue
+            template = _TEMPLATES.get(kind)
+            lines += [f".. rubric:: {kind}", "", ".. autosummary::", "   :toctree: .",
+                      "   :nosignatures:"]
+            lines += [f"   :template: {template}"] if template else []
+            lines += [""] + [f"   {n}" for n in groups[kind]] + [""]
+        if shared:
+            links = ", ".join(f":obj:`sparsemap.{n}`" for n in shared)
+            lines += [f"Re-exported by ``sparsemap`` and documented there: {links}.", ""]
+    out = HERE / "api" / "index.rst"
+    out.parent.mkdir(exist_ok=True)
+    text = "\n".join(lines)
+    if not out.exists() or out.read_text() != text:   # keep incremental builds incremental
+        out.write_text(text)
+
+
+# -- the gallery's figures -----------------------------------------------------------
+def make_gallery_figures(app):
+    """Run the Figure 2 script (default settings, the README's command) into
+    docs/_generated/, unless its outputs are newer than the script and the package."""
+    out = HERE / "_generated"
+    script = ROOT / "benchmarks" / "solver_comparison.py"
+    png = out / "solver_comparison.png"
+    sources = [script, *(ROOT / "sparsemap").rglob("*.py"), *(ROOT / "sparsemap").rglob("*.pyx")]
+    if png.exists() and png.stat().st_mtime >= max(s.stat().st_mtime for s in sources):
+        return
+    out.mkdir(exist_ok=True)
+    spec = importlib.util.spec_from_file_location("solver_comparison", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stdout = io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(io.StringIO()):
+        mod.main(["--out", str(out)])
+    # the table the script prints, without the closing "wrote ..." line
+    table = [ln for ln in stdout.getvalue().splitlines() if not ln.startswith("wrote ")]
+    (out / "solver_comparison.txt").write_text("\n".join(table) + "\n")
+
+
+def setup(app):
+    # before Sphinx lists the documents, and autosummary reads them for names
+    app.connect("config-inited", write_api_reference)
+    app.connect("builder-inited", make_gallery_figures)

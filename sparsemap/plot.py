@@ -212,7 +212,7 @@ def arc_marginals(u, words=None, *, ax=None, min_prob=0.0, labels=True, root="RO
     Returns
     -------
     matplotlib.axes.Axes
-        The Axes drawn on. Each arc is a :class:`~matplotlib.patches.FancyArrowPatch`
+        The Axes drawn on. Each arc is a matplotlib ``FancyArrowPatch``
         in ``ax.patches`` with gid ``"arc h->m"``.
 
     Raises
@@ -391,7 +391,7 @@ def heatmap(u, structures=None, weights=None, *, factor=None, row_labels=None,
     -------
     matplotlib.axes.Axes
         The Axes drawn on; the outlines are the
-        :class:`~matplotlib.patches.Rectangle` patches with gid
+        matplotlib ``Rectangle`` patches with gid
         ``"structure k"``, ``k`` in order of decreasing weight.
 
     Raises

@@ -4,6 +4,7 @@ reading a structure off its dense column (``from_vertex``).
 Dense columns are built here from the compact forms (tests/_reference.py enumerates
 the structures), not with ``factor.vertex``.
 """
+import inspect
 import os
 import pathlib
 import pickle
@@ -114,6 +115,25 @@ def test_repr_shows_the_construction():
     for make, _, _ in (CONSTRUCTIONS[k] for k in ("sequence", "tree", "matching")):
         f = make()
         assert eval(repr(f), {c: getattr(sm, c) for c in sm.__all__}) == f
+
+
+def test_docstrings_start_with_the_constructor_signature():
+    """The API reference reads a Cython class's signature off its docstring's first line;
+    it must name the constructor's real arguments (those repr and pickle use)."""
+    for name in sm.__all__:
+        cls = getattr(sm, name)
+        if not (isinstance(cls, type) and issubclass(cls, sm.Factor)):
+            continue
+        first = cls.__doc__.splitlines()[0]
+        assert first.startswith(f"{name}(") and first.endswith(")"), first
+    for make, _, _ in CONSTRUCTIONS.values():
+        f = make()
+        if type(f) is SubclassedOracle:
+            continue
+        first = type(f).__doc__.splitlines()[0]
+        namespace = {}
+        exec(f"def signature{first[first.index('('):]}: pass", namespace)
+        inspect.signature(namespace["signature"]).bind(*f._init_args(), **f._init_kwargs())
 
 
 # -- from_vertex ----------------------------------------------------------------------

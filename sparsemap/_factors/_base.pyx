@@ -24,7 +24,9 @@ def _sizes_message(name, expected, got):
 
 
 cdef class Factor:
-    """Abstract base of every factor (do not instantiate directly).
+    """Factor()
+
+    Abstract base of every factor (do not instantiate directly).
 
     A factor describes a family of structures ``s``, each a column
     ``a_s = [m_s; n_s]`` of an implicit 0/1 matrix ``A = [M; N]``, and knows how

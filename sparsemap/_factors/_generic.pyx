@@ -8,7 +8,9 @@ from sparsemap._factors._base import _real_array, check_positive_int
 
 
 cdef class GenericFactor(Factor):
-    """Structures given as explicit columns.
+    """GenericFactor(M, N=None)
+
+    Structures given as explicit columns.
 
     Parameters
     ----------
@@ -148,7 +150,9 @@ def _as_matrix(X, name, allow_empty_rows=False):
 
 
 cdef class OracleFactor(Factor):
-    """A factor defined by a user's own MAP oracle, written in Python.
+    """OracleFactor(map_fn=None, vertex_fn=None, *, shape_u, shape_v=0, structure_size=1)
+
+    A factor defined by a user's own MAP oracle, written in Python.
 
     Either pass the two callables, or subclass and override
     :meth:`oracle_map` and :meth:`oracle_vertex` (and, for speed,

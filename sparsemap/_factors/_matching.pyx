@@ -17,7 +17,9 @@ from sparsemap._factors._base import check_positive_int
 
 
 cdef class MatchingFactor(Factor):
-    """Matchings of ``min(n_rows, n_cols)`` pairs in a complete bipartite graph.
+    """MatchingFactor(n_rows, n_cols)
+
+    Matchings of ``min(n_rows, n_cols)`` pairs in a complete bipartite graph.
 
     A structure pairs rows with columns, each row and each column at most once,
     with exactly ``min(n_rows, n_cols)`` pairs (a permutation when the matrix is

@@ -8,7 +8,9 @@ from sparsemap._factors._base import check_positive_int
 
 
 cdef class SequenceFactor(Factor):
-    """Tag sequences of length ``n_positions`` over ``n_states`` tags.
+    """SequenceFactor(n_positions, n_states)
+
+    Tag sequences of length ``n_positions`` over ``n_states`` tags.
 
     A structure is a tag sequence ``tags`` (int array of shape ``(n,)``, values
     in ``[0, n_states)``). Its column has ``m_s[i, t] = 1`` where ``tags[i] == t``

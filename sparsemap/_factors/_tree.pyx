@@ -22,7 +22,9 @@ cdef enum:
 
 
 cdef class TreeFactor(Factor):
-    """Dependency trees (arborescences) over ``n_words`` words, rooted at node 0.
+    """TreeFactor(n_words, projective=False, single_root=False)
+
+    Dependency trees (arborescences) over ``n_words`` words, rooted at node 0.
 
     A structure is a head array ``heads`` (int array of shape ``(n + 1,)``)
     with ``heads[0] == -1`` and ``heads[m]`` in ``[0, n]`` the head of word
