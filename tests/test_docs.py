@@ -1,6 +1,7 @@
 """The examples in docs/*.rst and in the public docstrings run and print what they say."""
 import doctest
 import pathlib
+import re
 
 import pytest
 
@@ -47,3 +48,32 @@ def test_docstring_examples(test):
 def test_examples_found():
     assert len(DOCS) >= 5
     assert len(EXAMPLES) >= 5
+
+
+def test_readme_python_example_runs():
+    """The README's usage block runs as written."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {})
+
+
+README_COMMANDS = [
+    'pip install -e ".[plot]" && python benchmarks/solver_comparison.py --out figures',
+    'pip install -e ".[test]" && python -m pytest',
+]
+
+
+def test_readme_starts_with_the_two_commands():
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert readme.splitlines()[:4] == ["```bash", *README_COMMANDS, "```"]
+
+
+def test_ci_runs_the_readme_test_command_and_the_docs_build():
+    root = pathlib.Path(__file__).parent.parent
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert README_COMMANDS[1] in ci
+    docs_command = re.search(r"```bash\n(pip install -e \"\.\[docs\]\".*)\n```",
+                             (root / "README.md").read_text()).group(1)
+    assert docs_command in ci and "-W -n" in docs_command
