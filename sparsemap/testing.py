@@ -229,11 +229,21 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     AssertionError
         When a condition fails; the message says which and by how much.
     ValueError
-        ``structures`` is empty.
+        ``structures`` is empty, or omitted for a factor this function cannot
+        enumerate (not a built-in family, or too many structures).
     """
     eu, ev = factor.check_scores(eta_u, eta_v)
     if structures is None:
-        structures = enumerate_structures(factor)
+        if _candidate_values(factor) is None:
+            raise ValueError(f"structures: check_kkt cannot list the structures of {factor!r} "
+                             f"by itself; pass them, e.g. structures=enumerate_structures("
+                             f"factor, values=...) with the integers each entry may take")
+        try:
+            structures = enumerate_structures(factor)
+        except ValueError:   # too many candidates
+            raise ValueError(f"structures: {factor!r} has too many structures to enumerate "
+                             f"here; pass the structures to compare with, or use a smaller "
+                             f"factor") from None
     if len(structures) == 0:   # nothing to compare with: the check could not fail
         raise ValueError("structures: expected at least one structure")
     M, N = dense_columns(factor, structures)
@@ -620,10 +630,15 @@ def scores(factor, scale=None, kinds=_KINDS):
             raise ValueError(f"kinds: expected names among {_KINDS}, got {k!r}")
     if scale is None:
         scale_st = st.sampled_from(_SCALES)
-    elif np.ndim(scale) == 0:
-        scale_st = st.just(float(scale))
     else:
-        scale_st = st.sampled_from([float(s) for s in scale])
+        try:
+            values = [float(s) for s in np.atleast_1d(np.asarray(scale, dtype=np.float64))]
+        except (TypeError, ValueError):
+            values = []
+        if not values or not all(np.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"scale: expected a positive finite float or a non-empty "
+                             f"sequence of them, got {scale!r}")
+        scale_st = st.sampled_from(values)
     shp_u, shp_v = factor.shape_u, factor.shape_v
 
     def gaussian(seed):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import sparsemap as sm
 from sparsemap.testing import (check_kkt, dense_columns, enumerate_structures, problems,
-                               support_key)
+                               scores, support_key)
 
 from _reference import (PAIRWISE_M, PAIRWISE_N, all_matchings, all_sequences, all_trees,
                         pairwise_closed_form, simplex_qp, sparsemax, sparsemax_jacobian, viterbi)
@@ -578,6 +578,22 @@ def test_enumerate_structures():
     with pytest.raises(ValueError, match="values"):
         enumerate_structures(o)
     assert enumerate_structures(o, values=[range(3)]) == [0, 1, 2]
+
+
+def test_testing_errors_name_the_arguments_of_the_function_called():
+    o = sm.OracleFactor(lambda eu, ev: int(np.argmax(eu)), lambda s: np.eye(3)[s], shape_u=3)
+    eta = np.array([1.0, 0.5, -1.0])
+    r = sm.solve(o, eta)
+    with pytest.raises(ValueError, match=r"^structures: check_kkt cannot list .*pass them"):
+        check_kkt(o, eta, None, r)
+    check_kkt(o, eta, None, r, structures=enumerate_structures(o, values=[range(3)]))
+    big = sm.SequenceFactor(20, 3)      # 3**20 candidates
+    eu = np.zeros((20, 3))
+    with pytest.raises(ValueError, match=r"^structures: .*too many structures"):
+        check_kkt(big, eu, None, sm.solve(big, eu))
+    for bad in ("x", -1.0, [], [1.0, np.inf]):
+        with pytest.raises(ValueError, match="^scale: "):
+            scores(sm.SequenceFactor(2, 2), scale=bad)
 
 
 def test_check_kkt_rejects_wrong_solutions():

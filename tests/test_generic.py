@@ -38,8 +38,10 @@ def test_generic_map_is_argmax_of_column_scores(n_u, n_v, d, seed, ties):
 
 
 def test_generic_validation():
-    with pytest.raises(ValueError, match="M"):
+    with pytest.raises(ValueError, match=r"^M: expected a 2-d array \(n_u, n_structures\)"):
         sm.GenericFactor(np.zeros(3))
+    with pytest.raises(ValueError, match=r"^N: expected a 2-d array \(n_v, n_structures\)"):
+        sm.GenericFactor(np.eye(3), np.zeros(3))
     with pytest.raises(ValueError, match="M"):
         sm.GenericFactor(np.zeros((3, 0)))
     with pytest.raises(ValueError, match="M.*non-finite"):
@@ -132,8 +134,23 @@ def test_oracle_errors_propagate_and_are_validated():
     with pytest.raises((ValueError, IndexError)):
         sm.solve(bad, np.zeros(2))
     wrong = sm.OracleFactor(lambda eu, ev: [0, 1], lambda s: np.eye(2)[s], shape_u=2)
-    with pytest.raises(ValueError, match="oracle_map"):
+    with pytest.raises(ValueError, match=r"^map_fn result: "):   # the name the user gave it
         sm.solve(wrong, np.zeros(2))
+
+    class WrongSubclass(sm.OracleFactor):
+        def oracle_map(self, eta_u, eta_v):
+            return [0, 1]
+
+        def oracle_vertex(self, s):
+            return np.eye(3)[s]
+
+    with pytest.raises(ValueError, match=r"^oracle_map\(\) result: "):
+        sm.solve(WrongSubclass(shape_u=2), np.zeros(2))
+    short = sm.OracleFactor(lambda eu, ev: 0, lambda s: np.ones(3), shape_u=2)
+    with pytest.raises(ValueError, match=r"^vertex_fn result: expected m of size 2"):
+        short.vertex(0)
+    with pytest.raises(ValueError, match=r"^oracle_vertex\(\) result: expected m of size 2"):
+        WrongSubclass(shape_u=2).vertex(0)
     with pytest.raises(ValueError, match="shape_u"):
         sm.OracleFactor(lambda eu, ev: 0, lambda s: 0, shape_u=0)
     with pytest.raises(ValueError, match="map_fn"):

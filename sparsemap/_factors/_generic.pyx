@@ -140,7 +140,8 @@ cdef inline double _term(double c, double e) noexcept nogil:
 def _as_matrix(X, name, allow_empty_rows=False):
     X = np.array(_real_array(X, name, allow_bool=True), dtype=np.float64)
     if X.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-d array (n_{name.lower()}, n_structures), "
+        rows = "n_u" if name == "M" else "n_v"
+        raise ValueError(f"{name}: expected a 2-d array ({rows}, n_structures), "
                          f"got shape {X.shape}")
     if X.shape[1] == 0 or (X.shape[0] == 0 and not allow_empty_rows):
         raise ValueError(f"{name}: expected at least one row and one column, got shape {X.shape}")
@@ -241,6 +242,15 @@ cdef class OracleFactor(Factor):
         """``m_s . m_t``; the default goes through :meth:`oracle_vertex`."""
         return float(self._dense(s)[0] @ self._dense(t)[0])
 
+    def _hook(self, what):
+        """The name the user knows the callback by, for error messages: the
+        constructor's ``map_fn`` / ``vertex_fn``, or the overridden method."""
+        method = f"oracle_{what}"
+        if getattr(type(self), method) is getattr(OracleFactor, method) \
+                and getattr(self, f"{what}_fn") is not None:
+            return f"{what}_fn"
+        return f"{method}()"
+
     def _dense(self, s):
         out = self.oracle_vertex(s)
         if isinstance(out, tuple):
@@ -249,13 +259,15 @@ cdef class OracleFactor(Factor):
             m, n = out, None
         m = _real_array(m, "oracle_vertex() result", allow_bool=True).reshape(-1)
         if m.shape != (self.n_u,):
-            raise ValueError(f"oracle_vertex: expected m of size {self.n_u}, got shape {m.shape}")
+            raise ValueError(f"{self._hook('vertex')} result: expected m of size {self.n_u}, "
+                             f"got shape {m.shape}")
         if n is None or self.n_v == 0:
             n = np.zeros(self.n_v)
         else:
             n = _real_array(n, "oracle_vertex() result", allow_bool=True).reshape(-1)
             if n.shape != (self.n_v,):
-                raise ValueError(f"oracle_vertex: expected n of size {self.n_v}, got shape {n.shape}")
+                raise ValueError(f"{self._hook('vertex')} result: expected n of size {self.n_v}, "
+                                 f"got shape {n.shape}")
         return m, n
 
     cdef object _public(self, const int* s):
@@ -274,7 +286,7 @@ cdef class OracleFactor(Factor):
         with gil:
             s = self.oracle_map(self._arr(eta_u, self.n_u, self.shape_u),
                                 self._arr(eta_v, self.n_v, self.shape_v))
-            arr = self.check_structure(s, "oracle_map() result")
+            arr = self.check_structure(s, f"{self._hook('map')} result")
             for i in range(self.struct_size):
                 out[i] = arr[i]
         return 0
