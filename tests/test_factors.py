@@ -5,6 +5,7 @@ Dense columns are built here from the compact forms (tests/_reference.py enumera
 the structures), not with ``factor.vertex``.
 """
 import inspect
+import itertools
 import os
 import pathlib
 import pickle
@@ -60,6 +61,14 @@ CONSTRUCTIONS = {
                lambda: sm.OracleFactor(_argmax, _onehot, shape_u=3, shape_v=2)),
     "oracle_subclass": (lambda: SubclassedOracle(3), lambda: SubclassedOracle(np.int64(3)),
                         lambda: SubclassedOracle(4)),
+    "xor": (lambda: sm.XorFactor(3), lambda: sm.XorFactor(np.int64(3)),
+            lambda: sm.AtMostOneFactor(3)),
+    "budget": (lambda: sm.BudgetFactor(4, 2), lambda: sm.BudgetFactor(4, 2, exact=False),
+               lambda: sm.BudgetFactor(4, 2, exact=True)),
+    "pair": (lambda: sm.PairFactor(), lambda: sm.PairFactor(), lambda: sm.XorFactor(2)),
+    "sequence_budget": (lambda: sm.SequenceBudgetFactor(3, 1),
+                        lambda: sm.SequenceBudgetFactor(3, 1, exact=False),
+                        lambda: sm.SequenceBudgetFactor(3, 2)),
 }
 
 
@@ -111,8 +120,11 @@ def test_repr_shows_the_construction():
         "GenericFactor(<3 x 3 array>, <2 x 3 array>)"
     assert repr(sm.OracleFactor(_argmax, _onehot, shape_u=3)) == \
         "OracleFactor(_argmax, _onehot, shape_u=(3,), shape_v=(0,), structure_size=1)"
+    assert repr(sm.BudgetFactor(5, 2)) == "BudgetFactor(5, 2, exact=False)"
+    assert repr(sm.PairFactor()) == "PairFactor()"
     # the repr is the constructor call for factors without arrays or callables
-    for make, _, _ in (CONSTRUCTIONS[k] for k in ("sequence", "tree", "matching")):
+    for make, _, _ in (CONSTRUCTIONS[k] for k in ("sequence", "tree", "matching", "xor", "budget",
+                                                  "pair", "sequence_budget")):
         f = make()
         assert eval(repr(f), {c: getattr(sm, c) for c in sm.__all__}) == f
 
@@ -171,6 +183,13 @@ def _families():
                                         for s in all_matchings(r, c)]
     M = np.array([[1, 0, 1, 0], [0, 1, 1, 0]], dtype=float)   # includes a zero column
     yield sm.GenericFactor(M), [(j, M[:, j], None) for j in range(4)]
+    # logic factors: the compact form is the 0/1 column itself
+    for f, ok in ((sm.BudgetFactor(4, 2), lambda z: z.sum() <= 2),
+                  (sm.OrOutFactor(3), lambda z: z[-1] == max(z[:-1]))):
+        yield f, [(z, z.astype(float), None)
+                  for z in (np.array(c) for c in itertools.product((0, 1), repeat=f.n)) if ok(z)]
+    pair = [np.array(c) for c in itertools.product((0, 1), repeat=2)]
+    yield sm.PairFactor(), [(z, z.astype(float), np.array([float(z[0] * z[1])])) for z in pair]
 
 
 FAMILIES = list(_families())

@@ -17,7 +17,6 @@ scores the lowest indices are switched on first. "Equal" means equal in
 floating point: sums of scores that are equal in exact arithmetic may differ
 by round-off.
 """
-import functools
 
 import numpy as np
 
@@ -70,20 +69,8 @@ cdef class _BinaryFactor(Factor):
     def _init_args(self):
         return (self.n,)
 
-    def _init_kwargs(self):
-        return {}
-
-    # Until the base class builds both from _init_args and _init_kwargs.
-    def __reduce__(self):
-        kwargs = self._init_kwargs()
-        if not kwargs:
-            return (type(self), self._init_args())
-        return (functools.partial(type(self), **kwargs), self._init_args())
-
-    def __repr__(self):
-        args = [repr(a) for a in self._init_args()]
-        args += [f"{k}={v!r}" for k, v in self._init_kwargs().items()]
-        return f"{type(self).__name__}({', '.join(args)})"
+    def _from_dense(self, m, n):
+        return m   # the compact form is the 0/1 column itself
 
     def _validate_structure(self, s, name):
         if np.any((s != 0) & (s != 1)):
@@ -147,7 +134,9 @@ cdef inline int _argmax(const double* x, int n) noexcept nogil:
 
 
 cdef class XorFactor(_BinaryFactor):
-    """Exactly one of ``n`` binary variables on.
+    """XorFactor(n)
+
+    Exactly one of ``n`` binary variables on.
 
     The configurations are the ``n`` unit vectors, so SparseMAP alone is
     sparsemax of ``eta_u``.
@@ -193,7 +182,9 @@ cdef class XorFactor(_BinaryFactor):
 
 
 cdef class AtMostOneFactor(_BinaryFactor):
-    """At most one of ``n`` binary variables on.
+    """AtMostOneFactor(n)
+
+    At most one of ``n`` binary variables on.
 
     Parameters
     ----------
@@ -240,7 +231,9 @@ cdef class AtMostOneFactor(_BinaryFactor):
 
 
 cdef class OrFactor(_BinaryFactor):
-    """At least one of ``n`` binary variables on.
+    """OrFactor(n)
+
+    At least one of ``n`` binary variables on.
 
     Parameters
     ----------
@@ -385,7 +378,9 @@ def _top_k(x, k, depth=None):
 
 
 cdef class BudgetFactor(_BinaryFactor):
-    """At most (or exactly) ``budget`` of ``n`` binary variables on.
+    """BudgetFactor(n, budget, exact=False)
+
+    At most (or exactly) ``budget`` of ``n`` binary variables on.
 
     Parameters
     ----------
@@ -468,7 +463,9 @@ cdef class BudgetFactor(_BinaryFactor):
 
 
 cdef class PairFactor(_BinaryFactor):
-    """Two binary variables, all four configurations, with a score for "both on".
+    """PairFactor()
+
+    Two binary variables, all four configurations, with a score for "both on".
 
     Parameters
     ----------
@@ -536,7 +533,9 @@ cdef class PairFactor(_BinaryFactor):
 
 
 cdef class OrOutFactor(_BinaryFactor):
-    """The last of ``n`` binary variables is the OR of the first ``n - 1``.
+    """OrOutFactor(n)
+
+    The last of ``n`` binary variables is the OR of the first ``n - 1``.
 
     Parameters
     ----------
@@ -594,7 +593,9 @@ cdef class OrOutFactor(_BinaryFactor):
 
 
 cdef class AndOutFactor(_BinaryFactor):
-    """The last of ``n`` binary variables is the AND of the first ``n - 1``.
+    """AndOutFactor(n)
+
+    The last of ``n`` binary variables is the AND of the first ``n - 1``.
 
     Parameters
     ----------
@@ -656,7 +657,9 @@ cdef class AndOutFactor(_BinaryFactor):
 
 
 cdef class XorOutFactor(_BinaryFactor):
-    """At most one of the first ``n - 1`` binary variables on; the last says whether one is.
+    """XorOutFactor(n)
+
+    At most one of the first ``n - 1`` binary variables on; the last says whether one is.
 
     Equivalently, exactly one of ``s[0], ..., s[n - 2], 1 - s[n - 1]`` is on:
     XOR with the last variable negated. Not parity: two inputs on is not
@@ -712,7 +715,9 @@ cdef class XorOutFactor(_BinaryFactor):
 
 
 cdef class SequenceBudgetFactor(_BinaryFactor):
-    """Binary sequences of length ``n`` with at most (or exactly) ``budget`` positions on.
+    """SequenceBudgetFactor(n, budget, exact=False)
+
+    Binary sequences of length ``n`` with at most (or exactly) ``budget`` positions on.
 
     A two-state chain (off/on) with transition scores, under a budget on the
     number of positions on.
