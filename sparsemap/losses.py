@@ -129,7 +129,19 @@ def _setup(factor, eta_u, eta_v, target):
     _check_factor(factor)
     eu, ev = factor.check_scores(eta_u, eta_v)
     mt, nt = _target_columns(factor, target)
+    for eta, col, name in ((eu, mt, "eta_u"), (ev, nt, "eta_v")):
+        if np.any(np.isneginf(eta) & (col != 0)):
+            raise ValueError(f"target: uses a part that {name} forbids (-inf there); the "
+                             f"loss of an impossible target is infinite")
     return eu, ev, mt, nt
+
+
+def _dot(eta, g):
+    """``eta . g`` over the parts where ``g`` is nonzero: a part forbidden by -inf
+    scores has ``g == 0`` in every loss (neither the solution nor the target uses
+    it), and contributes 0, not ``-inf * 0 = nan``."""
+    nz = g != 0
+    return float(eta[nz].dot(g[nz]))
 
 
 def _map_columns(factor, eu, ev):
@@ -225,7 +237,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
     v = r.v.reshape(-1)
     gu = u - mt
     gv = v - nt
-    loss = 0.5 * gu.dot(gu) + ((eu.dot(gu) + ev.dot(gv)) - u.dot(gu))
+    loss = 0.5 * gu.dot(gu) + ((_dot(eu, gu) + _dot(ev, gv)) - u.dot(gu))
     return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
@@ -304,7 +316,7 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
     eu_aug = eu + margin * (1.0 - mt) if margin > 0 else eu
     ms, ns = _map_columns(factor, eu_aug, ev)
     gu, gv = ms - mt, ns - nt
-    loss = eu_aug.dot(gu) + ev.dot(gv)
+    loss = _dot(eu_aug, gu) + _dot(ev, gv)
     return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 

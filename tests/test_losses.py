@@ -529,3 +529,61 @@ def test_batch_loss_names_the_example():
         batch_loss(sparsemap_loss, f, E, [[0, 0, 0]] * 2, [np.zeros(2), None])
     with pytest.raises(ValueError, match="^margin: "):
         batch_loss(sparsemap_loss, f, E, [[0, 0, 0]] * 2, margin=-1)
+
+
+# -- masks ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["seq3x3", "tree3", "tree3_proj_single", "match3x3", "match2x3",
+                                  "generic01"])
+def test_masked_scores_give_the_loss_of_very_low_scores(name):
+    """-inf forbids a part. Every loss then equals its value with the forbidden parts at a
+    very low finite score (which no solution uses), and the SparseMAP loss equals the brute-
+    force reference there; no nan from -inf * 0."""
+    case = get_case(name)
+    rng = np.random.default_rng(zlib.crc32(f"mask{name}".encode()))
+    for _ in range(3):
+        eu, ev = random_scores(case, rng)
+        k = int(rng.integers(case.D))
+        target, y_t = case.S[k], np.eye(case.D)[k]
+        # forbid two unary parts (and a transition) the target does not use
+        free = np.flatnonzero(case.M[k] == 0)
+        forbid = rng.choice(free, size=min(2, free.size), replace=False)
+        masked_u, low_u = eu.copy().reshape(-1), eu.copy().reshape(-1)
+        masked_u[forbid], low_u[forbid] = -np.inf, -1e3
+        masked_v, low_v = ev, ev
+        free_v = np.flatnonzero(case.N[k] == 0)
+        if ev is not None and free_v.size:
+            j = int(rng.choice(free_v))
+            masked_v, low_v = ev.copy().reshape(-1), ev.copy().reshape(-1)
+            masked_v[j], low_v[j] = -np.inf, -1e3
+            masked_v, low_v = masked_v.reshape(ev.shape), low_v.reshape(ev.shape)
+        masked_u, low_u = masked_u.reshape(eu.shape), low_u.reshape(eu.shape)
+        for fn, kw in ((sparsemap_loss, {}), (sparsemap_loss, {"margin": 0.5}),
+                       (perceptron_loss, {}), (structured_svm_loss, {})):
+            got = fn(case.f, masked_u, target, masked_v, **kw)
+            want = fn(case.f, low_u, target, low_v, **kw)
+            assert np.isfinite(got[0])
+            assert got[0] == pytest.approx(want[0], abs=1e-9)
+            np.testing.assert_allclose(got[1], want[1], atol=1e-9)
+            np.testing.assert_allclose(got[2], want[2], atol=1e-9)
+        ref, _, _ = reference_loss(case, low_u, low_v, y_t)
+        assert sparsemap_loss(case.f, masked_u, target, masked_v)[0] == pytest.approx(ref, abs=1e-8)
+
+
+def test_a_target_on_a_forbidden_part_is_refused():
+    f = sm.SequenceFactor(3, 2)
+    eu, ev = np.zeros((3, 2)), np.zeros((2, 2, 2))
+    eu[1, 0] = -np.inf
+    for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+        with pytest.raises(ValueError, match="^target: uses a part that eta_u forbids"):
+            fn(f, eu, [1, 0, 1])
+    ev[0, 1, 1] = -np.inf
+    with pytest.raises(ValueError, match="^target: uses a part that eta_v forbids"):
+        sparsemap_loss(f, np.zeros((3, 2)), [1, 1, 0], ev)
+    with pytest.raises(ValueError, match=r"^targets\[1\]: uses a part"):
+        batch_loss(sparsemap_loss, f, np.stack([np.zeros((3, 2)), eu]), [[0, 0, 0], [1, 0, 1]])
+    # parts a factor ignores accept -inf: the tree's diagonal and column 0
+    t = sm.TreeFactor(2)
+    eta = np.zeros((3, 3))
+    eta[:, 0] = -np.inf
+    np.fill_diagonal(eta, -np.inf)
+    assert np.isfinite(sparsemap_loss(t, eta, [-1, 0, 1])[0])
