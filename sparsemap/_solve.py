@@ -431,12 +431,15 @@ def _thread_pool(n_threads):
         return _pool[2]
 
 
-def _chunks(costs, n_jobs):
-    """Problem indices cut into chunks, most expensive problems first (1 chunk if serial)."""
-    n = len(costs)
-    order = np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
-    n_chunks = 1 if n_jobs == 1 else min(n, CHUNKS_PER_JOB * n_jobs)
-    return [c for c in np.array_split(order, max(n_chunks, 1)) if len(c)]
+def _chunks(n, n_jobs, costs=None):
+    """Problem indices 0..n-1 cut into chunks (1 if serial), most expensive problems first."""
+    if costs is None:
+        order = np.arange(n, dtype=np.intp)
+    else:
+        order = np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
+    n_chunks = 1 if n_jobs == 1 else max(1, min(n, CHUNKS_PER_JOB * n_jobs))
+    bounds = [c * n // n_chunks for c in range(n_chunks + 1)]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def _run_chunks(fn, chunks, n_jobs):
@@ -562,10 +565,6 @@ def _check_batch(factors, etas_u, etas_v):
     return B, factors, shared, eus, evs
 
 
-def _problem_cost(f):
-    return f.n_u + f.n_v
-
-
 def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **solve_kw):
     """Solve many SparseMAP problems, in threads (or any executor).
 
@@ -655,7 +654,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         return []
 
     fs = [factors] * B if shared else factors
-    chunks = _chunks([0] * B if shared else [_problem_cost(f) for f in factors], n_jobs)
+    chunks = _chunks(B, n_jobs, None if shared else [f.n_u + f.n_v for f in factors])
     if executor is None:
         def run(idx):
             return _solve_problems(factors, eus, evs, idx, inits, method, max_iter, tol,
@@ -712,7 +711,7 @@ def _check_results(results):
 
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     sols = [r._backward_solution() for r in rs]
-    chunks = _chunks([s.n_support * s.factor.n_u for s in sols], n_jobs)
+    chunks = _chunks(len(sols), n_jobs, [s.n_support * s.factor.n_u for s in sols])
 
     def run(idx):
         return _active_set.jacobian_chunk([sols[i] for i in idx], _take(ins_u, idx),

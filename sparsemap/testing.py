@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import sparsemap
+from sparsemap._factors._base import _as_float_array
 from sparsemap._factors._logic import _BinaryFactor
 
 __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
@@ -289,12 +290,7 @@ def _direction(d, name, shape):
     """A flat float64 copy of a direction of the given shape (zeros for None)."""
     if d is None:
         return np.zeros(int(np.prod(shape, dtype=np.int64)))
-    arr = np.asarray(d, dtype=np.float64)
-    if arr.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name}: contains non-finite values (nan or inf)")
-    return arr.reshape(-1).copy()
+    return _as_float_array(d, name, tuple(shape)).reshape(-1).copy()
 
 
 def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None, eps=1e-6,
