@@ -450,8 +450,11 @@ def _run(batch, n_threads):
     """
     if n_threads > 1:
         pool = _thread_pool(n_threads - 1)
-        for t in range(1, n_threads):
-            pool.submit(batch.run, t)
+        try:
+            for t in range(1, n_threads):
+                pool.submit(batch.run, t)
+        except RuntimeError:   # interpreter shutting down: the caller does it all
+            pass
     batch.run(0)
     batch.wait()
     return batch.outputs

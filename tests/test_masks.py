@@ -6,11 +6,13 @@ same u and Jacobian), and brute force over the allowed structures only (the
 SciPy QP of tests/_reference.py on their columns, built without the package).
 """
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import sparsemap as sm
+from sparsemap.testing import check_kkt, enumerate_structures
 from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
                         sequence_column, simplex_qp)
 
@@ -129,10 +131,25 @@ def test_masked_solve_matches_low_scores_and_brute_force(name):
         u_ref, _, value, _ = simplex_qp(M, theta)
         np.testing.assert_allclose(r.u.reshape(-1), u_ref, rtol=0, atol=1e-8)
         assert abs(-r.objective - value) <= 1e-9 * (1 + abs(value))
+        if not isinstance(factor, sm.OracleFactor):
+            check_kkt(factor, eu, ev if factor.n_v else None, r)
+            fake = forbidden_result(factor, mu, mv)
+            if fake is not None:   # (a mask may forbid parts no structure uses)
+                with pytest.raises(AssertionError, match="forbidden"):
+                    check_kkt(factor, eu, ev if factor.n_v else None, fake)
         # MAP is the best allowed structure
         best = max(theta)
         m, n = factor.vertex(factor.map(eu, ev if factor.n_v else None))
         assert abs(m.reshape(-1) @ eu0.reshape(-1) + n.reshape(-1) @ ev0.reshape(-1) - best) <= 1e-12
+
+
+def forbidden_result(factor, mu, mv):
+    """A fake result putting all its weight on a structure that uses a forbidden part."""
+    for s in enumerate_structures(factor):
+        m, n = factor.vertex(s)
+        if np.any(m[mu] != 0) or np.any(n[mv] != 0):
+            return SimpleNamespace(structures=[s], weights=np.ones(1), u=m, v=n)
+    return None
 
 
 @pytest.mark.parametrize("name", FACTORS)
