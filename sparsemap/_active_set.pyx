@@ -16,6 +16,12 @@ new structure enters in its place.
 The loop never builds a dense column: Gram entries come from the factor's
 ``c_overlap``, scores from ``c_score`` and ``u`` from ``c_add``. It holds no
 Python objects and runs without the GIL; the workspace grows geometrically.
+
+Problems are solved in batches (one problem for ``solve``): ``prepare_solve``
+makes every Python object and takes every pointer with the GIL, then threads
+call ``_Batch.run`` and claim problems from an atomic counter without it; each
+outcome stays in C buffers (``_Solution``) until a field is asked for.
+``prepare_backward`` runs Jacobian products (Prop. 1) the same way.
 """
 import numpy as np
 

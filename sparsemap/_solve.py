@@ -108,12 +108,14 @@ class SparseMAPResult:
 
     @property
     def u(self):
+        """SparseMAP posterior ``M y*``, shaped like ``eta_u``."""
         if self._u is None:
             self._u = self._sol.u_array().reshape(self.factor.shape_u)
         return self._u
 
     @property
     def v(self):
+        """``N y*``, shaped like ``eta_v``."""
         if self._v is None:
             self._v = self._sol.v_array().reshape(self.factor.shape_v)
         return self._v
@@ -129,12 +131,13 @@ class SparseMAPResult:
 
     @property
     def weights(self):
+        """Weights of the support, by decreasing weight."""
         self._by_weight()
         return self._weights
 
     @property
     def structures(self):
-        """The support, as a list of structures in the factor's compact form."""
+        """The support, in the factor's compact form, by decreasing weight."""
         if self._structures is None:
             S = self._sol.structures_array()[self._by_weight()]
             self._structures = [self.factor._to_public(s) for s in S]
@@ -142,30 +145,37 @@ class SparseMAPResult:
 
     @property
     def n_iter(self):
+        """Iterations run."""
         return self._sol.n_iter
 
     @property
     def n_map(self):
+        """Calls to the MAP oracle."""
         return self._sol.n_map
 
     @property
     def converged(self):
+        """Whether the gap met the tolerance."""
         return self._sol.status == STATUS_CONVERGED
 
     @property
     def gap(self):
+        """Wolfe duality gap of the returned point."""
         return self._sol.gap
 
     @property
     def objective(self):
+        """``1/2 ||u||^2 - eta_u . u - eta_v . v``."""
         return self._sol.objective
 
     @property
     def message(self):
+        """Why the solver stopped."""
         return _MESSAGES[self._sol.status]
 
     @property
     def history(self):
+        """Per-iteration records (``return_history=True``), or None."""
         h = self._sol.history
         if h is not None and self._history is None:
             self._history = {"objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
