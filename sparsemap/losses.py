@@ -109,7 +109,17 @@ def _setup(factor, eta_u, eta_v, target):
     _check_factor(factor)
     eu, ev = factor.check_scores(eta_u, eta_v)
     mt, nt = _target_columns(factor, target)
+    if np.any(mt[np.isneginf(eu)] != 0) or np.any(nt[np.isneginf(ev)] != 0):
+        raise ValueError("target: uses a part forbidden by a -inf score (a mask)")
     return eu, ev, mt, nt
+
+
+def _dot(eta, g):
+    """``eta . g`` over the entries where g is nonzero: with masks, neither the
+    target nor a solution uses a forbidden part, so ``-inf`` meets only zeros
+    there (and ``0 * -inf`` would be nan)."""
+    used = g != 0
+    return float(eta[used] @ g[used])
 
 
 def _map_columns(factor, eu, ev):
@@ -203,7 +213,7 @@ def sparsemap_loss(factor, eta_u, eta_v, target, margin=0.0, **solve_kwargs):
     v = r.v.reshape(-1)
     gu = u - mt
     gv = v - nt
-    loss = 0.5 * gu.dot(gu) + ((eu.dot(gu) + ev.dot(gv)) - u.dot(gu))
+    loss = 0.5 * gu.dot(gu) + ((_dot(eu, gu) + _dot(ev, gv)) - u.dot(gu))
     return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
@@ -281,7 +291,7 @@ def structured_svm_loss(factor, eta_u, eta_v, target, cost_scale=1.0):
     eu_aug = eu + cost_scale * (1.0 - mt) if cost_scale > 0 else eu
     ms, ns = _map_columns(factor, eu_aug, ev)
     gu, gv = ms - mt, ns - nt
-    loss = eu_aug.dot(gu) + ev.dot(gv)
+    loss = _dot(eu_aug, gu) + _dot(ev, gv)
     return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
