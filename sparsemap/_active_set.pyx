@@ -814,8 +814,10 @@ cdef extern from *:
         return (Py_ssize_t) _InterlockedOr64((volatile __int64*) p, 0);
     }
     static CYTHON_INLINE void sm_yield(void) { SwitchToThread(); }
+    static CYTHON_INLINE void sm_nap(void) { Sleep(1); }
     #else
     #include <sched.h>
+    #include <time.h>
     static CYTHON_INLINE Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) {
         return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     }
@@ -823,11 +825,16 @@ cdef extern from *:
         return __atomic_load_n(p, __ATOMIC_SEQ_CST);
     }
     static CYTHON_INLINE void sm_yield(void) { sched_yield(); }
+    static CYTHON_INLINE void sm_nap(void) {
+        struct timespec ts = {0, 100000};   /* 0.1 ms */
+        nanosleep(&ts, NULL);
+    }
     #endif
     """
     Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) nogil
     Py_ssize_t sm_load(Py_ssize_t* p) nogil
     void sm_yield() nogil
+    void sm_nap() nogil
 
 
 cdef struct _Problem:
@@ -958,9 +965,16 @@ cdef class _Batch:
 
     def wait(self):
         """Block (without the GIL) until every problem is done or one failed; raise its error."""
+        cdef Py_ssize_t spins = 0
         with nogil:
+            # the wait is for problems in progress on other threads: short, so
+            # yield first, then nap if a long problem keeps us waiting
             while sm_load(&self.n_done) < self.n and sm_load(&self.stop) == 0:
-                sm_yield()
+                if spins < 2000:
+                    sm_yield()
+                    spins += 1
+                else:
+                    sm_nap()
         if self.error is not None:
             j, exc = self.error
             _add_note(exc, self.P[j].index)

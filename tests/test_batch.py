@@ -285,3 +285,26 @@ def test_ties_keep_the_solver_order():
         r = sm.solve(sm.GenericFactor(np.eye(len(eta))), eta)
         assert r.structures == sorted(r.structures)
         np.testing.assert_allclose(r.weights, 1 / len(r.weights), rtol=1e-14)
+
+
+def test_concurrent_batches_from_several_threads():
+    """Callers share the process-wide pool; each gets its own, correct results."""
+    rng = np.random.default_rng(10)
+    jobs = []
+    for k in range(6):
+        fs, etas = ragged_trees(rng, 9, scale=1 + k)
+        jobs.append((fs, etas, serial(fs, etas, None)))
+
+    def work(job):
+        fs, etas, ref = job
+        for _ in range(3):
+            rs = sm.solve_batch(fs, etas, n_jobs=3)
+            dus = [np.ones(f.shape_u) for f in fs]
+            gs = sm.vjp_batch(rs, dus, n_jobs=3)
+            for r, s, g, du in zip(rs, ref, gs, dus):
+                same_result(r, s)
+                assert np.array_equal(g[0], s.vjp(du)[0])
+        return True
+
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, jobs))
