@@ -13,6 +13,11 @@ medians, in problems per second:
 - ``vs serial``: ``solve_batch`` on 1 thread against a Python loop of
   ``sm.solve`` calls, the alternative a user would write.
 
+The first row is the machine's own ceiling: the speedup of ``hashlib.sha256``
+over large buffers (GIL-free C, no shared data) on the same threads. On a
+machine shared with other jobs it can be far below the number of threads, and
+no batch can scale better.
+
 Families: ragged trees of 10 to 40 words (scores scaled by 1 and by 5, the
 peaked scores of a trained model), sequences (30 positions, 8 tags, with
 transition scores), 20 x 20 matchings, and sparsemax over 10 items (a tiny
@@ -22,7 +27,9 @@ Usage: python benchmarks/bench_batch.py [--threads 2] [--batch 32] [--repeats 15
        [--families tree1,tree5,sequence,matching,sparsemax]
 """
 import argparse
+import hashlib
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -45,6 +52,24 @@ def families(rng, B):
     out["matching 20x20"] = (mat, rng.standard_normal((B, 20, 20)), None)
     out["sparsemax 10"] = (sm.GenericFactor(np.eye(10)), rng.standard_normal((B, 10)), None)
     return out
+
+
+def reference_speedup(n_threads, repeats):
+    """Speedup of GIL-free hashing on n_threads threads: what the machine allows."""
+    data = [bytes([k]) * (8 << 20) for k in range(n_threads)]
+
+    def run(k):
+        threads = [threading.Thread(target=lambda b=b: hashlib.sha256(b).digest())
+                   for b in data[:k]]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (time.perf_counter() - t0) / k     # per buffer
+
+    return (statistics.median(run(1) for _ in range(repeats))
+            / statistics.median(run(n_threads) for _ in range(repeats)))
 
 
 def median_time(fn, repeats):
@@ -76,6 +101,7 @@ def main(argv=None):
     print(f"problems/s, batch of {args.batch}, median of {args.repeats}")
     print(head)
     print("-" * len(head))
+    print(f"{'(sha256 ceiling)':<27}{'':>20}{reference_speedup(T, args.repeats):>8.2f}x")
     for name, (factors, etas_u, etas_v) in fams.items():
         B = len(etas_u)
         fs = factors if isinstance(factors, list) else [factors] * B
