@@ -802,8 +802,10 @@ cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const dou
 
 cdef extern from *:
     """
-    /* The few atomics the batch runner needs: claiming the next problem,
-       counting finished ones, and a stop flag, shared by threads without the GIL. */
+    /* The few atomics the batch runner needs, shared by threads without the GIL:
+       claiming a problem from either end of the order (front and back counts
+       packed in one 64-bit word, updated by compare-and-swap), counting
+       finished ones, and a stop flag. */
     #if defined(_MSC_VER)
     #include <intrin.h>
     #include <windows.h>
@@ -812,6 +814,16 @@ cdef extern from *:
     }
     static CYTHON_INLINE Py_ssize_t sm_load(Py_ssize_t* p) {
         return (Py_ssize_t) _InterlockedOr64((volatile __int64*) p, 0);
+    }
+    static CYTHON_INLINE int sm_cas(long long* p, long long* expected, long long desired) {
+        long long seen = (long long) _InterlockedCompareExchange64(
+            (volatile __int64*) p, (__int64) desired, (__int64) *expected);
+        if (seen == *expected) return 1;
+        *expected = seen;
+        return 0;
+    }
+    static CYTHON_INLINE long long sm_load64(long long* p) {
+        return (long long) _InterlockedOr64((volatile __int64*) p, 0);
     }
     static CYTHON_INLINE void sm_yield(void) { SwitchToThread(); }
     static CYTHON_INLINE void sm_nap(void) { Sleep(1); }
@@ -824,13 +836,34 @@ cdef extern from *:
     static CYTHON_INLINE Py_ssize_t sm_load(Py_ssize_t* p) {
         return __atomic_load_n(p, __ATOMIC_SEQ_CST);
     }
+    static CYTHON_INLINE int sm_cas(long long* p, long long* expected, long long desired) {
+        return __atomic_compare_exchange_n(p, expected, desired, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST);
+    }
+    static CYTHON_INLINE long long sm_load64(long long* p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    }
     static CYTHON_INLINE void sm_yield(void) { sched_yield(); }
     static CYTHON_INLINE void sm_nap(void) {
         struct timespec ts = {0, 100000};   /* 0.1 ms */
         nanosleep(&ts, NULL);
     }
     #endif
+    /* Claim the next problem from the front (from_back 0) or the back of 0..n-1;
+       -1 when none is left. */
+    static CYTHON_INLINE Py_ssize_t sm_claim(long long* packed, Py_ssize_t n, int from_back) {
+        long long old = sm_load64(packed), f, b;
+        for (;;) {
+            f = old >> 32;
+            b = old & 0xffffffffLL;
+            if (f + b >= (long long) n) return -1;
+            if (sm_cas(packed, &old, from_back ? old + 1 : old + (1LL << 32)))
+                return (Py_ssize_t) (from_back ? n - 1 - b : f);
+        }
+    }
     """
+    Py_ssize_t sm_claim(long long* packed, Py_ssize_t n, int from_back) nogil
+    long long sm_load64(long long* p) nogil
     Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) nogil
     Py_ssize_t sm_load(Py_ssize_t* p) nogil
     void sm_yield() nogil
@@ -882,7 +915,8 @@ cdef class _Batch:
     cdef int kind
     cdef Py_ssize_t max_iter
     cdef double tol
-    cdef Py_ssize_t next_problem, n_done, stop
+    cdef long long claimed       # problems claimed from the front (high 32 bits) and back
+    cdef Py_ssize_t n_done, stop
     cdef PyObject** ws           # n_threads x n_slots workspaces (NULL until needed)
     cdef double* scratch         # backward: 2 * max support doubles per thread
     cdef Py_ssize_t scratch_stride
@@ -906,7 +940,7 @@ cdef class _Batch:
         self.n = n
         self.n_threads = n_threads if n_threads > 0 else 1
         self.kind = kind
-        self.next_problem = 0
+        self.claimed = 0
         self.n_done = 0
         self.stop = 0
         self.P = <_Problem*> calloc(n if n > 0 else 1, sizeof(_Problem))
@@ -931,19 +965,27 @@ cdef class _Batch:
         self.ws[t * self.n_slots + slot] = <PyObject*> ws
         return 0
 
-    def run(self, Py_ssize_t t):
-        """Work as thread number t (0 <= t < n_threads) until no problem is left."""
+    def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
+        """Work as thread number t (0 <= t < n_threads) until no problem is left.
+
+        Problems are claimed from the front of the order (the largest first),
+        or from its back with ``from_back``; with ``budget > 0``, return once
+        that many seconds have passed (checked between problems).
+        """
         cdef Py_ssize_t j = -1
         cdef _Problem* p
         cdef PyObject** ws
+        cdef double t0 = _now()
         if t < 0 or t >= self.n_threads:
             raise ValueError(f"t: expected a thread number in [0, {self.n_threads}), got {t}")
         ws = self.ws + t * self.n_slots
         try:
             with nogil:
                 while sm_load(&self.stop) == 0:
-                    j = sm_fetch_add(&self.next_problem, 1)
-                    if j >= self.n:
+                    if budget > 0 and _now() - t0 > budget:
+                        break
+                    j = sm_claim(&self.claimed, self.n, from_back)
+                    if j < 0:
                         break
                     p = &self.P[j]
                     if self.kind == SOLVE:
@@ -962,6 +1004,11 @@ cdef class _Batch:
                 self.error = (j, exc)
             sm_fetch_add(&self.stop, 1)
             sm_fetch_add(&self.n_done, 1)
+
+    def remaining(self):
+        """Problems not claimed yet."""
+        cdef long long c = sm_load64(&self.claimed)
+        return self.n - (c >> 32) - (c & 0xffffffff)
 
     def wait(self):
         """Block (without the GIL) until every problem is done or one failed; raise its error."""

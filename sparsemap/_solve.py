@@ -452,20 +452,32 @@ def _order(n, costs=None):
     return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
 
 
+# The caller works alone this long (seconds) before waking the pool: a batch
+# done sooner would pay more for the wake-up than it gains.
+SOLO_BUDGET = 50e-6
+
+
 def _run(batch, n_threads):
     """Run a prepared ``_active_set._Batch`` on n_threads threads, the caller's included.
 
-    The pool's threads join as they wake up; one that finds no problem left
-    returns at once, so the caller waits only for problems in progress.
+    The caller starts alone, from the cheap end of the order; if problems
+    are left after ``SOLO_BUDGET``, it wakes the pool's threads and, like
+    them, carries on from the expensive end, so that the batch ends on the
+    cheapest problems left. A thread that finds no problem left returns at
+    once, so the caller waits only for problems in progress.
     """
     if n_threads > 1:
-        pool = _thread_pool(n_threads - 1)
-        try:
-            for t in range(1, n_threads):
-                pool.submit(batch.run, t)
-        except RuntimeError:   # interpreter shutting down: the caller does it all
-            pass
-    batch.run(0)
+        batch.run(0, True, SOLO_BUDGET)
+        if batch.remaining() > 0:
+            pool = _thread_pool(n_threads - 1)
+            try:
+                for t in range(1, n_threads):
+                    pool.submit(batch.run, t)
+            except RuntimeError:   # interpreter shutting down: the caller does it all
+                pass
+            batch.run(0)
+    else:
+        batch.run(0)
     batch.wait()
     return batch.outputs
 

@@ -308,3 +308,22 @@ def test_concurrent_batches_from_several_threads():
 
     with ThreadPoolExecutor(4) as ex:
         assert all(ex.map(work, jobs))
+
+
+@pytest.mark.parametrize("n_jobs", [2, 3])
+def test_every_problem_solved_exactly_once(n_jobs):
+    """Claims from both ends of the order never overlap nor skip a problem."""
+    calls = []
+
+    def oracle(eu, ev):
+        calls.append(1)                  # callbacks hold the GIL: a safe count
+        return int(np.argmax(eu))
+
+    f = sm.OracleFactor(oracle, lambda s: np.eye(4)[s], shape_u=4)
+    etas = np.random.default_rng(11).standard_normal((57, 4))
+    for _ in range(3):
+        calls.clear()
+        rs = sm.solve_batch(f, etas, n_jobs=n_jobs)
+        assert len(calls) == sum(r.n_map for r in rs)
+        for r, e in zip(rs, etas):
+            same_result(r, sm.solve(f, e))
