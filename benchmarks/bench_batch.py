@@ -61,24 +61,25 @@ def reference_speedup(n_threads, repeats):
     def run(k):
         threads = [threading.Thread(target=lambda b=b: hashlib.sha256(b).digest())
                    for b in data[:k]]
-        t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return (time.perf_counter() - t0) / k     # per buffer
 
-    return (statistics.median(run(1) for _ in range(repeats))
-            / statistics.median(run(n_threads) for _ in range(repeats)))
+    t1, tn = median_times([lambda: run(1), lambda: run(n_threads)], repeats)
+    return n_threads * t1 / tn
 
 
-def median_time(fn, repeats):
-    times = []
+def median_times(fns, repeats):
+    """Median seconds of each function, sampled in turn (conditions on a shared
+    machine drift; interleaving exposes every function to the same drift)."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv=None):
@@ -119,11 +120,10 @@ def main(argv=None):
 
         loop = statistics.median(
             sum(r._sol.seconds for r in forward(1)) for _ in range(args.repeats))
-        t_serial = median_time(lambda: [sm.solve(f, eu, ev).u
-                                        for f, eu, ev in zip(fs, etas_u, evs)], args.repeats)
+        t_serial, = median_times([lambda: [sm.solve(f, eu, ev).u
+                                           for f, eu, ev in zip(fs, etas_u, evs)]], args.repeats)
         for mode, fn in (("forward", forward), ("fwd+bwd", both)):
-            t1 = median_time(lambda: fn(1), args.repeats)
-            tn = median_time(lambda: fn(T), args.repeats)
+            t1, tn = median_times([lambda: fn(1), lambda: fn(T)], args.repeats)
             extra = ""
             if mode == "forward":
                 extra = (f"{B / loop:>10.0f}{100 * (1 - loop / t1):>9.0f}%"
