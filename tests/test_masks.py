@@ -13,7 +13,6 @@ import pytest
 
 import sparsemap as sm
 from sparsemap.testing import check_kkt, enumerate_structures
-from test_logic import columns as logic_columns
 from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
                         sequence_column, simplex_qp)
 
@@ -31,11 +30,8 @@ def _columns(factor):
     if isinstance(factor, sm.MatchingFactor):
         S = all_matchings(factor.n_rows, factor.n_cols)
         return S, [(matching_matrix(s, factor.n_cols), np.zeros(0)) for s in S]
-    if isinstance(factor, (sm.GenericFactor, sm.OracleFactor)):
-        M, N = _GENERIC_COLUMNS[factor.n_u]
-        return list(range(M.shape[1])), [(M[:, j], N[:, j]) for j in range(M.shape[1])]
-    Z, M, N = logic_columns(factor)       # the logic factors' definitions
-    return Z, [(M[:, j], N[:, j]) for j in range(len(Z))]
+    M, N = _GENERIC_COLUMNS[factor.n_u]
+    return list(range(M.shape[1])), [(M[:, j], N[:, j]) for j in range(M.shape[1])]
 
 
 rng0 = np.random.default_rng(12345)
@@ -64,18 +60,7 @@ FACTORS = {
     "matching-tall": lambda: sm.MatchingFactor(4, 3),
     "generic": lambda: sm.GenericFactor(_M, _N),
     "oracle": _oracle_factor,
-    "xor": lambda: sm.XorFactor(5),
-    "at-most-one": lambda: sm.AtMostOneFactor(4),
-    "or": lambda: sm.OrFactor(4),
-    "budget": lambda: sm.BudgetFactor(5, 2),
-    "budget-exact": lambda: sm.BudgetFactor(5, 2, exact=True),
-    "pair": sm.PairFactor,
-    "or-out": lambda: sm.OrOutFactor(4),
-    "and-out": lambda: sm.AndOutFactor(4),
-    "xor-out": lambda: sm.XorOutFactor(4),
-    "sequence-budget": lambda: sm.SequenceBudgetFactor(5, 2),
-    "sequence-budget-exact": lambda: sm.SequenceBudgetFactor(5, 2, exact=True),
-}
+}   # the logic factors' masks are tested in tests/test_logic.py
 
 
 def _random_mask(factor, rng, p):
@@ -244,11 +229,6 @@ def infeasible_cases():
         (sm.MatchingFactor(3, 3), hall, None), (sm.MatchingFactor(4, 3), tall, None),
         (sm.GenericFactor(_M, _N), np.full(6, -np.inf), None),
         (_oracle_factor(), np.full(5, -np.inf), None),
-        (sm.XorFactor(3), np.full(3, -np.inf), None),
-        (sm.OrFactor(3), np.full(3, -np.inf), None),
-        (sm.BudgetFactor(4, 3, exact=True), np.array([0.0, -np.inf, 1.0, -np.inf]), None),
-        (sm.SequenceBudgetFactor(4, 2, exact=True), np.array([0.0, -np.inf, -np.inf, 1.0]),
-         np.where(np.arange(12).reshape(3, 2, 2) == 9, -np.inf, 0.0)),   # no 0 -> 1 from 2 to 3
     ]
 
 
@@ -397,7 +377,7 @@ def test_generic_score_ignores_unused_forbidden_parts():
     assert f.score(4, eu2, np.zeros(2)) == -np.inf     # -1 * -inf still forbids
 
 
-@pytest.mark.parametrize("name", ["sequence", "tree-single-root", "matching-tall", "budget-exact"])
+@pytest.mark.parametrize("name", ["sequence", "tree-single-root", "tree-projective", "matching-tall"])
 def test_losses_with_masks(name):
     """Finite losses equal to the low-score problem's, gradients 0 on forbidden parts."""
     rng = np.random.default_rng(21)
