@@ -13,6 +13,11 @@ medians, in problems per second:
 - ``vs serial``: ``solve_batch`` on 1 thread against a Python loop of
   ``sm.solve`` calls, the alternative a user would write.
 
+The first row is the machine's own ceiling: the speedup of ``hashlib.sha256``
+over large buffers (GIL-free C, no shared data) on the same threads. On a
+machine shared with other jobs it can be far below the number of threads, and
+no batch can scale better.
+
 Families: ragged trees of 10 to 40 words (scores scaled by 1 and by 5, the
 peaked scores of a trained model), sequences (30 positions, 8 tags, with
 transition scores), 20 x 20 matchings, and sparsemax over 10 items (a tiny
@@ -22,7 +27,9 @@ Usage: python benchmarks/bench_batch.py [--threads 2] [--batch 32] [--repeats 15
        [--families tree1,tree5,sequence,matching,sparsemax]
 """
 import argparse
+import hashlib
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -47,13 +54,32 @@ def families(rng, B):
     return out
 
 
-def median_time(fn, repeats):
-    times = []
+def reference_speedup(n_threads, repeats):
+    """Speedup of GIL-free hashing on n_threads threads: what the machine allows."""
+    data = [bytes([k]) * (8 << 20) for k in range(n_threads)]
+
+    def run(k):
+        threads = [threading.Thread(target=lambda b=b: hashlib.sha256(b).digest())
+                   for b in data[:k]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    t1, tn = median_times([lambda: run(1), lambda: run(n_threads)], repeats)
+    return n_threads * t1 / tn
+
+
+def median_times(fns, repeats):
+    """Median seconds of each function, sampled in turn (conditions on a shared
+    machine drift; interleaving exposes every function to the same drift)."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv=None):
@@ -76,6 +102,7 @@ def main(argv=None):
     print(f"problems/s, batch of {args.batch}, median of {args.repeats}")
     print(head)
     print("-" * len(head))
+    print(f"{'(sha256 ceiling)':<27}{'':>20}{reference_speedup(T, args.repeats):>8.2f}x")
     for name, (factors, etas_u, etas_v) in fams.items():
         B = len(etas_u)
         fs = factors if isinstance(factors, list) else [factors] * B
@@ -93,11 +120,10 @@ def main(argv=None):
 
         loop = statistics.median(
             sum(r._sol.seconds for r in forward(1)) for _ in range(args.repeats))
-        t_serial = median_time(lambda: [sm.solve(f, eu, ev).u
-                                        for f, eu, ev in zip(fs, etas_u, evs)], args.repeats)
+        t_serial, = median_times([lambda: [sm.solve(f, eu, ev).u
+                                           for f, eu, ev in zip(fs, etas_u, evs)]], args.repeats)
         for mode, fn in (("forward", forward), ("fwd+bwd", both)):
-            t1 = median_time(lambda: fn(1), args.repeats)
-            tn = median_time(lambda: fn(T), args.repeats)
+            t1, tn = median_times([lambda: fn(1), lambda: fn(T)], args.repeats)
             extra = ""
             if mode == "forward":
                 extra = (f"{B / loop:>10.0f}{100 * (1 - loop / t1):>9.0f}%"

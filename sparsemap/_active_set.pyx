@@ -16,13 +16,19 @@ new structure enters in its place.
 The loop never builds a dense column: Gram entries come from the factor's
 ``c_overlap``, scores from ``c_score`` and ``u`` from ``c_add``. It holds no
 Python objects and runs without the GIL; the workspace grows geometrically.
+
+Problems are solved in batches (one problem for ``solve``): ``prepare_solve``
+makes every Python object and takes every pointer with the GIL, then threads
+call ``_Batch.run`` and claim problems from an atomic counter without it; each
+outcome stays in C buffers (``_Solution``) until a field is asked for.
+``prepare_backward`` runs Jacobian products (Prop. 1) the same way.
 """
 import numpy as np
 
 cimport numpy as cnp
 from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, hypot, INFINITY
-from libc.stdlib cimport malloc, realloc, free
+from libc.stdlib cimport calloc, malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from scipy.linalg.cython_blas cimport dtrsv
@@ -799,14 +805,87 @@ cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const dou
     return 0
 
 
+cdef extern from *:
+    """
+    /* The few atomics the batch runner needs, shared by threads without the GIL:
+       claiming a problem from either end of the order (front and back counts
+       packed in one 64-bit word, updated by compare-and-swap), counting
+       finished ones, and a stop flag. */
+    #if defined(_MSC_VER)
+    #include <intrin.h>
+    #include <windows.h>
+    static CYTHON_INLINE Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) {
+        return (Py_ssize_t) _InterlockedExchangeAdd64((volatile __int64*) p, (__int64) v);
+    }
+    static CYTHON_INLINE Py_ssize_t sm_load(Py_ssize_t* p) {
+        return (Py_ssize_t) _InterlockedOr64((volatile __int64*) p, 0);
+    }
+    static CYTHON_INLINE int sm_cas(long long* p, long long* expected, long long desired) {
+        long long seen = (long long) _InterlockedCompareExchange64(
+            (volatile __int64*) p, (__int64) desired, (__int64) *expected);
+        if (seen == *expected) return 1;
+        *expected = seen;
+        return 0;
+    }
+    static CYTHON_INLINE long long sm_load64(long long* p) {
+        return (long long) _InterlockedOr64((volatile __int64*) p, 0);
+    }
+    static CYTHON_INLINE void sm_yield(void) { SwitchToThread(); }
+    static CYTHON_INLINE void sm_nap(void) { Sleep(1); }
+    #else
+    #include <sched.h>
+    #include <time.h>
+    static CYTHON_INLINE Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) {
+        return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+    }
+    static CYTHON_INLINE Py_ssize_t sm_load(Py_ssize_t* p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    }
+    static CYTHON_INLINE int sm_cas(long long* p, long long* expected, long long desired) {
+        return __atomic_compare_exchange_n(p, expected, desired, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST);
+    }
+    static CYTHON_INLINE long long sm_load64(long long* p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    }
+    static CYTHON_INLINE void sm_yield(void) { sched_yield(); }
+    static CYTHON_INLINE void sm_nap(void) {
+        struct timespec ts = {0, 100000};   /* 0.1 ms */
+        nanosleep(&ts, NULL);
+    }
+    #endif
+    /* Claim the next problem from the front (from_back 0) or the back of 0..n-1;
+       -1 when none is left. */
+    static CYTHON_INLINE Py_ssize_t sm_claim(long long* packed, Py_ssize_t n, int from_back) {
+        long long old = sm_load64(packed), f, b;
+        for (;;) {
+            f = old >> 32;
+            b = old & 0xffffffffLL;
+            if (f + b >= (long long) n) return -1;
+            if (sm_cas(packed, &old, from_back ? old + 1 : old + (1LL << 32)))
+                return (Py_ssize_t) (from_back ? n - 1 - b : f);
+        }
+    }
+    """
+    Py_ssize_t sm_claim(long long* packed, Py_ssize_t n, int from_back) nogil
+    long long sm_load64(long long* p) nogil
+    Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) nogil
+    Py_ssize_t sm_load(Py_ssize_t* p) nogil
+    void sm_yield() nogil
+    void sm_nap() nogil
+
+
 cdef struct _Problem:
-    PyObject* ws
-    PyObject* sol
-    const double* eta_u
-    const double* eta_v
-    const int* init
+    PyObject* sol            # the _Solution solved, or differentiated
+    const double* in_u       # eta_u, or the direction / gradient of a backward product
+    const double* in_v       # eta_v or d_eta_v (NULL: none or zeros)
+    double* out_u            # backward outputs
+    double* out_v
+    const int* init          # warm start rows, or NULL
     Py_ssize_t n_init
-    double* hist
+    double* hist             # history rows, or NULL
+    Py_ssize_t slot          # which distinct factor (workspaces are per thread and factor)
+    Py_ssize_t index         # the problem's index in the batch
 
 
 cdef inline const double* _data(object arrays, Py_ssize_t i) except NULL:
@@ -819,111 +898,297 @@ cdef inline const double* _data(object arrays, Py_ssize_t i) except NULL:
     return (<const double*> cnp.PyArray_DATA(a)) + i * a.shape[1]
 
 
+cdef enum:
+    SOLVE = 0
+    JVP = 1
+    VJP = 2
+
+
+cdef class _Batch:
+    """Problems prepared with the GIL, then run by any number of threads without it.
+
+    Built by :func:`prepare_solve` or :func:`prepare_backward`, which make
+    every Python object the run needs (solutions, outputs) and take every
+    pointer in one pass. Each thread calls :meth:`run` with its own number;
+    threads claim problems one at a time from an atomic counter, largest
+    first (the order given), so they balance problems of unequal cost and
+    touch the GIL only to create a workspace the first time they meet a
+    factor. A thread that joins late finds nothing left and returns.
+    """
+    cdef _Problem* P
+    cdef Py_ssize_t n, n_threads, n_slots
+    cdef int kind
+    cdef Py_ssize_t max_iter
+    cdef double tol
+    cdef long long claimed       # problems claimed from the front (high 32 bits) and back
+    cdef Py_ssize_t n_done, stop
+    cdef PyObject** ws           # n_threads x n_slots workspaces (NULL until needed)
+    cdef double* scratch         # backward: 2 * max support doubles per thread
+    cdef Py_ssize_t scratch_stride
+    cdef list keep               # the objects behind the pointers
+    cdef list slot_factors
+    cdef object error            # (problem, exception) of the first failure
+    cdef public list outputs     # in problem order: _Solution, du, or (g_u, g_v)
+    cdef list hists              # return_history buffers, in problem order
+
+    def __cinit__(self):
+        self.P = NULL
+        self.ws = NULL
+        self.scratch = NULL
+
+    def __dealloc__(self):
+        free(self.P)
+        free(self.ws)
+        free(self.scratch)
+
+    cdef int _setup(self, Py_ssize_t n, Py_ssize_t n_threads, int kind) except -1:
+        self.n = n
+        self.n_threads = n_threads if n_threads > 0 else 1
+        self.kind = kind
+        self.claimed = 0
+        self.n_done = 0
+        self.stop = 0
+        self.P = <_Problem*> calloc(n if n > 0 else 1, sizeof(_Problem))
+        if self.P == NULL:
+            raise MemoryError()
+        self.keep = []
+        self.slot_factors = []
+        self.error = None
+        return 0
+
+    cdef int _alloc_workspaces(self) except -1:
+        self.ws = <PyObject**> calloc(self.n_threads * max(len(self.slot_factors), 1),
+                                      sizeof(PyObject*))
+        if self.ws == NULL:
+            raise MemoryError()
+        self.n_slots = len(self.slot_factors)
+        return 0
+
+    cdef int _new_workspace(self, Py_ssize_t t, Py_ssize_t slot) except -1:
+        ws = _Workspace(self.slot_factors[slot], 16)
+        self.keep.append(ws)
+        self.ws[t * self.n_slots + slot] = <PyObject*> ws
+        return 0
+
+    def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
+        """Work as thread number t (0 <= t < n_threads) until no problem is left.
+
+        Problems are claimed from the front of the order (the largest first),
+        or from its back with ``from_back``; with ``budget > 0``, return once
+        that many seconds have passed (checked between problems).
+        """
+        cdef Py_ssize_t j = -1
+        cdef _Problem* p
+        cdef PyObject** ws
+        cdef double t0 = _now()
+        if t < 0 or t >= self.n_threads:
+            raise ValueError(f"t: expected a thread number in [0, {self.n_threads}), got {t}")
+        ws = self.ws + t * self.n_slots
+        try:
+            with nogil:
+                while sm_load(&self.stop) == 0:
+                    if budget > 0 and _now() - t0 > budget:
+                        break
+                    j = sm_claim(&self.claimed, self.n, from_back)
+                    if j < 0:
+                        break
+                    p = &self.P[j]
+                    if self.kind == SOLVE:
+                        if ws[p.slot] == NULL:
+                            with gil:
+                                self._new_workspace(t, p.slot)
+                        _solve_one(<_Workspace> ws[p.slot], <_Solution> p.sol, p.in_u, p.in_v,
+                                   p.init, p.n_init, p.hist, self.max_iter, self.tol)
+                    else:
+                        _jacobian_apply(<_Solution> p.sol, p.in_u, p.in_v, p.out_u, p.out_v,
+                                        self.scratch + t * self.scratch_stride)
+                    sm_fetch_add(&self.n_done, 1)
+        except BaseException as exc:
+            # stop every thread; the caller raises the first failure (in claim order)
+            if self.error is None or self.error[0] > j:
+                self.error = (j, exc)
+            sm_fetch_add(&self.stop, 1)
+            sm_fetch_add(&self.n_done, 1)
+
+    def remaining(self):
+        """Problems not claimed yet."""
+        cdef long long c = sm_load64(&self.claimed)
+        return self.n - (c >> 32) - (c & 0xffffffff)
+
+    def wait(self):
+        """Block (without the GIL) until every problem is done or one failed; raise its error."""
+        cdef Py_ssize_t spins = 0
+        with nogil:
+            # the wait is for problems in progress on other threads: short, so
+            # yield first, then nap if a long problem keeps us waiting
+            while sm_load(&self.n_done) < self.n and sm_load(&self.stop) == 0:
+                if spins < 2000:
+                    sm_yield()
+                    spins += 1
+                else:
+                    sm_nap()
+        if self.error is not None:
+            j, exc = self.error
+            _add_note(exc, self.P[j].index)
+            raise exc
+        if self.hists is not None:
+            for i, sol in enumerate(self.outputs):
+                h = self.hists[i]
+                (<_Solution> sol).history = h[:4 * sol.n_iter].reshape(sol.n_iter, 4).copy()
+
+
 def _add_note(exc, Py_ssize_t i):
     if hasattr(exc, "add_note"):   # Python >= 3.11
         exc.add_note(f"(while solving problem {i} of the batch)")
 
 
-def solve_chunk(factors, etas_u, etas_v, const Py_ssize_t[::1] idx, inits,
-                Py_ssize_t max_iter, double tol, bint return_history):
-    """Active-set solves of the problems ``idx``, all in one block without the GIL.
+def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
+                  Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads):
+    """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
     Inputs must be validated: their pointers are read without checks.
 
     Parameters
     ----------
     factors : Factor or list of Factor
-        Shared by every problem, or one per problem (indexed by problem).
+        Shared by every problem, or one per problem.
     etas_u : ndarray or list of ndarray
         A 2-d float64 C-contiguous array (row ``i``: problem ``i``) or a list
         of flat float64 C-contiguous arrays.
     etas_v : None, ndarray or list
         As ``etas_u``; None (or None entries of a list): zeros.
-    idx : int array
-        The problems to solve.
+    order : int array
+        Every problem index once, in the order threads should claim them
+        (largest first).
     inits : None or list
         Warm starts: None entries, or ``(k, struct_size)`` intc arrays.
     max_iter, tol, return_history
         As for :func:`sparsemap.solve`.
-
-    Returns
-    -------
-    list of _Solution, in the order of ``idx``. A problem whose structures
-    all use a forbidden part has status ``STATUS_INFEASIBLE``.
+    n_threads : int
+        How many threads will call :meth:`_Batch.run`.
 
     Notes
     -----
-    Problems sharing a factor object share one workspace, reset between them;
-    a solve's arithmetic does not depend on the workspace's history.
+    A thread keeps one workspace per factor object and reuses it from one
+    problem to the next; a solve's arithmetic does not depend on the
+    workspace's history (tests check results bitwise against fresh solves).
+    A problem whose structures all use a forbidden part gets status
+    ``STATUS_INFEASIBLE``.
     """
-    cdef Py_ssize_t n = idx.shape[0], j, i, cur = 0, max_nv = 0
-    cdef _Problem* P = <_Problem*> malloc((n if n > 0 else 1) * sizeof(_Problem))
-    cdef Factor f, last = None
-    cdef _Workspace ws = None
+    cdef _Batch b = _Batch.__new__(_Batch)
+    cdef Py_ssize_t n = order.shape[0], j, i, max_nv = 0
+    cdef Factor f
     cdef _Solution sol
-    cdef bint shared = isinstance(factors, Factor)
     cdef cnp.ndarray a
+    cdef bint shared = isinstance(factors, Factor)
     cdef const double* zeros = NULL
-    if P == NULL:
+    cdef _Problem* p
+    b._setup(n, n_threads, SOLVE)
+    b.max_iter = max_iter
+    b.tol = tol
+    b.outputs = [None] * n
+    b.hists = [None] * n if return_history else None
+    slots = {}
+    if shared:
+        b.slot_factors.append(factors)
+        max_nv = (<Factor> factors).n_v
+    else:
+        for f in factors:
+            if id(f) not in slots:
+                slots[id(f)] = len(b.slot_factors)
+                b.slot_factors.append(f)
+                if f.n_v > max_nv:
+                    max_nv = f.n_v
+    if max_nv and (etas_v is None or type(etas_v) is list):
+        zero_buf = np.zeros(max_nv)
+        b.keep.append(zero_buf)
+        zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
+    b.keep.extend((etas_u, etas_v, inits))
+    for j in range(n):
+        i = order[j]
+        p = &b.P[j]
+        p.index = i
+        f = factors if shared else factors[i]
+        sol = _Solution.__new__(_Solution)
+        sol.factor = f
+        b.outputs[i] = sol
+        p.sol = <PyObject*> sol
+        p.slot = 0 if shared else slots[id(f)]
+        p.in_u = _data(etas_u, i)
+        if f.n_v == 0:
+            p.in_v = NULL
+        elif etas_v is None or (type(etas_v) is list and etas_v[i] is None):
+            p.in_v = zeros
+        else:
+            p.in_v = _data(etas_v, i)
+        if inits is not None and inits[i] is not None:
+            a = <cnp.ndarray> inits[i]
+            p.init = <const int*> cnp.PyArray_DATA(a)
+            p.n_init = a.shape[0]
+        if return_history:
+            h = np.zeros(4 * max_iter + 4)
+            b.hists[i] = h
+            p.hist = <double*> cnp.PyArray_DATA(<cnp.ndarray> h)
+    b._alloc_workspaces()
+    return b
+
+
+def prepare_backward(list sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] order,
+                     Py_ssize_t n_threads):
+    """A :class:`_Batch` of Jacobian products; its ``outputs`` are the products.
+
+    Parameters
+    ----------
+    sols : list of _Solution
+        Each with its Cholesky factor.
+    ins_u : list of flat float64 arrays, or a 2-d float64 array (row i for sols[i])
+        ``d_eta_u`` (jvp) or ``du`` (vjp), validated.
+    ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
+    transpose : bool
+        False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
+    order, n_threads
+        As for :func:`prepare_solve`.
+
+    Returns
+    -------
+    _Batch whose ``outputs`` are ``du`` arrays (jvp) or ``(g_u, g_v)`` pairs
+    (vjp), shaped like the factors' scores.
+    """
+    cdef _Batch b = _Batch.__new__(_Batch)
+    cdef Py_ssize_t n = order.shape[0], j, i, max_support = 0
+    cdef _Solution sol
+    cdef _Problem* p
+    b._setup(n, n_threads, VJP if transpose else JVP)
+    b.outputs = [None] * n
+    b.hists = None
+    b.keep.extend((sols, ins_u, ins_v))
+    for j in range(n):
+        i = order[j]
+        p = &b.P[j]
+        p.index = i
+        sol = sols[i]
+        if sol.n_support > max_support:
+            max_support = sol.n_support
+        p.sol = <PyObject*> sol
+        p.in_u = _data(ins_u, i)
+        if sol.factor.n_v and ins_v is not None and (type(ins_v) is not list
+                                                      or ins_v[i] is not None):
+            p.in_v = _data(ins_v, i)
+        gu = np.empty(sol.factor.shape_u)
+        p.out_u = <double*> cnp.PyArray_DATA(<cnp.ndarray> gu)
+        if transpose:
+            gv = np.empty(sol.factor.shape_v)
+            if sol.factor.n_v:
+                p.out_v = <double*> cnp.PyArray_DATA(<cnp.ndarray> gv)
+            b.outputs[i] = (gu, gv)
+        else:
+            b.outputs[i] = gu
+    b.scratch_stride = 2 * max_support + 2
+    b.scratch = <double*> malloc(b.n_threads * b.scratch_stride * sizeof(double))
+    if b.scratch == NULL:
         raise MemoryError()
-    sols = [None] * n
-    workspaces = {}
-    hists = [None] * n if return_history else None
-    zero_buf = None
-    try:
-        for j in range(n):
-            f = factors if shared else factors[idx[j]]
-            if f.n_v > max_nv:
-                max_nv = f.n_v
-        if etas_v is None or type(etas_v) is list:
-            zero_buf = np.zeros(max_nv + 1)
-            zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
-        for j in range(n):
-            i = idx[j]
-            f = factors if shared else factors[i]
-            if f is not last:
-                ws = workspaces.get(id(f))
-                if ws is None:
-                    ws = _Workspace(f, 16)
-                    workspaces[id(f)] = ws
-                last = f
-            sol = _Solution.__new__(_Solution)
-            sol.factor = f
-            sols[j] = sol
-            P[j].ws = <PyObject*> ws
-            P[j].sol = <PyObject*> sol
-            P[j].eta_u = _data(etas_u, i)
-            if f.n_v == 0:
-                P[j].eta_v = NULL
-            elif etas_v is None or (type(etas_v) is list and etas_v[i] is None):
-                P[j].eta_v = zeros
-            else:
-                P[j].eta_v = _data(etas_v, i)
-            P[j].init = NULL
-            P[j].n_init = 0
-            if inits is not None and inits[i] is not None:
-                a = <cnp.ndarray> inits[i]
-                P[j].init = <const int*> cnp.PyArray_DATA(a)
-                P[j].n_init = a.shape[0]
-            P[j].hist = NULL
-            if return_history:
-                hists[j] = np.zeros(4 * max_iter + 4)
-                P[j].hist = <double*> cnp.PyArray_DATA(<cnp.ndarray> hists[j])
-        with nogil:
-            for j in range(n):
-                cur = j
-                _solve_one(<_Workspace> P[j].ws, <_Solution> P[j].sol, P[j].eta_u, P[j].eta_v,
-                           P[j].init, P[j].n_init, P[j].hist, max_iter, tol)
-    except BaseException as exc:
-        _add_note(exc, idx[cur])
-        raise
-    finally:
-        free(P)
-    if return_history:
-        for j in range(n):
-            sol = sols[j]
-            sol.history = hists[j][:4 * sol.n_iter].reshape(sol.n_iter, 4).copy()
-    return sols
+    b._alloc_workspaces()
+    return b
 
 
 def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
@@ -986,72 +1251,6 @@ cdef int _jacobian_apply(_Solution sol, const double* in_u, const double* in_v, 
     for t in range(n):
         sol.factor.c_add(sol.S + t * k, x[t], out_u, out_v)
     return 0
-
-
-def jacobian_chunk(list sols, ins_u, ins_v, bint transpose):
-    """Jacobian products of several solutions (each with ``L``), in one block without the GIL.
-
-    Parameters
-    ----------
-    sols : list of _Solution
-    ins_u : list of flat float64 arrays, or a 2-d float64 array (row j for sols[j])
-        ``d_eta_u`` (jvp) or ``du`` (vjp), validated.
-    ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
-    transpose : bool
-        False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
-
-    Returns
-    -------
-    list of ``du`` arrays (jvp), or of ``(g_u, g_v)`` pairs (vjp), shaped like
-    the factor's scores.
-    """
-    cdef Py_ssize_t n = len(sols), j, cur = 0, max_support = 0
-    cdef _Problem* P = <_Problem*> malloc((n if n > 0 else 1) * sizeof(_Problem))
-    cdef double* x = NULL
-    cdef double** outs = <double**> malloc(2 * (n if n > 0 else 1) * sizeof(double*))
-    cdef _Solution sol
-    if P == NULL or outs == NULL:
-        free(P)
-        free(outs)
-        raise MemoryError()
-    results = [None] * n
-    try:
-        for j in range(n):
-            sol = sols[j]
-            if sol.n_support > max_support:
-                max_support = sol.n_support
-            P[j].sol = <PyObject*> sol
-            P[j].eta_u = _data(ins_u, j)
-            P[j].eta_v = NULL
-            if sol.factor.n_v and ins_v is not None and (type(ins_v) is not list
-                                                          or ins_v[j] is not None):
-                P[j].eta_v = _data(ins_v, j)
-            gu = np.empty(sol.factor.shape_u)
-            outs[2 * j] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gu)
-            outs[2 * j + 1] = NULL
-            if transpose:
-                gv = np.empty(sol.factor.shape_v)
-                if sol.factor.n_v:
-                    outs[2 * j + 1] = <double*> cnp.PyArray_DATA(<cnp.ndarray> gv)
-                results[j] = (gu, gv)
-            else:
-                results[j] = gu
-        x = <double*> malloc((2 * max_support + 1) * sizeof(double))
-        if x == NULL:
-            raise MemoryError()
-        with nogil:
-            for j in range(n):
-                cur = j
-                _jacobian_apply(<_Solution> P[j].sol, P[j].eta_u, P[j].eta_v, outs[2 * j],
-                                outs[2 * j + 1], x)
-    except BaseException as exc:
-        _add_note(exc, cur)
-        raise
-    finally:
-        free(P)
-        free(outs)
-        free(x)
-    return results
 
 
 def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ssize_t repeats):

@@ -1,12 +1,13 @@
 """``solve`` and ``solve_batch``: the entry points to every SparseMAP solver, and the result type.
 
 Both run through one path: validated scores go to
-``_active_set.solve_chunk``, which solves a chunk of problems in one block
-without the GIL and leaves each outcome in C buffers (a ``_Solution``);
-:class:`SparseMAPResult` converts its fields to NumPy on first access. A batch
-is cut into chunks that the threads of a shared pool (the caller's thread
-included) take in turn, largest problems first; ``vjp_batch`` and
-``jvp_batch`` run ``_active_set.jacobian_chunk`` the same way.
+``_active_set.prepare_solve``, which takes every pointer and makes every
+Python object of a batch in one pass; threads (the caller's included) then
+claim problems from an atomic counter, largest first, and solve them without
+the GIL, leaving each outcome in C buffers (a ``_Solution``).
+:class:`SparseMAPResult` converts its fields to NumPy on first access.
+``vjp_batch`` and ``jvp_batch`` run ``_active_set.prepare_backward`` the same
+way.
 """
 import concurrent.futures
 import math
@@ -34,8 +35,8 @@ _MESSAGES = {
                     "(round-off floor or degenerate cycling)",
 }
 
-# Chunks per thread in a batch: enough for the threads to balance problems of
-# unequal cost, few enough that the per-chunk setup stays small.
+# Tasks per job when a batch goes to an executor: enough to balance problems
+# of unequal cost, few enough that pickling stays cheap.
 CHUNKS_PER_JOB = 4
 
 
@@ -107,12 +108,14 @@ class SparseMAPResult:
 
     @property
     def u(self):
+        """SparseMAP posterior ``M y*``, shaped like ``eta_u``."""
         if self._u is None:
             self._u = self._sol.u_array().reshape(self.factor.shape_u)
         return self._u
 
     @property
     def v(self):
+        """``N y*``, shaped like ``eta_v``."""
         if self._v is None:
             self._v = self._sol.v_array().reshape(self.factor.shape_v)
         return self._v
@@ -128,12 +131,13 @@ class SparseMAPResult:
 
     @property
     def weights(self):
+        """Weights of the support, by decreasing weight."""
         self._by_weight()
         return self._weights
 
     @property
     def structures(self):
-        """The support, as a list of structures in the factor's compact form."""
+        """The support, in the factor's compact form, by decreasing weight."""
         if self._structures is None:
             S = self._sol.structures_array()[self._by_weight()]
             self._structures = [self.factor._to_public(s) for s in S]
@@ -141,30 +145,37 @@ class SparseMAPResult:
 
     @property
     def n_iter(self):
+        """Iterations run."""
         return self._sol.n_iter
 
     @property
     def n_map(self):
+        """Calls to the MAP oracle."""
         return self._sol.n_map
 
     @property
     def converged(self):
+        """Whether the gap met the tolerance."""
         return self._sol.status == STATUS_CONVERGED
 
     @property
     def gap(self):
+        """Wolfe duality gap of the returned point."""
         return self._sol.gap
 
     @property
     def objective(self):
+        """``1/2 ||u||^2 - eta_u . u - eta_v . v``."""
         return self._sol.objective
 
     @property
     def message(self):
+        """Why the solver stopped."""
         return _MESSAGES[self._sol.status]
 
     @property
     def history(self):
+        """Per-iteration records (``return_history=True``), or None."""
         h = self._sol.history
         if h is not None and self._history is None:
             self._history = {"objective": h[:, 0].copy(), "gap": h[:, 1].copy(),
@@ -206,8 +217,7 @@ class SparseMAPResult:
         support, from the kept Cholesky factor in ``O(|I| n + |I|^2)``.
         """
         du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
-        return _active_set.jacobian_chunk([self._backward_solution()], [du],
-                                          None if dv is None else [dv], False)[0]
+        return _backward_batch([self], [du], None if dv is None else [dv], False, 1)[0]
 
     def vjp(self, du):
         """Transpose Jacobian product, for backpropagation.
@@ -223,7 +233,7 @@ class SparseMAPResult:
         g_eta_v : ndarray, shape ``factor.shape_v``
         """
         g = self.factor._check_array(du, "du", False, False)
-        return _active_set.jacobian_chunk([self._backward_solution()], [g], None, True)[0]
+        return _backward_batch([self], [g], None, True, 1)[0]
 
 
 def _check_directions(factor, d_u, d_v, name_u, name_v):
@@ -282,21 +292,27 @@ def _names(factor, u, v, suffix=""):
 
 # -- running problems ------------------------------------------------------------------
 
-def _solve_problems(factors, etas_u, etas_v, idx, inits, method, max_iter, tol,
-                    return_history):
-    """Solutions of problems ``idx`` (see ``_active_set.solve_chunk`` for the arguments)."""
+def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
+                    n_threads=1, order=None):
+    """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
+
+    The active set runs on ``n_threads`` threads, claiming problems in
+    ``order``; the conditional-gradient solvers are pure Python, and run one
+    problem after the other.
+    """
+    n = len(etas_u)
     if method == "active_set":
-        return _active_set.solve_chunk(factors, etas_u, etas_v, idx, inits, max_iter, tol,
-                                       return_history)
+        order = np.arange(n, dtype=np.intp) if order is None else order
+        n_threads = max(1, min(n_threads, n))
+        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, order, inits, max_iter,
+                                              tol, return_history, n_threads), n_threads)
     out = []
-    for i in idx:
+    for i in range(n):
         f = factors if isinstance(factors, Factor) else factors[i]
-        eu = etas_u[i]
         ev = None if etas_v is None else etas_v[i]
-        if ev is None:
-            ev = np.zeros(f.n_v)
         try:
-            raw = conditional_gradient(f, eu, ev, variant=method, max_iter=max_iter, tol=tol,
+            raw = conditional_gradient(f, etas_u[i], np.zeros(f.n_v) if ev is None else ev,
+                                       variant=method, max_iter=max_iter, tol=tol,
                                        return_history=return_history)
         except _NoAllowedStructure:
             out.append(solution_from_arrays(f, np.zeros((0, f.struct_size)), [], None,
@@ -310,9 +326,8 @@ def _solve_problems(factors, etas_u, etas_v, idx, inits, method, max_iter, tol,
 
 
 def _solve_remote(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history):
-    """One chunk of a batch in an executor's worker (a module-level function, so it pickles)."""
-    idx = np.arange(len(etas_u), dtype=np.intp)
-    return _solve_problems(factors, etas_u, etas_v, idx, inits, method, max_iter, tol,
+    """One task of a batch in an executor's worker (a module-level function, so it pickles)."""
+    return _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol,
                            return_history)
 
 
@@ -387,9 +402,8 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     S0 = _check_init(factor, init)
     if S0 is not None and method != "active_set":
         raise ValueError("init: warm starts are supported by method='active_set' only")
-    sol = _solve_problems(factor, [eu], [ev], np.zeros(1, dtype=np.intp),
-                          None if S0 is None else [S0], method, max_iter, tol,
-                          bool(return_history))[0]
+    sol = _solve_problems(factor, [eu], [ev], None if S0 is None else [S0], method, max_iter,
+                          tol, bool(return_history))[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
     result = SparseMAPResult(factor, sol, method, (eu, ev))
@@ -431,48 +445,49 @@ def _thread_pool(n_threads):
         return _pool[2]
 
 
-def _chunks(costs, n_jobs):
-    """Problem indices cut into chunks, most expensive problems first (1 chunk if serial)."""
-    n = len(costs)
-    order = np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
-    n_chunks = 1 if n_jobs == 1 else min(n, CHUNKS_PER_JOB * n_jobs)
-    return [c for c in np.array_split(order, max(n_chunks, 1)) if len(c)]
+def _order(n, costs=None):
+    """Problem indices, most expensive first (ties in input order)."""
+    if costs is None:
+        return np.arange(n, dtype=np.intp)
+    return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
 
 
-def _run_chunks(fn, chunks, n_jobs):
-    """``[fn(c) for c in chunks]``, the chunks taken in turn by n_jobs threads (the caller's too).
+# The caller works alone this long (seconds) before waking the pool: a batch
+# done sooner would pay more for the wake-up than it gains.
+SOLO_BUDGET = 50e-6
 
-    Once a chunk raises, no new chunk starts; the error of the first failing
-    chunk is raised after every thread stopped.
+
+def _run(batch, n_threads):
+    """Run a prepared ``_active_set._Batch`` on n_threads threads, the caller's included.
+
+    The caller starts alone, from the cheap end of the order; if problems
+    are left after ``SOLO_BUDGET``, it wakes the pool's threads and, like
+    them, carries on from the expensive end, so that the batch ends on the
+    cheapest problems left. A thread that finds no problem left returns at
+    once, so the caller waits only for problems in progress.
     """
-    n_threads = min(n_jobs, len(chunks))
-    if n_threads <= 1:
-        return [fn(c) for c in chunks]
-    out = [None] * len(chunks)
-    errors = {}
-    lock = threading.Lock()
-    pending = iter(range(len(chunks)))
-
-    def work():
-        while True:
-            with lock:
-                c = None if errors else next(pending, None)
-            if c is None:
-                return
+    if n_threads > 1:
+        batch.run(0, True, SOLO_BUDGET)
+        if batch.remaining() > 0:
+            pool = _thread_pool(n_threads - 1)
             try:
-                out[c] = fn(chunks[c])
-            except BaseException as exc:  # re-raised in the caller
-                with lock:
-                    errors[c] = exc
-                return
+                for t in range(1, n_threads):
+                    pool.submit(batch.run, t)
+            except RuntimeError:   # interpreter shutting down: the caller does it all
+                pass
+            batch.run(0)
+    else:
+        batch.run(0)
+    batch.wait()
+    return batch.outputs
 
-    pool = _thread_pool(n_threads - 1)
-    futures = [pool.submit(work) for _ in range(n_threads - 1)]
-    work()
-    concurrent.futures.wait(futures)
-    if errors:
-        raise errors[min(errors)]
-    return out
+
+def _chunks(order, n_tasks):
+    """``order`` cut into n_tasks contiguous chunks (for an executor)."""
+    n = len(order)
+    n_tasks = max(1, min(n, n_tasks))
+    bounds = [c * n // n_tasks for c in range(n_tasks + 1)]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def _batch_size(name, x):
@@ -560,10 +575,6 @@ def _check_batch(factors, etas_u, etas_v):
             raise ValueError(f"etas_v: expected {B} entries (one per problem), got {len(etas_v)}")
         evs = _check_batch_scores(factors, shared, etas_v, "etas_v", True, B)
     return B, factors, shared, eus, evs
-
-
-def _problem_cost(f):
-    return f.n_u + f.n_v
 
 
 def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **solve_kw):
@@ -655,13 +666,12 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         return []
 
     fs = [factors] * B if shared else factors
-    chunks = _chunks([0] * B if shared else [_problem_cost(f) for f in factors], n_jobs)
+    order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
     if executor is None:
-        def run(idx):
-            return _solve_problems(factors, eus, evs, idx, inits, method, max_iter, tol,
-                                   return_history)
-        sols = _gather(chunks, _run_chunks(run, chunks, n_jobs), B)
+        sols = _solve_problems(factors, eus, evs, inits, method, max_iter, tol, return_history,
+                               n_jobs, order)
     else:
+        chunks = _chunks(order, CHUNKS_PER_JOB * n_jobs)
         futures = [executor.submit(
             _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
             _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
@@ -712,12 +722,11 @@ def _check_results(results):
 
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     sols = [r._backward_solution() for r in rs]
-    chunks = _chunks([s.n_support * s.factor.n_u for s in sols], n_jobs)
-
-    def run(idx):
-        return _active_set.jacobian_chunk([sols[i] for i in idx], _take(ins_u, idx),
-                                          _take(ins_v, idx), transpose)
-    return _gather(chunks, _run_chunks(run, chunks, n_jobs), len(rs))
+    n_threads = max(1, min(n_jobs, len(sols)))
+    order = _order(len(sols), None if n_threads == 1 else
+                   [s.n_support * (s.factor.n_u + s.factor.struct_size) for s in sols])
+    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, order, n_threads),
+                n_threads)
 
 
 def vjp_batch(results, dus, *, n_jobs=None):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import sparsemap
+from sparsemap._factors._base import _as_float_array
 from sparsemap._factors._logic import _BinaryFactor
 
 __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
@@ -204,6 +205,8 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     there is a ``tau`` such that every structure's adjusted score
     ``(eta_u - u) . m_s + eta_v . n_s = theta_s - m_s . u`` is at most ``tau``,
     with equality on the support (``y_s > 0``), and ``u = sum_s y_s m_s``.
+    With masks (``-inf`` scores), "every structure" means every allowed one,
+    and the support must use no forbidden part.
 
     Parameters
     ----------
@@ -247,6 +250,19 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     if len(structures) == 0:   # nothing to compare with: the check could not fail
         raise ValueError("structures: expected at least one structure")
     M, N = dense_columns(factor, structures)
+    forbid_u, forbid_v = np.isneginf(eu), np.isneginf(ev)
+    if forbid_u.any() or forbid_v.any():
+        # masks: the problem is the one over the allowed structures, whose
+        # columns are 0 on the forbidden parts (scored 0 there, not -inf)
+        allowed = ~((M[forbid_u] != 0).any(axis=0) | (N[forbid_v] != 0).any(axis=0))
+        if not allowed.any():
+            raise ValueError("eta_u, eta_v: every structure uses a forbidden part (-inf)")
+        structures = [s for s, a in zip(structures, allowed) if a]
+        M, N = M[:, allowed], N[:, allowed]
+        eu, ev = np.where(forbid_u, 0.0, eu), np.where(forbid_v, 0.0, ev)
+        MS, NS = dense_columns(factor, list(result.structures))
+        if (MS[forbid_u] != 0).any() or (NS[forbid_v] != 0).any():
+            raise AssertionError("support: a structure uses a forbidden part (-inf score)")
     S = list(result.structures)
     w = np.asarray(result.weights, dtype=np.float64)
     u = np.asarray(result.u, dtype=np.float64).reshape(-1)
@@ -299,12 +315,7 @@ def _direction(d, name, shape):
     """A flat float64 copy of a direction of the given shape (zeros for None)."""
     if d is None:
         return np.zeros(int(np.prod(shape, dtype=np.int64)))
-    arr = np.asarray(d, dtype=np.float64)
-    if arr.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name}: contains non-finite values (nan or inf)")
-    return arr.reshape(-1).copy()
+    return _as_float_array(d, name, tuple(shape)).reshape(-1).copy()
 
 
 def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None, eps=1e-6,

@@ -6,11 +6,13 @@ same u and Jacobian), and brute force over the allowed structures only (the
 SciPy QP of tests/_reference.py on their columns, built without the package).
 """
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import sparsemap as sm
+from sparsemap.testing import check_kkt, enumerate_structures
 from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
                         sequence_column, simplex_qp)
 
@@ -58,7 +60,7 @@ FACTORS = {
     "matching-tall": lambda: sm.MatchingFactor(4, 3),
     "generic": lambda: sm.GenericFactor(_M, _N),
     "oracle": _oracle_factor,
-}
+}   # the logic factors' masks are tested in tests/test_logic.py
 
 
 def _random_mask(factor, rng, p):
@@ -129,10 +131,25 @@ def test_masked_solve_matches_low_scores_and_brute_force(name):
         u_ref, _, value, _ = simplex_qp(M, theta)
         np.testing.assert_allclose(r.u.reshape(-1), u_ref, rtol=0, atol=1e-8)
         assert abs(-r.objective - value) <= 1e-9 * (1 + abs(value))
+        if not isinstance(factor, sm.OracleFactor):
+            check_kkt(factor, eu, ev if factor.n_v else None, r)
+            fake = forbidden_result(factor, mu, mv)
+            if fake is not None:   # (a mask may forbid parts no structure uses)
+                with pytest.raises(AssertionError, match="forbidden"):
+                    check_kkt(factor, eu, ev if factor.n_v else None, fake)
         # MAP is the best allowed structure
         best = max(theta)
         m, n = factor.vertex(factor.map(eu, ev if factor.n_v else None))
         assert abs(m.reshape(-1) @ eu0.reshape(-1) + n.reshape(-1) @ ev0.reshape(-1) - best) <= 1e-12
+
+
+def forbidden_result(factor, mu, mv):
+    """A fake result putting all its weight on a structure that uses a forbidden part."""
+    for s in enumerate_structures(factor):
+        m, n = factor.vertex(s)
+        if np.any(m[mu] != 0) or np.any(n[mv] != 0):
+            return SimpleNamespace(structures=[s], weights=np.ones(1), u=m, v=n)
+    return None
 
 
 @pytest.mark.parametrize("name", FACTORS)
@@ -358,3 +375,24 @@ def test_generic_score_ignores_unused_forbidden_parts():
     eu2 = np.zeros(6)
     eu2[used[_M[used, 4] < 0][:1] if np.any(_M[used, 4] < 0) else used[:1]] = -np.inf
     assert f.score(4, eu2, np.zeros(2)) == -np.inf     # -1 * -inf still forbids
+
+
+@pytest.mark.parametrize("name", ["sequence", "tree-single-root", "tree-projective", "matching-tall"])
+def test_losses_with_masks(name):
+    """Finite losses equal to the low-score problem's, gradients 0 on forbidden parts."""
+    rng = np.random.default_rng(21)
+    for factor, eu, ev, mu, mv, (S, cols, allowed) in masked_problems(name, n_draws=3):
+        ev_arg = ev if factor.n_v else None
+        low_u, low_v = np.where(mu, LOW, eu), (np.where(mv, LOW, ev) if factor.n_v else None)
+        target = S[allowed[rng.integers(len(allowed))]]
+        for loss_fn, kw in ((sm.sparsemap_loss, {}), (sm.sparsemap_loss, dict(margin=1.0)),
+                            (sm.perceptron_loss, {}), (sm.structured_svm_loss, {})):
+            loss, gu, gv = loss_fn(factor, eu, ev_arg, target, **kw)
+            ref, ru, rv = loss_fn(factor, low_u, low_v, target, **kw)
+            assert np.isfinite(loss) and abs(loss - ref) <= 1e-9 * (1 + abs(ref))
+            np.testing.assert_allclose(gu, ru, atol=1e-9)
+            assert np.all(gu[mu] == 0.0) and np.all(gv[mv] == 0.0)
+        forbidden = [s for k, s in enumerate(S) if k not in set(allowed)]
+        if forbidden:
+            with pytest.raises(ValueError, match="target: uses a part forbidden"):
+                sm.sparsemap_loss(factor, eu, ev_arg, forbidden[0])
