@@ -387,12 +387,12 @@ def test_losses_with_masks(name):
         target = S[allowed[rng.integers(len(allowed))]]
         for loss_fn, kw in ((sm.sparsemap_loss, {}), (sm.sparsemap_loss, dict(margin=1.0)),
                             (sm.perceptron_loss, {}), (sm.structured_svm_loss, {})):
-            loss, gu, gv = loss_fn(factor, eu, ev_arg, target, **kw)
-            ref, ru, rv = loss_fn(factor, low_u, low_v, target, **kw)
+            loss, gu, gv = loss_fn(factor, eu, target, ev_arg, **kw)
+            ref, ru, rv = loss_fn(factor, low_u, target, low_v, **kw)
             assert np.isfinite(loss) and abs(loss - ref) <= 1e-9 * (1 + abs(ref))
             np.testing.assert_allclose(gu, ru, atol=1e-9)
             assert np.all(gu[mu] == 0.0) and np.all(gv[mv] == 0.0)
         forbidden = [s for k, s in enumerate(S) if k not in set(allowed)]
         if forbidden:
-            with pytest.raises(ValueError, match="target: uses a part forbidden"):
-                sm.sparsemap_loss(factor, eu, ev_arg, forbidden[0])
+            with pytest.raises(ValueError, match="target: uses a part that eta_[uv] forbids"):
+                sm.sparsemap_loss(factor, eu, forbidden[0], ev_arg)
