@@ -25,7 +25,7 @@ Examples
 >>> rng = np.random.default_rng(0)
 >>> eta_u, eta_v = rng.normal(size=f.shape_u), rng.normal(size=f.shape_v)
 >>> r = sm.solve(f, eta_u, eta_v)
->>> report = check_kkt(f, eta_u, eta_v, r)          # raises AssertionError if violated
+>>> report = check_kkt(f, r, eta_u, eta_v)          # raises AssertionError if violated
 >>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # raises AssertionError on mismatch
 """
 import itertools
@@ -198,7 +198,7 @@ class KKTReport:
     n_structures: int
 
 
-def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-9):
+def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rtol=1e-9):
     """Check a SparseMAP solution against the KKT conditions over all structures.
 
     With ``theta_s = eta_u . m_s + eta_v . n_s``, ``y`` solves eq. 6 exactly when
@@ -211,10 +211,12 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
     Parameters
     ----------
     factor : Factor
-    eta_u : array_like, shape ``factor.shape_u``
-    eta_v : array_like, shape ``factor.shape_v``, or None (zeros)
     result : SparseMAPResult
         Or any object with ``u``, ``v``, ``structures`` and ``weights``.
+    eta_u : array_like, shape ``factor.shape_u``
+        The scores ``result`` was solved for.
+    eta_v : array_like, shape ``factor.shape_v``, optional
+        Zeros when omitted, as in :func:`sparsemap.solve`.
     structures : sequence of structures, optional
         All structures of the factor (default: :func:`enumerate_structures`).
     atol, rtol : float
@@ -235,6 +237,10 @@ def check_kkt(factor, eta_u, eta_v, result, structures=None, atol=1e-9, rtol=1e-
         ``structures`` is empty, or omitted for a factor this function cannot
         enumerate (not a built-in family, or too many structures).
     """
+    if not all(hasattr(result, a) for a in ("u", "v", "structures", "weights")):
+        raise ValueError(f"result: expected a SparseMAPResult (or an object with u, v, "
+                         f"structures and weights), got {type(result).__name__}; the "
+                         f"arguments are check_kkt(factor, result, eta_u, eta_v=None)")
     eu, ev = factor.check_scores(eta_u, eta_v)
     if structures is None:
         if _candidate_values(factor) is None:

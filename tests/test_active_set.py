@@ -70,7 +70,7 @@ def test_optimal_against_kkt_and_scipy_qp(family, factor):
         eta_v = scale * rng.standard_normal(factor.shape_v)
         r = solve_quiet(factor, eta_u, eta_v)
         assert r.converged
-        check_kkt(factor, eta_u, eta_v, r, structures=structures)
+        check_kkt(factor, r, eta_u, eta_v, structures=structures)
         ref = simplex_qp(M, M.T @ eta_u.reshape(-1) + N.T @ eta_v.reshape(-1))
         assert ref is not None, "the SciPy reference found no certified solution"
         np.testing.assert_allclose(r.u.reshape(-1), ref[0], atol=1e-8, rtol=0)
@@ -81,7 +81,7 @@ def test_optimal_against_kkt_and_scipy_qp(family, factor):
 def test_optimal_kkt_hypothesis(problem):
     factor, eta_u, eta_v = problem
     r = solve_quiet(factor, eta_u, eta_v)
-    rep = check_kkt(factor, eta_u, eta_v, r)
+    rep = check_kkt(factor, r, eta_u, eta_v)
     # the reported gap is the Wolfe gap of the returned point
     assert abs(r.gap - rep.gap) <= 1e-9 * max(1.0, np.abs(eta_u).sum() + np.abs(eta_v).sum())
 
@@ -138,7 +138,7 @@ def test_pairwise_factor_closed_form(c):
     np.testing.assert_allclose(r.u, [u1, u2], atol=1e-12)
     if c[2] != 0:   # v is unique unless the pairwise score is zero
         np.testing.assert_allclose(r.v, [v], atol=1e-12)
-    check_kkt(f, c[:2], c[2:], r)
+    check_kkt(f, r, c[:2], c[2:])
     # Jacobian: the closed form is piecewise linear; central differences of it
     h = 1e-7
     J_ref = np.empty((2, 3))
@@ -196,7 +196,7 @@ def test_sequence_affine_dependence_5x3():
         adj = M.T @ (eta_u - r.u).ravel() + N.T @ eta_v.ravel()
         assert np.ptp(adj_S) <= 1e-12
         assert adj.max() <= adj_S.max() + r.gap + 1e-12
-        check_kkt(f, eta_u, eta_v, r, structures=structures)
+        check_kkt(f, r, eta_u, eta_v, structures=structures)
 
 
 def test_tail_swaps_in_warm_start():
@@ -252,7 +252,7 @@ def test_generic_zero_column():
             p = np.maximum(z, 0)
             ref = p if p.sum() <= 1 else sparsemax(z)
             np.testing.assert_allclose(r.u, ref, atol=1e-12)
-            check_kkt(f, z, None, r)
+            check_kkt(f, r, z)
             J = np.array([r.jvp(e) for e in np.eye(d)]).T
             if p.sum() <= 1:
                 J_ref = np.diag((z > 0).astype(float))
@@ -298,7 +298,7 @@ def test_tied_scores(family, factor):
     for eta_u in cases:
         for eta_v in (np.zeros(factor.shape_v), rng.choice([0.0, 1.0], size=factor.shape_v)):
             r = solve_quiet(factor, eta_u, eta_v)
-            check_kkt(factor, eta_u, eta_v, r, structures=structures)
+            check_kkt(factor, r, eta_u, eta_v, structures=structures)
 
 
 @pytest.mark.parametrize("scale", [1e-12, 1e-8, 1e-4, 1.0, 1e4, 1e8, 1e12])
@@ -312,7 +312,7 @@ def test_extreme_scales(scale):
         eta_u = scale * rng.standard_normal((4, 3))
         eta_v = scale * rng.standard_normal((3, 3, 3))
         r = solve_quiet(f, eta_u, eta_v)
-        check_kkt(f, eta_u, eta_v, r, structures=structures)
+        check_kkt(f, r, eta_u, eta_v, structures=structures)
         if scale <= 1e-8:     # the scores barely move u off the min-norm point
             np.testing.assert_allclose(r.u, 1 / 3, atol=1e-6)
         if scale >= 1e8:      # the best structure by brute force, alone
@@ -376,7 +376,7 @@ def test_tol_zero_terminates(factor, eta_u, eta_v):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         r = sm.solve(factor, eta_u, eta_v, tol=0.0, max_iter=1000)
-    check_kkt(factor, eta_u, eta_v, r, structures=structures)
+    check_kkt(factor, r, eta_u, eta_v, structures=structures)
     assert r.n_iter < 100, (r.n_iter, r.message)
     if not r.converged:
         assert any(issubclass(x.category, sm.ConvergenceWarning) for x in w)
@@ -585,12 +585,12 @@ def test_testing_errors_name_the_arguments_of_the_function_called():
     eta = np.array([1.0, 0.5, -1.0])
     r = sm.solve(o, eta)
     with pytest.raises(ValueError, match=r"^structures: check_kkt cannot list .*pass them"):
-        check_kkt(o, eta, None, r)
-    check_kkt(o, eta, None, r, structures=enumerate_structures(o, values=[range(3)]))
+        check_kkt(o, r, eta)
+    check_kkt(o, r, eta, structures=enumerate_structures(o, values=[range(3)]))
     big = sm.SequenceFactor(20, 3)      # 3**20 candidates
     eu = np.zeros((20, 3))
     with pytest.raises(ValueError, match=r"^structures: .*too many structures"):
-        check_kkt(big, eu, None, sm.solve(big, eu))
+        check_kkt(big, sm.solve(big, eu), eu)
     for bad in ("x", -1.0, [], [1.0, np.inf]):
         with pytest.raises(ValueError, match="^scale: "):
             scores(sm.SequenceFactor(2, 2), scale=bad)
@@ -601,7 +601,7 @@ def test_check_kkt_rejects_wrong_solutions():
     rng = np.random.default_rng(14)
     eta_u, eta_v = 0.2 * rng.standard_normal((3, 3)), 0.2 * rng.standard_normal((2, 3, 3))
     r = sm.solve(f, eta_u, eta_v)
-    check_kkt(f, eta_u, eta_v, r)
+    check_kkt(f, r, eta_u, eta_v)
 
     class Fake:
         pass
@@ -613,16 +613,16 @@ def test_check_kkt_rejects_wrong_solutions():
     fake.u, fake.v = f.vertex(fake.structures[0])
     assert len(r.structures) > 1
     with pytest.raises(AssertionError, match="adjusted score"):
-        check_kkt(f, eta_u, eta_v, fake)
+        check_kkt(f, fake, eta_u, eta_v)
     # u that does not match the weights
     fake = Fake()
     fake.structures, fake.weights, fake.v = r.structures, r.weights, r.v
     fake.u = r.u + 1e-3
     with pytest.raises(AssertionError, match="u != sum"):
-        check_kkt(f, eta_u, eta_v, fake)
+        check_kkt(f, fake, eta_u, eta_v)
     # nothing to compare with is an error, not a pass
     with pytest.raises(ValueError, match="structures"):
-        check_kkt(f, eta_u, eta_v, r, structures=[])
+        check_kkt(f, r, eta_u, eta_v, structures=[])
 
 
 # -- degenerate pivoting: small scores, sequences ----------------------------------------

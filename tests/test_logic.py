@@ -272,7 +272,7 @@ def test_sparsemap_against_qp_and_closed_form(f):
         eu, ev = draw_scores(f, rng, scale=[0.3, 1.0, 3.0][trial % 3])
         r = solve_quiet(f, eu, ev)
         assert r.converged
-        check_kkt(f, eu, ev, r)
+        check_kkt(f, r, eu, ev)
         ref = simplex_qp(M, M.T @ eu + N.T @ ev.ravel())
         assert ref is not None, "the SciPy reference found no certified solution"
         u_qp, y_qp = ref[0], ref[1]
@@ -321,7 +321,7 @@ def test_every_method(f, method):
         warnings.simplefilter("ignore", sm.ConvergenceWarning)   # vanilla CG is sublinear
         r = sm.solve(f, eu, ev, method=method, max_iter=5000)
     if r.converged:
-        check_kkt(f, eu, ev, r, atol=1e-6)
+        check_kkt(f, r, eu, ev, atol=1e-6)
     # 1-strong convexity in u: ||u - u*||^2 <= 2 (f - f*) <= 2 gap
     assert np.linalg.norm(r.u - ref.u) <= np.sqrt(2 * max(r.gap, 0.0)) + 1e-9
     if method != "cg":
@@ -434,7 +434,7 @@ def test_all_zero_structure_in_a_support(f, eu, ev, u, method):
 def test_logic_family_kkt(problem):
     f, (eu, ev) = problem
     r = solve_quiet(f, eu, ev)
-    check_kkt(f, eu, ev, r)
+    check_kkt(f, r, eu, ev)
     cf = closed_form(f, eu, ev)
     if cf is not None:
         np.testing.assert_allclose(r.u, cf[0], atol=1e-9 * max(1.0, np.abs(eu).max()))

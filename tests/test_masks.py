@@ -132,11 +132,11 @@ def test_masked_solve_matches_low_scores_and_brute_force(name):
         np.testing.assert_allclose(r.u.reshape(-1), u_ref, rtol=0, atol=1e-8)
         assert abs(-r.objective - value) <= 1e-9 * (1 + abs(value))
         if not isinstance(factor, sm.OracleFactor):
-            check_kkt(factor, eu, ev if factor.n_v else None, r)
+            check_kkt(factor, r, eu, ev if factor.n_v else None)
             fake = forbidden_result(factor, mu, mv)
             if fake is not None:   # (a mask may forbid parts no structure uses)
                 with pytest.raises(AssertionError, match="forbidden"):
-                    check_kkt(factor, eu, ev if factor.n_v else None, fake)
+                    check_kkt(factor, fake, eu, ev if factor.n_v else None)
         # MAP is the best allowed structure
         best = max(theta)
         m, n = factor.vertex(factor.map(eu, ev if factor.n_v else None))

@@ -26,7 +26,7 @@ def optimal_objective(n_nodes, seed):
     f = sm.TreeFactor(n_nodes)
     eta = np.random.default_rng(seed).standard_normal((n_nodes + 1, n_nodes + 1))
     r = sm.solve(f, eta)
-    check_kkt(f, eta, None, r, structures=enumerate_structures(f))
+    check_kkt(f, r, eta, structures=enumerate_structures(f))
     return r.objective
 
 
