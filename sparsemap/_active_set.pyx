@@ -26,6 +26,8 @@ outcome stays in C buffers (``_Solution``) until a field is asked for.
 import numpy as np
 
 cimport numpy as cnp
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
 from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, hypot, INFINITY
 from libc.stdlib cimport calloc, malloc, realloc, free
@@ -813,7 +815,6 @@ cdef extern from *:
        finished ones, and a stop flag. */
     #if defined(_MSC_VER)
     #include <intrin.h>
-    #include <windows.h>
     static CYTHON_INLINE Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) {
         return (Py_ssize_t) _InterlockedExchangeAdd64((volatile __int64*) p, (__int64) v);
     }
@@ -830,11 +831,7 @@ cdef extern from *:
     static CYTHON_INLINE long long sm_load64(long long* p) {
         return (long long) _InterlockedOr64((volatile __int64*) p, 0);
     }
-    static CYTHON_INLINE void sm_yield(void) { SwitchToThread(); }
-    static CYTHON_INLINE void sm_nap(void) { Sleep(1); }
     #else
-    #include <sched.h>
-    #include <time.h>
     static CYTHON_INLINE Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) {
         return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     }
@@ -847,11 +844,6 @@ cdef extern from *:
     }
     static CYTHON_INLINE long long sm_load64(long long* p) {
         return __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    }
-    static CYTHON_INLINE void sm_yield(void) { sched_yield(); }
-    static CYTHON_INLINE void sm_nap(void) {
-        struct timespec ts = {0, 100000};   /* 0.1 ms */
-        nanosleep(&ts, NULL);
     }
     #endif
     /* Claim the next problem from the front (from_back 0) or the back of 0..n-1;
@@ -871,8 +863,6 @@ cdef extern from *:
     long long sm_load64(long long* p) nogil
     Py_ssize_t sm_fetch_add(Py_ssize_t* p, Py_ssize_t v) nogil
     Py_ssize_t sm_load(Py_ssize_t* p) nogil
-    void sm_yield() nogil
-    void sm_nap() nogil
 
 
 cdef struct _Problem:
@@ -922,6 +912,8 @@ cdef class _Batch:
     cdef double tol
     cdef long long claimed       # problems claimed from the front (high 32 bits) and back
     cdef Py_ssize_t n_done, stop
+    cdef Py_ssize_t signalled    # whether `finished` was released (once)
+    cdef PyThread_type_lock finished   # held until every problem is done, or one failed
     cdef PyObject** ws           # n_threads x n_slots workspaces (NULL until needed)
     cdef double* scratch         # backward: 2 * max support doubles per thread
     cdef Py_ssize_t scratch_stride
@@ -935,11 +927,16 @@ cdef class _Batch:
         self.P = NULL
         self.ws = NULL
         self.scratch = NULL
+        self.finished = NULL
 
     def __dealloc__(self):
         free(self.P)
         free(self.ws)
         free(self.scratch)
+        if self.finished != NULL:
+            if self.signalled == 0:     # still held: release before freeing, as CPython does
+                PyThread_release_lock(self.finished)
+            PyThread_free_lock(self.finished)
 
     cdef int _setup(self, Py_ssize_t n, Py_ssize_t n_threads, int kind) except -1:
         self.n = n
@@ -948,6 +945,11 @@ cdef class _Batch:
         self.claimed = 0
         self.n_done = 0
         self.stop = 0
+        self.signalled = 0
+        self.finished = PyThread_allocate_lock()
+        if self.finished == NULL:
+            raise MemoryError()
+        PyThread_acquire_lock(self.finished, WAIT_LOCK)
         self.P = <_Problem*> calloc(n if n > 0 else 1, sizeof(_Problem))
         if self.P == NULL:
             raise MemoryError()
@@ -1002,13 +1004,20 @@ cdef class _Batch:
                     else:
                         _jacobian_apply(<_Solution> p.sol, p.in_u, p.in_v, p.out_u, p.out_v,
                                         self.scratch + t * self.scratch_stride)
-                    sm_fetch_add(&self.n_done, 1)
+                    if sm_fetch_add(&self.n_done, 1) == self.n - 1:
+                        self._signal()
         except BaseException as exc:
-            # stop every thread; the caller raises the first failure (in claim order)
+            # stop every thread; the caller raises the first failure (by position)
             if self.error is None or self.error[0] > j:
                 self.error = (j, exc)
             sm_fetch_add(&self.stop, 1)
             sm_fetch_add(&self.n_done, 1)
+            self._signal()
+
+    cdef void _signal(self) noexcept nogil:
+        """Release the caller waiting in wait(), once."""
+        if sm_fetch_add(&self.signalled, 1) == 0:
+            PyThread_release_lock(self.finished)
 
     def remaining(self):
         """Problems not claimed yet."""
@@ -1017,16 +1026,12 @@ cdef class _Batch:
 
     def wait(self):
         """Block (without the GIL) until every problem is done or one failed; raise its error."""
-        cdef Py_ssize_t spins = 0
-        with nogil:
-            # the wait is for problems in progress on other threads: short, so
-            # yield first, then nap if a long problem keeps us waiting
-            while sm_load(&self.n_done) < self.n and sm_load(&self.stop) == 0:
-                if spins < 2000:
-                    sm_yield()
-                    spins += 1
-                else:
-                    sm_nap()
+        if self.n > 0 and sm_load(&self.n_done) < self.n and sm_load(&self.stop) == 0:
+            # Block, not spin: on a virtual machine whose CPUs share a core, a
+            # spinning caller starves the thread it waits for.
+            with nogil:
+                PyThread_acquire_lock(self.finished, WAIT_LOCK)
+                PyThread_release_lock(self.finished)
         if self.error is not None:
             j, exc = self.error
             _add_note(exc, self.P[j].index)
