@@ -597,8 +597,8 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
 
 
 # ---------------------------------------------------------------------------
-# Solving problems: setup with the GIL, then a whole chunk of problems in one
-# block without it, the outcome left in C buffers until asked for.
+# Solving problems: setup with the GIL, then every problem a thread claims in
+# one block without it, the outcome left in C buffers until asked for.
 # ---------------------------------------------------------------------------
 
 cdef class _Solution:
