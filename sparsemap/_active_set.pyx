@@ -32,7 +32,6 @@ from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, hypot, INFINITY
 from libc.stdlib cimport calloc, malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
-from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from scipy.linalg.cython_blas cimport dtrsv
 
 from sparsemap._factors._base cimport Factor
@@ -62,10 +61,31 @@ STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED = CONVERGED, MAX_ITER, STALLED
 STATUS_INFEASIBLE = INFEASIBLE
 
 
+cdef extern from *:
+    """
+    /* A monotonic clock in seconds, without the GIL, on POSIX and Windows. */
+    #if defined(_WIN32)
+    #include <windows.h>
+    static double sm_now(void) {
+        LARGE_INTEGER f, c;
+        QueryPerformanceFrequency(&f);
+        QueryPerformanceCounter(&c);
+        return (double) c.QuadPart / (double) f.QuadPart;
+    }
+    #else
+    #include <time.h>
+    static double sm_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + 1e-9 * ts.tv_nsec;
+    }
+    #endif
+    """
+    double sm_now() noexcept nogil
+
+
 cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + 1e-9 * ts.tv_nsec
+    return sm_now()
 
 
 cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
