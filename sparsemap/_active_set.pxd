@@ -29,6 +29,7 @@ cdef class _Workspace:
     cdef double* abs_ev
     cdef Py_ssize_t n_map
     cdef unsigned long long hash   # order-independent hash of the support
+    cdef void* callback            # a Python callable (borrowed) called per iteration, or NULL
 
     cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil

@@ -56,9 +56,11 @@ cdef enum:
     MAX_ITER = 2
     STALLED = 3   # no further progress possible in double precision
     INFEASIBLE = 4  # every structure uses a forbidden (-inf) part: nothing was solved
+    STOPPED = 5   # the callback asked to stop
 
 STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED = CONVERGED, MAX_ITER, STALLED
 STATUS_INFEASIBLE = INFEASIBLE
+STATUS_STOPPED = STOPPED
 
 
 cdef extern from *:
@@ -166,6 +168,7 @@ cdef class _Workspace:
         self.nI = 0
         self.n_map = 0
         self.hash = 0
+        self.callback = NULL
         self.S = NULL
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
@@ -506,6 +509,25 @@ cdef class _Workspace:
         return S, y, L
 
 
+cdef int _notify(_Workspace ws, Py_ssize_t it, double obj, double gap, Py_ssize_t n_support,
+                 double seconds) except -1 with gil:
+    """Call the solve's callback with this iteration's figures; 1 if it asks to stop.
+
+    ``ws.u`` holds the iterate's ``u`` (the last ``_gap`` call computed it).
+    The callback stops the solve by returning True or raising StopIteration,
+    as SciPy's do.
+    """
+    from scipy.optimize import OptimizeResult    # only when a callback is given: a heavy import
+    info = OptimizeResult(n_iter=it, objective=obj, gap=gap, support_size=n_support,
+                          seconds=seconds,
+                          u=_copy_out(ws.u, ws.n_u).reshape(ws.f.shape_u))
+    try:
+        stop = (<object> ws.callback)(info)
+    except StopIteration:
+        return 1
+    return 1 if stop is True else 0
+
+
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
@@ -585,18 +607,22 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
             ws.y[r] = 0.0
             ws._remove(r)
         it += 1
-        if hist != NULL:
+        if hist != NULL or ws.callback != NULL:
             if not fresh_gap:
                 ws._gap(&gap, &scale, &obj)
-            hist[4 * (it - 1)] = obj
-            hist[4 * (it - 1) + 1] = gap
             # the support of y: not a structure that has just entered at weight 0
             n_pos = 0
             for t in range(ws.nI):
                 if ws.y[t] > 0.0:
                     n_pos += 1
-            hist[4 * (it - 1) + 2] = n_pos
-            hist[4 * (it - 1) + 3] = _now() - t0
+            if hist != NULL:
+                hist[4 * (it - 1)] = obj
+                hist[4 * (it - 1) + 1] = gap
+                hist[4 * (it - 1) + 2] = n_pos
+                hist[4 * (it - 1) + 3] = _now() - t0
+            if ws.callback != NULL and _notify(ws, it, obj, gap, n_pos, _now() - t0) \
+                    and status == RUNNING:
+                status = STOPPED
         if status != RUNNING:
             break
         if it >= max_iter:
@@ -894,6 +920,7 @@ cdef struct _Problem:
     const int* init          # warm start rows, or NULL
     Py_ssize_t n_init
     double* hist             # history rows, or NULL
+    void* callback           # Python callable called per iteration (borrowed), or NULL
     Py_ssize_t slot          # which distinct factor (workspaces are per thread and factor)
     Py_ssize_t index         # the problem's index in the batch
 
@@ -1019,8 +1046,10 @@ cdef class _Batch:
                         if ws[p.slot] == NULL:
                             with gil:
                                 self._new_workspace(t, p.slot)
+                        (<_Workspace> ws[p.slot]).callback = p.callback
                         _solve_one(<_Workspace> ws[p.slot], <_Solution> p.sol, p.in_u, p.in_v,
                                    p.init, p.n_init, p.hist, self.max_iter, self.tol)
+                        (<_Workspace> ws[p.slot]).callback = NULL
                     else:
                         _jacobian_apply(<_Solution> p.sol, p.in_u, p.in_v, p.out_u, p.out_v,
                                         self.scratch + t * self.scratch_stride)
@@ -1068,7 +1097,8 @@ def _add_note(exc, Py_ssize_t i):
 
 
 def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
-                  Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads):
+                  Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
+                  callback=None):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
     Inputs must be validated: their pointers are read without checks.
@@ -1091,6 +1121,9 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
         As for :func:`sparsemap.solve`.
     n_threads : int
         How many threads will call :meth:`_Batch.run`.
+    callback : callable, optional
+        Called with the GIL after every iteration of every problem (see
+        :func:`sparsemap.solve`); a problem it stops gets ``STATUS_STOPPED``.
 
     Notes
     -----
@@ -1128,7 +1161,7 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
         zero_buf = np.zeros(max_nv)
         b.keep.append(zero_buf)
         zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
-    b.keep.extend((etas_u, etas_v, inits))
+    b.keep.extend((etas_u, etas_v, inits, callback))
     for j in range(n):
         i = order[j]
         p = &b.P[j]
@@ -1150,6 +1183,7 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
             a = <cnp.ndarray> inits[i]
             p.init = <const int*> cnp.PyArray_DATA(a)
             p.n_init = a.shape[0]
+        p.callback = NULL if callback is None else <void*> callback
         if return_history:
             h = np.zeros(4 * max_iter + 4)
             b.hists[i] = h

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from sparsemap._active_set import STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED, gap_scale
+from sparsemap._active_set import (STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED,
+                                   STATUS_STOPPED, gap_scale)
 
 VARIANTS = ("cg", "away_cg", "pairwise_cg", "bpcg")
 
@@ -258,7 +259,7 @@ _STEPS = {"cg": step_cg, "away_cg": step_away_cg, "pairwise_cg": step_pairwise_c
 
 
 def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=10_000,
-                         tol=1e-12, return_history=False):
+                         tol=1e-12, return_history=False, callback=None):
     """Run a conditional-gradient variant on validated, flattened float64 scores.
 
     Parameters
@@ -273,6 +274,10 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
         Converged when ``gap <= tol * gap_scale(|eta_u|.|u| + |eta_v|.|v|, ||u||^2)``,
         the active set's rule.
     return_history : bool
+    callback : callable, optional
+        Called after every step with the iterate's figures, as in
+        :func:`sparsemap.solve`; returning True or raising StopIteration
+        stops the solve (``STATUS_STOPPED``).
 
     Returns
     -------
@@ -323,6 +328,10 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
         n_map += 1
         if hist is not None and it > 0:
             hist[it - 1, 1] = fw.gap
+        if callback is not None and it > 0 and _notify(callback, it, eta_u, eta_v, u, v, fw,
+                                                       active.size, t0, factor.shape_u):
+            status = STATUS_STOPPED
+            break
         if fw.gap <= tol * fw.scale:
             status = STATUS_CONVERGED
             if it < max_iter:      # the check is an iteration of its own, as in the active set
@@ -350,6 +359,18 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
                 L=None, n_iter=it, status=status, gap=fw.gap,
                 objective=_objective(eta_u, eta_v, u, v), n_map=n_map,
                 history=None if hist is None else hist[:it].copy())
+
+
+def _notify(callback, it, eta_u, eta_v, u, v, fw, support_size, t0, shape_u):
+    """Call a solve's callback with the iterate after step ``it``; True if it asks to stop."""
+    from scipy.optimize import OptimizeResult    # only when a callback is given: a heavy import
+    info = OptimizeResult(n_iter=it, objective=_objective(eta_u, eta_v, u, v), gap=fw.gap,
+                          support_size=support_size, seconds=time.perf_counter() - t0,
+                          u=u.reshape(shape_u).copy())
+    try:
+        return callback(info) is True
+    except StopIteration:
+        return True
 
 
 def _objective(eta_u, eta_v, u, v):

@@ -13,6 +13,7 @@ import concurrent.futures
 import math
 import numbers
 import os
+import sys
 import threading
 import warnings
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from sparsemap import _active_set
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_MAX_ITER,
-                                   STATUS_STALLED, solution_from_arrays)
+                                   STATUS_STALLED, STATUS_STOPPED, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._factors._base import SCAN_BAD, Factor, _NoAllowedStructure, _real_array, scan_values
 
@@ -33,6 +34,7 @@ _MESSAGES = {
     STATUS_MAX_ITER: "maximum number of iterations reached",
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
+    STATUS_STOPPED: "stopped by the callback",
 }
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
@@ -293,7 +295,7 @@ def _names(factor, u, v, suffix=""):
 # -- running problems ------------------------------------------------------------------
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
-                    n_threads=1, order=None):
+                    n_threads=1, order=None, callback=None):
     """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
 
     The active set runs on ``n_threads`` threads, claiming problems in
@@ -305,7 +307,8 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
         order = np.arange(n, dtype=np.intp) if order is None else order
         n_threads = max(1, min(n_threads, n))
         return _run(_active_set.prepare_solve(factors, etas_u, etas_v, order, inits, max_iter,
-                                              tol, return_history, n_threads), n_threads)
+                                              tol, return_history, n_threads, callback),
+                    n_threads)
     out = []
     for i in range(n):
         f = factors if isinstance(factors, Factor) else factors[i]
@@ -313,7 +316,7 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
         try:
             raw = conditional_gradient(f, etas_u[i], np.zeros(f.n_v) if ev is None else ev,
                                        variant=method, max_iter=max_iter, tol=tol,
-                                       return_history=return_history)
+                                       return_history=return_history, callback=callback)
         except _NoAllowedStructure:
             out.append(solution_from_arrays(f, np.zeros((0, f.struct_size)), [], None,
                                             np.zeros(f.n_u), np.zeros(f.n_v), 0, 1,
@@ -338,7 +341,7 @@ def _warn_not_converged(result, where, stacklevel):
 
 
 def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
-          init=None, return_history=False):
+          init=None, return_history=False, callback=None, verbose=False):
     """Solve SparseMAP: ``argmax_{y in simplex} eta^T A y - 1/2 ||M y||^2`` (eq. 6).
 
     Parameters
@@ -374,6 +377,21 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     return_history : bool, default False
         Record objective, gap, support size and seconds at every iteration
         (this costs one extra MAP call on iterations that make none).
+    callback : callable, optional
+        Called after every iteration as ``callback(info)``, where ``info`` is
+        a ``scipy.optimize.OptimizeResult`` with the iterate's
+        ``n_iter``, ``objective``, ``gap`` (its Wolfe gap), ``support_size``,
+        ``seconds`` (since the start) and ``u`` (a copy). Returning ``True``
+        or raising ``StopIteration`` stops the solve, as in SciPy: the
+        result is that iterate, with ``converged`` telling whether its gap met
+        the tolerance and ``message`` saying the callback stopped it (no
+        warning). Other exceptions propagate. Like ``return_history``, it
+        costs one extra MAP call on iterations that make none.
+    verbose : bool, default False
+        Print the iterate's figures to standard error at iterations 1-10, 20,
+        30, ..., 100, 200, ... and at least every 2 seconds, then a summary
+        line: for long solves (the conditional-gradient variants on large
+        structures can take seconds).
 
     Returns
     -------
@@ -402,14 +420,50 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     S0 = _check_init(factor, init)
     if S0 is not None and method != "active_set":
         raise ValueError("init: warm starts are supported by method='active_set' only")
+    if callback is not None and not callable(callback):
+        raise ValueError(f"callback: expected a callable or None, got {callback!r}")
+    if verbose:
+        callback = _Printer(method, callback)
     sol = _solve_problems(factor, [eu], [ev], None if S0 is None else [S0], method, max_iter,
-                          tol, bool(return_history))[0]
+                          tol, bool(return_history), callback=callback)[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
     result = SparseMAPResult(factor, sol, method, (eu, ev))
-    if sol.status != STATUS_CONVERGED:
+    if verbose:
+        callback.summary(result)
+    if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
         _warn_not_converged(result, "", 2)
     return result
+
+
+class _Printer:
+    """The ``verbose=True`` callback: iterate lines at log-spaced iterations, then a summary."""
+
+    def __init__(self, method, inner=None, stream=None):
+        self.method = method
+        self.inner = inner
+        self.stream = stream
+        self.last = -math.inf
+
+    def _print(self, line):
+        print(line, file=sys.stderr if self.stream is None else self.stream, flush=True)
+
+    def __call__(self, info):
+        it = info.n_iter
+        step = 10 ** int(math.log10(it)) if it >= 10 else 1
+        if it % step == 0 or info.seconds - self.last >= 2.0:
+            if self.last == -math.inf:
+                self._print(f"SparseMAP ({self.method}): {'iter':>7} {'objective':>22} "
+                            f"{'gap':>10} {'support':>7} {'seconds':>9}")
+            self.last = info.seconds
+            self._print(f"SparseMAP ({self.method}): {it:7d} {info.objective:22.15g} "
+                        f"{info.gap:10.3g} {info.support_size:7d} {info.seconds:9.3f}")
+        return None if self.inner is None else self.inner(info)
+
+    def summary(self, result):
+        self._print(f"SparseMAP ({self.method}): {result.message} after {result.n_iter} "
+                    f"iterations, gap {result.gap:.3g}, {len(result.weights)} structures in "
+                    f"the support")
 
 
 # -- batches -----------------------------------------------------------------------------
