@@ -9,6 +9,7 @@ import sparsemap
 import sparsemap.losses
 import sparsemap.plot
 import sparsemap.testing
+import sparsemap.torch
 
 DOCS = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("*.rst"))
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -17,7 +18,7 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 def public_docstring_examples():
     """Every docstring with examples among the public names, each once."""
     finder = doctest.DocTestFinder()
-    modules = (sparsemap.losses, sparsemap.plot, sparsemap.testing)
+    modules = (sparsemap.losses, sparsemap.plot, sparsemap.testing, sparsemap.torch)
     found = [t for mod in modules for t in finder.find(mod)]
     found += [t for name in sparsemap.__all__
               for t in finder.find(getattr(sparsemap, name), name=f"sparsemap.{name}")]

@@ -1,0 +1,1094 @@
+"""PyTorch layers and losses on top of SparseMAP (optional; imports torch).
+
+Everything here is a thin autograd wrapper around the NumPy package: scores go
+to the host in float64, a batch of problems is solved by
+:func:`sparsemap.solve_batch` in a thread pool (the active set runs without the
+GIL), and the backward pass is the exact Jacobian product of Proposition 1,
+computed by :func:`sparsemap.vjp_batch` in the same pool. Results come back on
+the device and in the dtype of the input.
+
+Batches. Leading dimensions of ``eta_u`` beyond ``factor.shape_u`` are batch
+dimensions. For batches of different sizes (sentences of different lengths)
+pass a list of factors, one per batch element, and scores padded to the largest
+shape: element ``b`` uses the leading block of shape ``factors[b].shape_u`` of
+``eta_u[b]`` (and of ``eta_v[b]``); outputs and gradients are zero outside it,
+and padding may hold any value. The family wrappers (:func:`tree`,
+:func:`sequence`, :func:`matching`, :func:`sparsemax`) build and cache those
+factors from ``lengths``.
+
+Masks. ``-inf`` in the scores forbids a part, as in :func:`sparsemap.solve`.
+
+Higher derivatives. ``u`` is piecewise linear in the scores (its Jacobian
+depends only on the support), so the layer's backward pass is itself a
+differentiable linear map: double backward (Hessian-vector products of a
+downstream loss, gradient penalties) and forward-mode AD work, with the exact
+Jacobian of Proposition 1 in both directions and a zero second derivative. The
+losses are differentiable once (their backward raises on double backward):
+their Hessian would need the Jacobian of ``v``, which the solver does not
+expose.
+"""
+import functools
+import numbers
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+import sparsemap as sm
+from sparsemap import Factor
+
+__all__ = [
+    "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
+    "sparsemap_loss", "structured_svm_loss", "perceptron_loss",
+    "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# -- TEMPORARY serial fallbacks, until branch `batch` lands on main -----------------
+# Same signatures as sm.solve_batch / sm.vjp_batch / sm.jvp_batch; removed after rebasing.
+def _serial_solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None,
+                        **solve_kw):
+    fs = [factors] * len(etas_u) if isinstance(factors, Factor) else list(factors)
+    evs = [None] * len(etas_u) if etas_v is None else etas_v
+    return [sm.solve(f, eu, ev, **solve_kw) for f, eu, ev in zip(fs, etas_u, evs)]
+
+
+def _serial_vjp_batch(results, dus, *, n_jobs=None):
+    return [r.vjp(du) for r, du in zip(results, dus)]
+
+
+def _serial_jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
+    dvs = [None] * len(results) if d_etas_v is None else d_etas_v
+    return [r.jvp(du, dv) for r, du, dv in zip(results, d_etas_u, dvs)]
+
+
+_solve_batch = getattr(sm, "solve_batch", _serial_solve_batch)
+_vjp_batch = getattr(sm, "vjp_batch", _serial_vjp_batch)
+_jvp_batch = getattr(sm, "jvp_batch", _serial_jvp_batch)
+# -- end TEMPORARY -------------------------------------------------------------------
+
+
+# -- validation and layout ------------------------------------------------------------
+def _check_tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def _check_reduction(reduction):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _has_v(factor):
+    return factor.shape_v != (0,)
+
+
+def _to_host(x):
+    """A float64 NumPy copy of a tensor (a copy, so later in-place edits cannot leak in)."""
+    t = x.detach().to(device="cpu", dtype=torch.float64)
+    a = t.numpy()
+    return a.copy() if t.data_ptr() == x.data_ptr() else a
+
+
+def _block(shape):
+    return tuple(slice(0, n) for n in shape)
+
+
+class _Layout:
+    """Where the problems of a batch sit in the (padded) score tensors.
+
+    ``factors`` is one shared factor (``ragged=False``) or one factor per batch
+    element; ``batch_shape`` are the leading dims; ``pad_u`` / ``pad_v`` the
+    trailing ones.
+    """
+
+    def __init__(self, factor, eta_u, eta_v, names=("eta_u", "eta_v")):
+        nu, nv = names
+        _check_tensor(eta_u, nu)
+        if eta_v is not None:
+            _check_tensor(eta_v, nv)
+        if isinstance(factor, Factor):
+            self.ragged = False
+            self.factor = factor
+            k = len(factor.shape_u)
+            if eta_u.dim() < k or tuple(eta_u.shape[eta_u.dim() - k:]) != factor.shape_u:
+                raise ValueError(f"{nu}: expected shape (*batch, {_fmt(factor.shape_u)}) "
+                                 f"(batch dims, then factor.shape_u), got {tuple(eta_u.shape)}")
+            self.batch_shape = tuple(eta_u.shape[:eta_u.dim() - k])
+            self.pad_u, self.pad_v = factor.shape_u, factor.shape_v
+            if eta_v is not None:
+                if not _has_v(factor):
+                    raise ValueError(f"{nv}: {type(factor).__name__} has no eta_v; pass None")
+                want = self.batch_shape + factor.shape_v
+                if tuple(eta_v.shape) != want:
+                    raise ValueError(f"{nv}: expected shape {want} (the batch dims of {nu}, "
+                                     f"then factor.shape_v), got {tuple(eta_v.shape)}")
+            self.factors = None
+        else:
+            self.ragged = True
+            self.factors = _factor_list(factor)
+            B = len(self.factors)
+            k = len(self.factors[0].shape_u)
+            if eta_u.dim() != 1 + k or eta_u.shape[0] != B:
+                raise ValueError(f"{nu}: with a list of {B} factors, expected shape (B={B}, ...) "
+                                 f"with {k} padded dims, got {tuple(eta_u.shape)}")
+            self.pad_u = tuple(eta_u.shape[1:])
+            for i, f in enumerate(self.factors):
+                if len(f.shape_u) != k or any(a > b for a, b in zip(f.shape_u, self.pad_u)):
+                    raise ValueError(f"{nu}: factor[{i}].shape_u = {f.shape_u} does not fit in "
+                                     f"the padded shape {self.pad_u}")
+            self.batch_shape = (B,)
+            with_v = [f for f in self.factors if _has_v(f)]
+            self.pad_v = (0,)
+            if eta_v is not None:
+                if not with_v:
+                    raise ValueError(f"{nv}: the factors have no eta_v; pass None")
+                self.pad_v = tuple(eta_v.shape[1:])
+                if eta_v.shape[0] != B:
+                    raise ValueError(f"{nv}: expected {B} batch elements (one per factor), "
+                                     f"got shape {tuple(eta_v.shape)}")
+                for i, f in enumerate(self.factors):
+                    if _has_v(f) and (len(f.shape_v) != len(self.pad_v) or
+                                      any(a > b for a, b in zip(f.shape_v, self.pad_v))):
+                        raise ValueError(f"{nv}: factor[{i}].shape_v = {f.shape_v} does not "
+                                         f"fit in the padded shape {self.pad_v}")
+        self.B = int(np.prod(self.batch_shape, dtype=np.int64))
+
+    def factor_of(self, b):
+        return self.factors[b] if self.ragged else self.factor
+
+    # host arrays <-> per-problem arrays
+    def split_u(self, arr):
+        """(B,) + pad_u float64 array -> stacked array or list of per-problem blocks."""
+        arr = arr.reshape((self.B,) + self.pad_u)
+        if not self.ragged:
+            return arr
+        return [arr[b][_block(f.shape_u)] for b, f in enumerate(self.factors)]
+
+    def split_v(self, arr):
+        if arr is None:
+            return None
+        arr = arr.reshape((self.B,) + self.pad_v)
+        if not self.ragged:
+            return arr
+        return [arr[b][_block(f.shape_v)] if _has_v(f) else None
+                for b, f in enumerate(self.factors)]
+
+    def join(self, arrays, which):
+        """Per-problem arrays -> one zero-padded (*batch, *pad) float64 array."""
+        pad = self.pad_u if which == "u" else self.pad_v
+        if not self.ragged:
+            out = np.stack(arrays) if arrays else np.zeros((0,) + pad)
+            return out.reshape(self.batch_shape + pad)
+        out = np.zeros((self.B,) + pad)
+        for b, (f, a) in enumerate(zip(self.factors, arrays)):
+            shape = f.shape_u if which == "u" else f.shape_v
+            if which == "u" or _has_v(f):
+                out[b][_block(shape)] = a.reshape(shape)
+        return out
+
+    def check_finite(self, arr, name, which="u"):
+        """NaN and +inf are errors where a problem reads them (padding is never read)."""
+        bad = np.isnan(arr) | (arr == np.inf)
+        if not bad.any():
+            return
+        pad = self.pad_u if which == "u" else self.pad_v
+        bad = bad.reshape((self.B,) + pad)
+        for b in range(self.B):
+            f = self.factor_of(b)
+            shape = f.shape_u if which == "u" else f.shape_v
+            if (which == "u" or _has_v(f)) and bad[b][_block(shape)].any():
+                where = f" (batch element {b})" if self.batch_shape else ""
+                raise ValueError(f"{name}: contains NaN or +inf{where}; "
+                                 "only -inf (a forbidden part) is allowed")
+
+
+def _fmt(shape):
+    return ", ".join(str(d) for d in shape)
+
+
+def _factor_list(factor):
+    try:
+        factors = list(factor)
+    except TypeError:
+        raise ValueError(f"factor: expected a sparsemap Factor or a list of them, "
+                         f"got {type(factor).__name__}")
+    if not factors:
+        raise ValueError("factor: expected at least one factor, got an empty list")
+    for i, f in enumerate(factors):
+        if not isinstance(f, Factor):
+            raise ValueError(f"factor[{i}]: expected a sparsemap Factor, got {type(f).__name__}")
+    return factors
+
+
+def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
+    eu = _to_host(eta_u)
+    layout.check_finite(eu, "eta_u")
+    ev = None
+    if eta_v is not None:
+        ev = _to_host(eta_v)
+        layout.check_finite(ev, "eta_v", "v")
+    if layout.B == 0:
+        return []
+    factors = layout.factors if layout.ragged else layout.factor
+    return _solve_batch(factors, layout.split_u(eu), layout.split_v(ev), n_jobs=n_jobs,
+                        **solve_kw)
+
+
+def _like(arr, like):
+    """A host array as a tensor with ``like = (dtype, device)``."""
+    return torch.from_numpy(arr).to(device=like[1], dtype=like[0])
+
+
+def _spec(t):
+    return None if t is None else (t.dtype, t.device)
+
+
+# -- linear maps with autograd to any order ----------------------------------------
+class _Linear(torch.autograd.Function):
+    """``y = J x`` for a fixed linear map ``J`` held by ``op``; backward is ``J^T``.
+
+    ``op.apply(xs, transpose)`` maps a tuple of tensors to a tuple of tensors.
+    The backward pass calls this Function again with ``transpose`` flipped, so
+    the chain is differentiable to any order (all higher derivatives with
+    respect to the scores are zero: ``J`` only depends on the support).
+    """
+
+    @staticmethod
+    def forward(ctx, op, transpose, *xs):
+        ctx.op, ctx.transpose = op, transpose
+        ctx.n_in = len(xs)
+        return tuple(op.apply(xs, transpose))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        gx = _Linear.apply(ctx.op, not ctx.transpose, *gs)
+        return (None, None) + tuple(gx[:ctx.n_in])
+
+
+class _LayerJacobian:
+    """Prop. 1 for a solved batch: ``J = M D A^T`` per problem, padded."""
+
+    def __init__(self, layout, results, n_jobs, eta_u, eta_v):
+        self.layout, self.results, self.n_jobs = layout, results, n_jobs
+        self.like_u, self.like_v = _spec(eta_u), _spec(eta_v)
+
+    def apply(self, xs, transpose):
+        lay = self.layout
+        if not transpose:   # (d_eta_u, d_eta_v) -> du
+            du = _zeros_if_none(xs[0], lay, "u")
+            dv = xs[1] if len(xs) > 1 else None
+            dv = None if self.like_v is None or dv is None else lay.split_v(_to_host(dv))
+            out = _jvp_batch(self.results, lay.split_u(_to_host(du)), dv, n_jobs=self.n_jobs) \
+                if self.results else []
+            return (_like(lay.join(out, "u"), self.like_u),)
+        gu = _zeros_if_none(xs[0], lay, "u")      # du -> (g_eta_u, g_eta_v)
+        out = _vjp_batch(self.results, lay.split_u(_to_host(gu)), n_jobs=self.n_jobs) \
+            if self.results else []
+        g_u = _like(lay.join([o[0] for o in out], "u"), self.like_u)
+        if self.like_v is None:
+            return (g_u,)
+        return g_u, _like(lay.join([o[1] for o in out], "v"), self.like_v)
+
+
+def _zeros_if_none(x, layout, which):
+    if x is not None:
+        return x
+    pad = layout.pad_u if which == "u" else layout.pad_v
+    return torch.zeros(layout.batch_shape + pad, dtype=torch.float64)
+
+
+class _SparseMAPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
+        results = _solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        ctx.jac = _LayerJacobian(layout, results, n_jobs, eta_u, eta_v)
+        u = layout.join([r.u for r in results], "u")
+        return _like(u, _spec(eta_u))
+
+    @staticmethod
+    def backward(ctx, gu):
+        gs = _Linear.apply(ctx.jac, True, gu)
+        return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
+
+    @staticmethod
+    def jvp(ctx, d_eta_u, d_eta_v, *_):
+        return ctx.jac.apply((d_eta_u, d_eta_v), False)[0]
+
+
+def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
+    """SparseMAP posteriors ``u = M y*`` as a differentiable PyTorch operation.
+
+    Parameters
+    ----------
+    factor : Factor or list of Factor
+        One factor for every problem of the batch, or one per batch element
+        (ragged batches; ``eta_u`` then has exactly one batch dimension).
+    eta_u : Tensor, shape ``(*batch, *factor.shape_u)``
+        Unary scores, any float dtype and device. With a list of factors:
+        shape ``(B, *padded)``, element ``b`` using the leading block of shape
+        ``factors[b].shape_u``. ``-inf`` forbids a part.
+    eta_v : Tensor, shape ``(*batch, *factor.shape_v)``, optional
+        Additional scores (zeros when omitted), padded likewise.
+    n_jobs : int, optional
+        Threads for the solves and the backward products (default: all cores).
+    **solve_kw
+        Passed to :func:`sparsemap.solve` (``method``, ``max_iter``, ``tol``).
+
+    Returns
+    -------
+    u : Tensor, shaped, typed and placed like ``eta_u``
+        Zero outside each element's block.
+
+    Raises
+    ------
+    ValueError
+        On shapes that do not match the factor(s), non-tensor or integer
+        scores, NaN or ``+inf`` where a problem reads them.
+
+    Notes
+    -----
+    The backward pass is the exact product with the Jacobian of Proposition 1,
+    ``du/d eta = M_I D A_I^T``, for ``eta_u`` and ``eta_v``; it is exact to
+    round-off, needs no new solve, and runs in the thread pool. Double
+    backward and forward-mode AD are supported (see the module notes).
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]], requires_grad=True)
+    >>> u = smt.sparsemap(f, eta_u)
+    >>> u
+    tensor([[1.0000, 0.0000],
+            [0.6000, 0.4000],
+            [0.0000, 1.0000]], grad_fn=<_SparseMAPFunctionBackward>)
+    >>> u[1, 0].backward()
+    >>> eta_u.grad[1]
+    tensor([ 0.5000, -0.5000])
+    """
+    layout = _Layout(factor, eta_u, eta_v)
+    return _SparseMAPFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)
+
+
+# -- the distribution: support and differentiable weights ----------------------------
+class _SupportJacobian:
+    """Appendix B: on the support I, ``y*_I = D A_I^T eta + Z 1 / (1^T Z 1)`` locally,
+    ``D = Z - Z 1 1^T Z / (1^T Z 1)``, ``Z = (M_I^T M_I + c 1 1^T)^{-1}`` (the shift c
+    changes neither y* nor D on the simplex, and keeps Z defined when the columns are
+    only affinely independent). Dense ``M_I``, ``N_I`` from ``factor.vertex``, built
+    on first use: supports are small.
+    """
+
+    def __init__(self, layout, results, K, eta_u, eta_v):
+        self.layout, self.results, self.K = layout, results, K
+        self.like_u, self.like_v = _spec(eta_u), _spec(eta_v)
+        self._parts = None
+
+    def parts(self):
+        if self._parts is None:
+            self._parts = [_support_parts(self.layout.factor_of(b), r)
+                           for b, r in enumerate(self.results)]
+        return self._parts
+
+    def apply(self, xs, transpose):
+        lay, K = self.layout, self.K
+        if not transpose:    # (d_eta_u, d_eta_v) -> dy
+            du = lay.split_u(_to_host(_zeros_if_none(xs[0], lay, "u")))
+            dv = xs[1] if len(xs) > 1 else None
+            dv = None if dv is None or self.like_v is None else lay.split_v(_to_host(dv))
+            out = np.zeros((lay.B, K))
+            for b, (Mi, Ni, D) in enumerate(self.parts()):
+                theta = Mi @ np.ravel(du[b])
+                if dv is not None and dv[b] is not None and Ni.shape[1]:
+                    theta += Ni @ np.ravel(dv[b])
+                out[b, :len(D)] = D @ theta
+            return (_like(out.reshape(lay.batch_shape + (K,)), self.like_u),)
+        gy = _to_host(xs[0]).reshape(lay.B, K)    # dy -> (g_eta_u, g_eta_v)
+        gus, gvs = [], []
+        for b, (Mi, Ni, D) in enumerate(self.parts()):
+            gt = D @ gy[b, :len(D)]
+            gus.append(Mi.T @ gt)
+            gvs.append(Ni.T @ gt)
+        g_u = _like(lay.join(gus, "u"), self.like_u)
+        if self.like_v is None:
+            return (g_u,)
+        return g_u, _like(lay.join(gvs, "v"), self.like_v)
+
+
+def _support_parts(factor, result):
+    cols = [factor.vertex(s) for s in result.structures]
+    Mi = np.stack([m.ravel() for m, _ in cols])
+    Ni = np.stack([n.ravel() for _, n in cols])
+    G = Mi @ Mi.T
+    Gc = G + max(1.0, float(G.diagonal().max()))
+    try:
+        L = np.linalg.cholesky(Gc)
+    except np.linalg.LinAlgError:
+        raise ValueError("the support is affinely dependent, so y* is not unique; use "
+                         "method='active_set', whose support is always independent")
+    Z = np.linalg.solve(L.T, np.linalg.solve(L, np.eye(len(G))))
+    z1 = Z.sum(axis=1)
+    return Mi, Ni, Z - np.outer(z1, z1) / z1.sum()
+
+
+def _pad_structures(results, batch_shape, K):
+    per = [np.asarray(r.structures, dtype=np.int64) for r in results]
+    width = max((p.shape[1] for p in per if p.ndim == 2), default=None)
+    shape = (len(per), K) if width is None else (len(per), K, width)
+    out = np.full(shape, -1, dtype=np.int64)
+    for b, p in enumerate(per):
+        if p.ndim == 2:
+            out[b, :p.shape[0], :p.shape[1]] = p
+        else:
+            out[b, :p.shape[0]] = p
+    return out.reshape(batch_shape + shape[1:])
+
+
+class _DistributionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
+        results = _solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        K = max((len(r.weights) for r in results), default=0)
+        w = np.zeros((layout.B, K))
+        for b, r in enumerate(results):
+            w[b, :len(r.weights)] = r.weights
+        structures = torch.from_numpy(_pad_structures(results, layout.batch_shape, K))
+        structures = structures.to(eta_u.device)
+        ctx.jac = _SupportJacobian(layout, results, K, eta_u, eta_v)
+        ctx.mark_non_differentiable(structures)
+        return _like(w.reshape(layout.batch_shape + (K,)), _spec(eta_u)), structures
+
+    @staticmethod
+    def backward(ctx, gw, _):
+        gs = _Linear.apply(ctx.jac, True, gw)
+        return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
+
+
+def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
+    """SparseMAP's sparse distribution over structures, with differentiable weights.
+
+    For models that marginalise a downstream loss over the support,
+    ``sum_k weights[k] * loss(structures[k])``, and need its gradient.
+
+    Parameters
+    ----------
+    factor, eta_u, eta_v, n_jobs, **solve_kw
+        As in :func:`sparsemap` (batches and ragged batches alike).
+
+    Returns
+    -------
+    structures : LongTensor, shape ``(*batch, K, *structure_shape)``
+        The support of each problem, in the factor's compact form (heads for a
+        tree, tags for a sequence, ...), ordered as the solver returns them;
+        ``K`` is the largest support size in the batch. Padded with ``-1``:
+        slots past a problem's support, and structure entries past a shorter
+        problem's compact size.
+    weights : Tensor, shape ``(*batch, K)``, like ``eta_u``
+        ``y*`` on the support (positive, summing to one per problem), 0 in
+        padded slots. Differentiable with respect to ``eta_u`` and ``eta_v``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`sparsemap`; and, in the backward pass, when a solver other
+        than the active set returned an affinely dependent support (``y*`` is
+        then not unique).
+
+    Notes
+    -----
+    ``u`` is always unique, ``y*`` is unique when the support is affinely
+    independent (as the active set guarantees). On that support ``y*`` is
+    locally linear in the structure scores ``theta_I = A_I^T eta`` (Appendix B):
+    ``dy*_I = D A_I^T d eta`` with ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and
+    ``Z = (M_I^T M_I)^{-1}``; structures outside the support keep weight 0.
+    The backward pass applies ``A_I D`` to the incoming gradient. Supports are
+    small, so it works on dense columns per problem (no thread pool).
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]], requires_grad=True)
+    >>> structures, weights = smt.distribution(f, eta)
+    >>> structures
+    tensor([[0, 0, 1],
+            [0, 1, 1]])
+    >>> weights
+    tensor([0.6000, 0.4000], grad_fn=<_DistributionFunctionBackward>)
+    >>> weights[0].backward()
+    >>> eta.grad[1]
+    tensor([ 0.5000, -0.5000])
+    """
+    layout = _Layout(factor, eta_u, eta_v)
+    return _DistributionFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
+
+
+# -- family wrappers ----------------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def _cached_factor(cls, *args):
+    # Keyed by construction arguments: equal arguments, one shared factor.
+    return cls(*args)
+
+
+def _sizes(values, name, batch_shape, upper):
+    """Validate per-element sizes: ints of shape ``batch_shape`` in ``[1, upper]``."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if arr.shape != batch_shape:
+        raise ValueError(f"{name}: expected shape {batch_shape} (the batch dims), "
+                         f"got {arr.shape}")
+    if arr.size and (arr.min() < 1 or arr.max() > upper):
+        raise ValueError(f"{name}: expected values in [1, {upper}], got "
+                         f"min {arr.min()}, max {arr.max()}")
+    return arr.reshape(-1).tolist()
+
+
+def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
+    """Apply the layer with a shared factor, or ragged over flattened batch dims."""
+    if isinstance(factors, Factor):
+        return sparsemap(factors, eta_u, eta_v, n_jobs=n_jobs, **solve_kw)
+    nb = len(batch_shape)
+    flat_u = eta_u.reshape((-1,) + tuple(eta_u.shape[nb:]))
+    flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
+    u = sparsemap(factors, flat_u, flat_v, n_jobs=n_jobs, **solve_kw)
+    return u.reshape(eta_u.shape)
+
+
+def _ragged_factors(cls, sizes, full, rest):
+    """One shared factor when every element has the full size, else a cached list."""
+    if all(s == full for s in sizes):
+        return _cached_factor(cls, *full, *rest)
+    return [_cached_factor(cls, *s, *rest) for s in sizes]
+
+
+def _check_scores_tensor(x, name, min_dim, what):
+    _check_tensor(x, name)
+    if x.dim() < min_dim:
+        raise ValueError(f"{name}: expected shape {what}, got {tuple(x.shape)}")
+
+
+def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=None,
+         **solve_kw):
+    """SparseMAP arc posteriors of dependency trees.
+
+    Parameters
+    ----------
+    scores : Tensor, shape ``(*batch, N + 1, N + 1)``
+        ``scores[..., h, m]`` scores the arc from head ``h`` to modifier ``m``;
+        node 0 is the root. Column 0 and the diagonal are ignored (any value,
+        ``-inf`` included).
+    lengths : int Tensor of shape ``batch``, optional
+        Number of words of each sentence (``1 <= lengths <= N``); sentence
+        ``b`` uses ``scores[b, :lengths[b] + 1, :lengths[b] + 1]``. Default:
+        every sentence has ``N`` words.
+    projective, single_root : bool
+        As in :class:`sparsemap.TreeFactor`.
+    n_jobs, **solve_kw
+        As in :func:`sparsemap`.
+
+    Returns
+    -------
+    Tensor, shaped like ``scores``
+        Arc posteriors: each word's column sums to one within its sentence; 0
+        in the padding.
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> scores = torch.zeros(2, 4, 4)
+    >>> scores[:, 0, 1] = scores[:, 1, 2] = scores[:, 2, 3] = 2.0
+    >>> u = smt.tree(scores, lengths=torch.tensor([3, 2]))
+    >>> u[0]
+    tensor([[0., 1., 0., 0.],
+            [0., 0., 1., 0.],
+            [0., 0., 0., 1.],
+            [0., 0., 0., 0.]])
+    >>> u[1]
+    tensor([[0., 1., 0., 0.],
+            [0., 0., 1., 0.],
+            [0., 0., 0., 0.],
+            [0., 0., 0., 0.]])
+    """
+    _check_scores_tensor(scores, "scores", 2, "(*batch, N + 1, N + 1)")
+    n1 = scores.shape[-1]
+    if scores.shape[-2] != n1 or n1 < 2:
+        raise ValueError(f"scores: expected shape (*batch, N + 1, N + 1) with N >= 1, "
+                         f"got {tuple(scores.shape)}")
+    batch_shape = tuple(scores.shape[:-2])
+    sizes = [n1 - 1] * int(np.prod(batch_shape, dtype=np.int64)) if lengths is None else \
+        _sizes(lengths, "lengths", batch_shape, n1 - 1)
+    factors = _ragged_factors(sm.TreeFactor, [(s,) for s in sizes], (n1 - 1,),
+                              (bool(projective), bool(single_root)))
+    return _family(factors, scores, None, batch_shape, n_jobs, solve_kw)
+
+
+def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
+    """SparseMAP tag posteriors of sequences (a linear chain).
+
+    Parameters
+    ----------
+    eta_u : Tensor, shape ``(*batch, N, m)``
+        ``eta_u[..., i, t]`` scores tag ``t`` at position ``i``.
+    eta_v : Tensor, optional
+        Transition scores, ``eta_v[..., i, a, b]`` scoring tag ``a`` at ``i``
+        then ``b`` at ``i + 1``: shape ``(*batch, N - 1, m, m)``, or a transition
+        matrix ``(m, m)`` (or ``(*batch, m, m)``) shared by every position, as
+        in a CRF. Default: zeros.
+    lengths : int Tensor of shape ``batch``, optional
+        Length of each sequence (``1 <= lengths <= N``); sequence ``b`` uses
+        positions ``:lengths[b]`` (and transitions ``:lengths[b] - 1``).
+    n_jobs, **solve_kw
+        As in :func:`sparsemap`.
+
+    Returns
+    -------
+    Tensor, shaped like ``eta_u``
+        Tag posteriors (rows sum to one within each sequence, 0 beyond).
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> eta_u = torch.tensor([[[2.0, 0.0], [0.0, 0.0], [0.0, 0.5]]])
+    >>> smt.sequence(eta_u)
+    tensor([[[1.0000, 0.0000],
+             [0.5000, 0.5000],
+             [0.2500, 0.7500]]])
+    >>> stay = torch.tensor([[1.0, 0.0], [0.0, 1.0]])    # reward keeping the tag
+    >>> smt.sequence(eta_u, stay)
+    tensor([[[1.0000, 0.0000],
+             [0.6250, 0.3750],
+             [0.6250, 0.3750]]])
+    """
+    _check_scores_tensor(eta_u, "eta_u", 2, "(*batch, N, m)")
+    n, m = eta_u.shape[-2], eta_u.shape[-1]
+    batch_shape = tuple(eta_u.shape[:-2])
+    if eta_v is not None:
+        _check_tensor(eta_v, "eta_v")
+        if eta_v.dim() <= eta_u.dim():   # a transition matrix shared by the positions
+            if tuple(eta_v.shape[-2:]) != (m, m):
+                raise ValueError(f"eta_v: expected transitions of shape (..., {m}, {m}), "
+                                 f"got {tuple(eta_v.shape)}")
+            try:
+                eta_v = eta_v.unsqueeze(-3).expand(batch_shape + (n - 1, m, m))
+            except RuntimeError:
+                raise ValueError(f"eta_v: shape {tuple(eta_v.shape[:-2])} does not broadcast "
+                                 f"to the batch shape {batch_shape}")
+    sizes = [n] * int(np.prod(batch_shape, dtype=np.int64)) if lengths is None else \
+        _sizes(lengths, "lengths", batch_shape, n)
+    factors = _ragged_factors(sm.SequenceFactor, [(s,) for s in sizes], (n,), (m,))
+    return _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw)
+
+
+def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
+    """SparseMAP posteriors of bipartite matchings (alignments).
+
+    Parameters
+    ----------
+    scores : Tensor, shape ``(*batch, R, C)``
+        ``scores[..., i, j]`` scores matching row ``i`` with column ``j``.
+    n_rows, n_cols : int Tensor of shape ``batch``, optional
+        Sizes of each element's problem (rows ``1..R``, columns ``1..C``;
+        default all): element ``b`` matches ``min(n_rows[b], n_cols[b])`` pairs
+        within ``scores[b, :n_rows[b], :n_cols[b]]``.
+    n_jobs, **solve_kw
+        As in :func:`sparsemap`.
+
+    Returns
+    -------
+    Tensor, shaped like ``scores``
+        Pair posteriors: a doubly substochastic matrix (doubly stochastic when
+        square), 0 in the padding.
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> smt.matching(torch.tensor([[1.0, 0.0], [0.0, 0.5]]))
+    tensor([[0.8750, 0.1250],
+            [0.1250, 0.8750]])
+    """
+    _check_scores_tensor(scores, "scores", 2, "(*batch, R, C)")
+    R, C = scores.shape[-2], scores.shape[-1]
+    batch_shape = tuple(scores.shape[:-2])
+    B = int(np.prod(batch_shape, dtype=np.int64))
+    rows = [R] * B if n_rows is None else _sizes(n_rows, "n_rows", batch_shape, R)
+    cols = [C] * B if n_cols is None else _sizes(n_cols, "n_cols", batch_shape, C)
+    factors = _ragged_factors(sm.MatchingFactor, list(zip(rows, cols)), (R, C), ())
+    return _family(factors, scores, None, batch_shape, n_jobs, solve_kw)
+
+
+def _sparsemax_factor(d):
+    return _sparsemax_factor_cached(d)
+
+
+@functools.lru_cache(maxsize=256)
+def _sparsemax_factor_cached(d):
+    return sm.GenericFactor(np.eye(d))
+
+
+def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
+    """Sparsemax (Martins and Astudillo, 2016): SparseMAP with one part per structure.
+
+    The Euclidean projection of ``x`` onto the probability simplex along
+    ``dim``, with the same semantics as ``entmax.sparsemax(x, dim)``. Entries
+    at ``-inf`` get probability 0 (at least one entry per slice must be finite).
+
+    Parameters
+    ----------
+    x : Tensor
+    dim : int, default -1
+    n_jobs, **solve_kw
+        As in :func:`sparsemap`.
+
+    Returns
+    -------
+    Tensor, shaped like ``x``
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> smt.sparsemax(torch.tensor([1.0, 0.5, -1.0]))
+    tensor([0.7500, 0.2500, 0.0000])
+    """
+    _check_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dimension, got a scalar")
+    if not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: expected an integer in [{-x.dim()}, {x.dim() - 1}], got {dim!r}")
+    xm = x.movedim(dim, -1)
+    u = sparsemap(_sparsemax_factor(xm.shape[-1]), xm, n_jobs=n_jobs, **solve_kw)
+    return u.movedim(-1, dim)
+
+
+class Sparsemax(torch.nn.Module):
+    """Module form of :func:`sparsemax`, as ``entmax.Sparsemax``.
+
+    Parameters
+    ----------
+    dim : int, default -1
+    n_jobs, **solve_kw
+        As in :func:`sparsemap`.
+    """
+
+    def __init__(self, dim=-1, *, n_jobs=None, **solve_kw):
+        super().__init__()
+        self.dim, self.n_jobs, self.solve_kw = dim, n_jobs, solve_kw
+
+    def forward(self, x):
+        return sparsemax(x, self.dim, n_jobs=self.n_jobs, **self.solve_kw)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+# -- losses ---------------------------------------------------------------------------
+_POOLS = {}
+
+
+def _n_workers(n_jobs):
+    if n_jobs is None:
+        return os.cpu_count() or 1
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs < 1:
+        raise ValueError(f"n_jobs: expected a positive integer or None, got {n_jobs!r}")
+    return int(n_jobs)
+
+
+def _parallel(fn, n, n_jobs):
+    """``[fn(i) for i in range(n)]`` in a thread pool (the solver releases the GIL)."""
+    workers = min(_n_workers(n_jobs), n)
+    if workers <= 1:
+        return [fn(i) for i in range(n)]
+    pool = _POOLS.get(workers)
+    if pool is None:
+        pool = _POOLS.setdefault(workers, ThreadPoolExecutor(
+            workers, thread_name_prefix="sparsemap-torch"))
+    return list(pool.map(fn, range(n)))
+
+
+def _targets(target, layout):
+    """Per-problem compact structures from a (padded) integer tensor."""
+    if isinstance(target, torch.Tensor):
+        arr = target.detach().cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(target)
+        except Exception as exc:  # ragged nested lists and other junk
+            raise ValueError(f"target: expected an integer tensor ({exc})")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"target: expected integers (compact structures), got dtype {arr.dtype}")
+    nb = len(layout.batch_shape)
+    if arr.shape[:nb] != layout.batch_shape or arr.ndim - nb > 1:
+        raise ValueError(f"target: expected shape {layout.batch_shape} + (structure size,) "
+                         f"(the batch dims, then one compact structure), got {arr.shape}")
+    flat = arr.reshape((layout.B,) + arr.shape[nb:])
+    out = []
+    for b in range(layout.B):
+        t = flat[b]
+        if t.ndim == 0:
+            out.append(int(t))
+        else:   # padded: a ragged element reads its leading struct_size entries
+            out.append(t[:layout.factor_of(b).struct_size] if layout.ragged else t)
+    return out
+
+
+class _LossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, eta_u, eta_v, losses, g_u, g_v):
+        ctx.grads = g_u, g_v
+        ctx.specs = _spec(eta_u), _spec(eta_v)
+        return _like(losses, _spec(eta_u))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        out = []
+        for G, spec in zip(ctx.grads, ctx.specs):
+            if spec is None:
+                out.append(None)
+                continue
+            Gt = _like(G, spec)
+            out.append(Gt * g.to(spec[0]).reshape(tuple(g.shape) + (1,) * (Gt.dim() - g.dim())))
+        return out[0], out[1], None, None, None
+
+
+def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
+    _check_reduction(reduction)
+    layout = _Layout(factor, eta_u, eta_v)
+    targets = _targets(target, layout)
+    eu = _to_host(eta_u)
+    layout.check_finite(eu, "eta_u")
+    eus = layout.split_u(eu)
+    evs = None
+    if eta_v is not None:
+        ev = _to_host(eta_v)
+        layout.check_finite(ev, "eta_v", "v")
+        evs = layout.split_v(ev)
+
+    def one(b):
+        try:
+            return numpy_loss(layout.factor_of(b), eus[b], targets[b],
+                              None if evs is None else evs[b], **kw)
+        except ValueError as exc:
+            if not layout.batch_shape:
+                raise
+            raise ValueError(f"{exc} (batch element {b})") from None
+
+    out = _parallel(one, layout.B, n_jobs)
+    losses = np.array([o[0] for o in out], dtype=np.float64).reshape(layout.batch_shape)
+    g_u = layout.join([o[1] for o in out], "u")
+    g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
+    per = _LossFunction.apply(eta_u, eta_v, losses, g_u, g_v)
+    if reduction == "none":
+        return per
+    return per.mean() if reduction == "mean" else per.sum()
+
+
+# TEMPORARY adapters, until branch `finish` lands on main: main's NumPy losses take
+# eta_v before target and call the structured SVM's margin `cost_scale`.
+def _np_sparsemap_loss(f, eu, t, ev, margin, **solve_kw):
+    return sm.sparsemap_loss(f, eta_u=eu, eta_v=ev, target=t, margin=margin, **solve_kw)
+
+
+def _np_svm_loss(f, eu, t, ev, margin):
+    import inspect
+    key = "margin" if "margin" in inspect.signature(sm.structured_svm_loss).parameters \
+        else "cost_scale"
+    return sm.structured_svm_loss(f, eta_u=eu, eta_v=ev, target=t, **{key: margin})
+
+
+def _np_perceptron_loss(f, eu, t, ev):
+    return sm.perceptron_loss(f, eta_u=eu, eta_v=ev, target=t)
+# -- end TEMPORARY ---------------------------------------------------------------------
+
+
+_LOSS_PARAMS = """factor : Factor or list of Factor
+        As in :func:`sparsemap`: one shared factor, or one per batch element.
+    eta_u : Tensor, shape ``(*batch, *factor.shape_u)``
+        Scores (padded for a list of factors), any float dtype and device.
+    target : int Tensor, shape ``(*batch, *structure_shape)``
+        One gold structure per element, in the factor's compact form: heads
+        ``(*batch, N + 1)`` for trees, tags ``(*batch, N)`` for sequences,
+        columns ``(*batch, R)`` for matchings, an index ``(*batch,)`` for a
+        :class:`~sparsemap.GenericFactor`. With a list of factors, element
+        ``b`` reads the leading ``factors[b].struct_size`` entries (so padded
+        targets work).
+    eta_v : Tensor, shape ``(*batch, *factor.shape_v)``, optional
+        Additional scores (zeros when omitted)."""
+
+_LOSS_RETURNS = """Returns
+    -------
+    Tensor
+        The mean (``reduction="mean"``) or sum (``"sum"``) over the batch, or
+        the per-element losses of shape ``batch`` (``"none"``), in the dtype and
+        on the device of ``eta_u``.
+
+    Raises
+    ------
+    ValueError
+        On shapes that do not match the factor(s), an unknown ``reduction``, a
+        target that is not a structure of its factor (the message gives the
+        batch element)."""
+
+
+def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mean", *,
+                   n_jobs=None, **solve_kw):
+    """SparseMAP loss and margin SparseMAP loss (Section 4), batched.
+
+    Per element, :func:`sparsemap.sparsemap_loss`: the Fenchel-Young loss of
+    SparseMAP, cost-augmented by ``margin`` times the Hamming cost. Its gradient
+    is Proposition 2's ``(u* - m_t, v* - n_t)``, kept from the forward solve (the
+    backward pass solves nothing).
+
+    Parameters
+    ----------
+    {params}
+    margin : float, default 0
+        Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
+    reduction : {{"mean", "sum", "none"}}, default "mean"
+    n_jobs : int, optional
+        Threads (default: all cores).
+    **solve_kw
+        Passed to :func:`sparsemap.solve`.
+
+    {returns}
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> scores = torch.zeros(2, 4, 4, requires_grad=True)
+    >>> heads = torch.tensor([[-1, 0, 1, 2], [-1, 2, 0, -1]])   # the second has 2 words
+    >>> factors = [sm.TreeFactor(3), sm.TreeFactor(2)]
+    >>> loss = smt.sparsemap_loss(factors, scores, heads, reduction="none")
+    >>> loss
+    tensor([1.0000, 0.5000], grad_fn=<_LossFunctionBackward>)
+    >>> loss.sum().backward()
+    >>> scores.grad[1]                  # u* - m_t, zero in the padding
+    tensor([[ 0.0000,  0.5000, -0.5000,  0.0000],
+            [ 0.0000,  0.0000,  0.5000,  0.0000],
+            [ 0.0000, -0.5000,  0.0000,  0.0000],
+            [ 0.0000,  0.0000,  0.0000,  0.0000]])
+    """
+    return _loss(_np_sparsemap_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
+                 dict(margin=margin, **solve_kw))
+
+
+def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0, reduction="mean", *,
+                        n_jobs=None):
+    """Structured SVM (max-margin) loss with the Hamming cost (Table 1), batched.
+
+    Per element, :func:`sparsemap.structured_svm_loss`: cost-augmented MAP
+    ``s``, loss ``a_s . eta + margin * cost(s) - a_t . eta``, subgradient
+    ``a_s - a_t``.
+
+    Parameters
+    ----------
+    {params}
+    margin : float, default 1
+        Scale of the Hamming cost; 0 gives the perceptron.
+    reduction : {{"mean", "sum", "none"}}, default "mean"
+    n_jobs : int, optional
+        Threads (default: all cores).
+
+    {returns}
+    """
+    return _loss(_np_svm_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
+                 dict(margin=margin))
+
+
+def perceptron_loss(factor, eta_u, target, eta_v=None, reduction="mean", *, n_jobs=None):
+    """Structured perceptron loss (Table 1), batched.
+
+    Per element, :func:`sparsemap.perceptron_loss`: ``max_s a_s . eta - a_t . eta``
+    with subgradient ``a_s - a_t`` at the MAP structure ``s``.
+
+    Parameters
+    ----------
+    {params}
+    reduction : {{"mean", "sum", "none"}}, default "mean"
+    n_jobs : int, optional
+        Threads (default: all cores).
+
+    {returns}
+    """
+    return _loss(_np_perceptron_loss, factor, eta_u, target, eta_v, reduction, n_jobs, {})
+
+
+for _fn in (sparsemap_loss, structured_svm_loss, perceptron_loss):
+    _fn.__doc__ = _fn.__doc__.format(params=_LOSS_PARAMS, returns=_LOSS_RETURNS)
+
+
+class _LossModule(torch.nn.Module):
+    _fn = None
+
+    def __init__(self, reduction="mean", *, n_jobs=None, **kw):
+        super().__init__()
+        _check_reduction(reduction)
+        self.reduction, self.n_jobs, self.kw = reduction, n_jobs, kw
+
+    def forward(self, factor, eta_u, target, eta_v=None):
+        """The loss of ``eta_u`` (and ``eta_v``) against ``target`` for ``factor``."""
+        return type(self)._fn(factor, eta_u, target, eta_v, reduction=self.reduction,
+                              n_jobs=self.n_jobs, **self.kw)
+
+    def extra_repr(self):
+        items = [f"reduction={self.reduction!r}"] + [f"{k}={v!r}" for k, v in self.kw.items()]
+        return ", ".join(items)
+
+
+class SparseMAPLoss(_LossModule):
+    """Module form of :func:`sparsemap_loss` (as ``entmax.SparsemaxLoss``).
+
+    Parameters
+    ----------
+    margin : float, default 0
+    reduction : {"mean", "sum", "none"}, default "mean"
+    n_jobs : int, optional
+    **solve_kw
+        Passed to :func:`sparsemap.solve`.
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> loss_fn = smt.SparseMAPLoss(margin=1.0)
+    >>> loss_fn(sm.TreeFactor(3), torch.zeros(4, 4), torch.tensor([-1, 0, 1, 2]))
+    tensor(3.7500)
+    """
+    _fn = staticmethod(sparsemap_loss)
+
+    def __init__(self, margin=0.0, reduction="mean", *, n_jobs=None, **solve_kw):
+        super().__init__(reduction, n_jobs=n_jobs, margin=margin, **solve_kw)
+
+
+class StructuredSVMLoss(_LossModule):
+    """Module form of :func:`structured_svm_loss`.
+
+    Parameters
+    ----------
+    margin : float, default 1
+    reduction : {"mean", "sum", "none"}, default "mean"
+    n_jobs : int, optional
+    """
+    _fn = staticmethod(structured_svm_loss)
+
+    def __init__(self, margin=1.0, reduction="mean", *, n_jobs=None):
+        super().__init__(reduction, n_jobs=n_jobs, margin=margin)
+
+
+class PerceptronLoss(_LossModule):
+    """Module form of :func:`perceptron_loss`.
+
+    Parameters
+    ----------
+    reduction : {"mean", "sum", "none"}, default "mean"
+    n_jobs : int, optional
+    """
+    _fn = staticmethod(perceptron_loss)
