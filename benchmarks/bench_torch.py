@@ -1,0 +1,174 @@
+"""Forward+backward throughput of the PyTorch layers, against the layer a user would pick instead.
+
+* Trees: ``sparsemap.torch.tree`` on batches of 32 sentences of 10 to 40 words
+  (ragged, padded to 40), against CRF arc marginals by the matrix-tree theorem:
+  the gradient of a batched ``torch.logdet`` of the Laplacian (Koo et al., 2007),
+  with the downstream gradient taken through the marginals (double backward).
+* Matchings: ``sparsemap.torch.matching`` on batches of 32 20x20 problems,
+  against a row softmax.
+
+Scores are standard normal times ``scale`` (1, and 5 for peaked scores as in a
+trained model), float32 as a model would produce them. Each configuration runs
+on 1 and 2 threads (``torch.set_num_threads`` and ``n_jobs``). A pass is a
+forward, a random linear downstream loss and its backward; the table gives
+problems per second (median over ``--repeats`` passes), the ratio
+SparseMAP / alternative, and the speedup from 1 to 2 threads.
+
+A second table splits the SparseMAP tree pass: ``sm.solve_batch`` and
+``sm.vjp_batch`` on the same host arrays, and what the torch layer adds.
+
+Usage: python benchmarks/bench_torch.py [--repeats 15] [--batch 32] [--seed 0]
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import sparsemap as sm
+import sparsemap.torch as smt
+
+THREADS = (1, 2)
+SCALES = (1.0, 5.0)
+
+
+def crf_tree_marginals(scores, lengths):
+    """Arc marginals of the non-projective tree CRF (multiple root children), by the
+    matrix-tree theorem: d logdet(L) / d scores, differentiable (create_graph)."""
+    B, n1, _ = scores.shape
+    idx = torch.arange(n1)
+    valid_m = (idx[None, :] >= 1) & (idx[None, :] <= lengths[:, None])          # (B, n1)
+    valid_h = idx[None, :] <= lengths[:, None]
+    arc = valid_h[:, :, None] & valid_m[:, None, :] & (idx[:, None] != idx[None, :])
+    s = scores.masked_fill(~arc, float("-inf"))
+    # Each word has one head: shifting a modifier's column leaves the marginals unchanged.
+    top = s.max(dim=1, keepdim=True).values
+    s = s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    w = torch.exp(s)                                   # 0 on masked arcs
+    A = w[:, 1:, 1:]
+    lap = torch.diag_embed(w[:, 0, 1:] + A.sum(dim=1)) - A
+    pad = ~valid_m[:, 1:]                              # identity rows/cols for padded words
+    lap = lap + torch.diag_embed(pad.to(lap.dtype))
+    logz = torch.logdet(lap).sum()
+    (marg,) = torch.autograd.grad(logz, scores, create_graph=True)
+    return marg
+
+
+def tree_batch(rng, batch, scale):
+    lengths = rng.integers(10, 41, size=batch)
+    n1 = int(lengths.max()) + 1
+    scores = torch.from_numpy(scale * rng.standard_normal((batch, n1, n1))).float()
+    return scores, torch.from_numpy(lengths)
+
+
+def time_pass(layer, scores, g, repeats):
+    times = []
+    for _ in range(repeats + 1):          # the first pass warms up (pools, caches)
+        x = scores.detach().clone().requires_grad_()
+        t0 = time.perf_counter()
+        out = layer(x)
+        (out * g).sum().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def tree_breakdown(scores, lengths, g, repeats, n_jobs):
+    """Median seconds of solve_batch, vjp_batch and the whole torch pass, 1 batch."""
+    factors = [sm.TreeFactor(int(n)) for n in lengths]
+    eus = [scores[b, :n + 1, :n + 1].double().numpy() for b, n in enumerate(lengths.tolist())]
+    gs = [g[b, :n + 1, :n + 1].double().numpy() for b, n in enumerate(lengths.tolist())]
+    solve_batch = getattr(sm, "solve_batch", None)
+    vjp_batch = getattr(sm, "vjp_batch", None)
+    t_solve, t_vjp, loop = [], [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        rs = solve_batch(factors, eus, n_jobs=n_jobs) if solve_batch else \
+            [sm.solve(f, e) for f, e in zip(factors, eus)]
+        t1 = time.perf_counter()
+        if vjp_batch:
+            vjp_batch(rs, gs, n_jobs=n_jobs)
+        else:
+            [r.vjp(x) for r, x in zip(rs, gs)]
+        t2 = time.perf_counter()
+        t_solve.append(t1 - t0)
+        t_vjp.append(t2 - t1)
+        loop.append(sum(r.history["seconds"][-1] for r in
+                        [sm.solve(f, e, return_history=True) for f, e in zip(factors, eus)]))
+    iters = np.mean([r.n_iter for r in rs])
+    support = np.mean([len(r.weights) for r in rs])
+    return (statistics.median(t_solve[1:]), statistics.median(t_vjp[1:]),
+            statistics.median(loop[1:]), iters, support)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    B = args.batch
+    print(f"sparsemap.torch forward+backward, batches of {B}, float32 scores, "
+          f"median of {args.repeats} passes; problems/s\n")
+    head = (f"{'layer':<10}{'scale':>6}{'thr':>5}{'SparseMAP':>12}{'alternative':>13}"
+            f"{'ratio':>8}   alternative")
+    print(head)
+    print("-" * len(head))
+    rows = {}
+    for kind in ("tree", "matching"):
+        for scale in SCALES:
+            rng = np.random.default_rng(args.seed)
+            if kind == "tree":
+                scores, lengths = tree_batch(rng, B, scale)
+                ours = lambda x, t: smt.tree(x, lengths, n_jobs=t)            # noqa: E731
+                alt = lambda x, t: crf_tree_marginals(x, lengths)           # noqa: E731
+                alt_name = "CRF marginals (matrix-tree, logdet)"
+            else:
+                scores = torch.from_numpy(scale * rng.standard_normal((B, 20, 20))).float()
+                ours = lambda x, t: smt.matching(x, n_jobs=t)                 # noqa: E731
+                alt = lambda x, t: torch.softmax(x, dim=-1)                   # noqa: E731
+                alt_name = "row softmax"
+            g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+            if kind == "tree":
+                m = crf_tree_marginals(scores.clone().requires_grad_(), lengths).detach()
+                sums = m.sum(dim=1)[:, 1:]
+                real = torch.arange(1, scores.shape[1])[None, :] <= lengths[:, None]
+                assert torch.allclose(sums[real], torch.ones(()), atol=1e-4), "CRF check"
+            for t in THREADS:
+                torch.set_num_threads(t)
+                a = B / time_pass(lambda x: ours(x, t), scores, g, args.repeats)
+                b = B / time_pass(lambda x: alt(x, t), scores, g, args.repeats)
+                rows[kind, scale, t] = (a, b)
+                print(f"{kind:<10}{scale:>6g}{t:>5}{a:>12.0f}{b:>13.0f}{a / b:>8.2f}   {alt_name}",
+                      flush=True)
+    print("\nspeedup from 1 to 2 threads (target >= 1.8x for SparseMAP)")
+    print(f"{'layer':<10}{'scale':>6}{'SparseMAP':>12}{'alternative':>13}")
+    for kind in ("tree", "matching"):
+        for scale in SCALES:
+            (a1, b1), (a2, b2) = rows[kind, scale, 1], rows[kind, scale, 2]
+            print(f"{kind:<10}{scale:>6g}{a2 / a1:>11.2f}x{b2 / b1:>12.2f}x")
+    a, b = rows["tree", 5.0, 1]
+    print(f"\ntree layer at scale 5, 1 thread: SparseMAP / CRF throughput = {a / b:.2f} "
+          f"(target >= 0.5)")
+
+    print("\nwhere a SparseMAP tree pass goes (one batch, ms)")
+    print(f"{'scale':>6}{'thr':>5}{'pass':>9}{'solve_batch':>13}{'vjp_batch':>11}"
+          f"{'torch layer':>13}{'solver loops':>14}{'iters':>7}{'support':>9}")
+    for scale in SCALES:
+        rng = np.random.default_rng(args.seed)
+        scores, lengths = tree_batch(rng, B, scale)
+        g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+        for t in THREADS:
+            torch.set_num_threads(t)
+            whole = B / rows["tree", scale, t][0]
+            ts, tv, loop, iters, support = tree_breakdown(scores, lengths, g, args.repeats, t)
+            print(f"{scale:>6g}{t:>5}{whole * 1e3:>9.2f}{ts * 1e3:>13.2f}{tv * 1e3:>11.2f}"
+                  f"{(whole - ts - tv) * 1e3:>13.2f}{loop * 1e3:>14.2f}{iters:>7.1f}"
+                  f"{support:>9.1f}")
+    print("\n'solver loops': summed seconds inside the active-set loops of the batch "
+          "(serial, from return_history);\n'torch layer': the pass minus solve_batch "
+          "and vjp_batch (conversion, padding, autograd).")
+
+
+if __name__ == "__main__":
+    main()
