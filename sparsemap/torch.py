@@ -29,14 +29,14 @@ expose.
 """
 import functools
 import numbers
-import os
-from concurrent.futures import ThreadPoolExecutor
+import re
 
 import numpy as np
 import torch
 
 import sparsemap as sm
 from sparsemap import Factor
+from sparsemap._solve import _check_n_jobs, _chunks, _run_chunks
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -45,30 +45,6 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-# -- TEMPORARY serial fallbacks, until branch `batch` lands on main -----------------
-# Same signatures as sm.solve_batch / sm.vjp_batch / sm.jvp_batch; removed after rebasing.
-def _serial_solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None,
-                        **solve_kw):
-    fs = [factors] * len(etas_u) if isinstance(factors, Factor) else list(factors)
-    evs = [None] * len(etas_u) if etas_v is None else etas_v
-    return [sm.solve(f, eu, ev, **solve_kw) for f, eu, ev in zip(fs, etas_u, evs)]
-
-
-def _serial_vjp_batch(results, dus, *, n_jobs=None):
-    return [r.vjp(du) for r, du in zip(results, dus)]
-
-
-def _serial_jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
-    dvs = [None] * len(results) if d_etas_v is None else d_etas_v
-    return [r.jvp(du, dv) for r, du, dv in zip(results, d_etas_u, dvs)]
-
-
-_solve_batch = getattr(sm, "solve_batch", _serial_solve_batch)
-_vjp_batch = getattr(sm, "vjp_batch", _serial_vjp_batch)
-_jvp_batch = getattr(sm, "jvp_batch", _serial_jvp_batch)
-# -- end TEMPORARY -------------------------------------------------------------------
 
 
 # -- validation and layout ------------------------------------------------------------
@@ -193,21 +169,6 @@ class _Layout:
                 out[b][_block(shape)] = a.reshape(shape)
         return out
 
-    def check_finite(self, arr, name, which="u"):
-        """NaN and +inf are errors where a problem reads them (padding is never read)."""
-        bad = np.isnan(arr) | (arr == np.inf)
-        if not bad.any():
-            return
-        pad = self.pad_u if which == "u" else self.pad_v
-        bad = bad.reshape((self.B,) + pad)
-        for b in range(self.B):
-            f = self.factor_of(b)
-            shape = f.shape_u if which == "u" else f.shape_v
-            if (which == "u" or _has_v(f)) and bad[b][_block(shape)].any():
-                where = f" (batch element {b})" if self.batch_shape else ""
-                raise ValueError(f"{name}: contains NaN or +inf{where}; "
-                                 "only -inf (a forbidden part) is allowed")
-
 
 def _fmt(shape):
     return ", ".join(str(d) for d in shape)
@@ -227,18 +188,33 @@ def _factor_list(factor):
     return factors
 
 
+def _batch_error(exc, layout):
+    """solve_batch names a problem ``etas_u[i]``; say ``eta_u`` and the batch element."""
+    m = re.match(r"etas_([uv])\[(\d+)\]", str(exc))
+    if m is None:
+        return exc
+    return ValueError(f"eta_{m[1]}{str(exc)[m.end():]}{_where(layout, int(m[2]))}")
+
+
+def _where(layout, b):
+    """`` (batch element i)`` for flat problem index b; multi-dim batches get a tuple."""
+    if not layout.batch_shape:
+        return ""
+    if len(layout.batch_shape) == 1:
+        return f" (batch element {b})"
+    return f" (batch element {tuple(int(i) for i in np.unravel_index(b, layout.batch_shape))})"
+
+
 def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
-    eu = _to_host(eta_u)
-    layout.check_finite(eu, "eta_u")
-    ev = None
-    if eta_v is not None:
-        ev = _to_host(eta_v)
-        layout.check_finite(ev, "eta_v", "v")
     if layout.B == 0:
         return []
+    eu = layout.split_u(_to_host(eta_u))
+    ev = None if eta_v is None else layout.split_v(_to_host(eta_v))
     factors = layout.factors if layout.ragged else layout.factor
-    return _solve_batch(factors, layout.split_u(eu), layout.split_v(ev), n_jobs=n_jobs,
-                        **solve_kw)
+    try:
+        return sm.solve_batch(factors, eu, ev, n_jobs=n_jobs, **solve_kw)
+    except ValueError as exc:
+        raise _batch_error(exc, layout) from None
 
 
 def _like(arr, like):
@@ -285,11 +261,11 @@ class _LayerJacobian:
             du = _zeros_if_none(xs[0], lay, "u")
             dv = xs[1] if len(xs) > 1 else None
             dv = None if self.like_v is None or dv is None else lay.split_v(_to_host(dv))
-            out = _jvp_batch(self.results, lay.split_u(_to_host(du)), dv, n_jobs=self.n_jobs) \
+            out = sm.jvp_batch(self.results, lay.split_u(_to_host(du)), dv, n_jobs=self.n_jobs) \
                 if self.results else []
             return (_like(lay.join(out, "u"), self.like_u),)
         gu = _zeros_if_none(xs[0], lay, "u")      # du -> (g_eta_u, g_eta_v)
-        out = _vjp_batch(self.results, lay.split_u(_to_host(gu)), n_jobs=self.n_jobs) \
+        out = sm.vjp_batch(self.results, lay.split_u(_to_host(gu)), n_jobs=self.n_jobs) \
             if self.results else []
         g_u = _like(lay.join([o[0] for o in out], "u"), self.like_u)
         if self.like_v is None:
@@ -726,15 +702,6 @@ def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
     return _family(factors, scores, None, batch_shape, n_jobs, solve_kw)
 
 
-def _sparsemax_factor(d):
-    return _sparsemax_factor_cached(d)
-
-
-@functools.lru_cache(maxsize=256)
-def _sparsemax_factor_cached(d):
-    return sm.GenericFactor(np.eye(d))
-
-
 def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
     """Sparsemax (Martins and Astudillo, 2016): SparseMAP with one part per structure.
 
@@ -765,7 +732,8 @@ def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
     if not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim: expected an integer in [{-x.dim()}, {x.dim() - 1}], got {dim!r}")
     xm = x.movedim(dim, -1)
-    u = sparsemap(_sparsemax_factor(xm.shape[-1]), xm, n_jobs=n_jobs, **solve_kw)
+    # SparseMAP of "exactly one on" is sparsemax; its MAP is an O(d) argmax
+    u = sparsemap(_cached_factor(sm.XorFactor, xm.shape[-1]), xm, n_jobs=n_jobs, **solve_kw)
     return u.movedim(-1, dim)
 
 
@@ -791,27 +759,19 @@ class Sparsemax(torch.nn.Module):
 
 
 # -- losses ---------------------------------------------------------------------------
-_POOLS = {}
+def _parallel(fn, layout, n_jobs):
+    """``[fn(b) for b in range(B)]`` in the batch layer's thread pool (largest problems
+    first, as ``sm.solve_batch`` does): each call solves without the GIL."""
+    n_jobs = _check_n_jobs(n_jobs)
+    costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
+    out = [None] * layout.B
 
+    def run(chunk):
+        for b in chunk:
+            out[b] = fn(b)
 
-def _n_workers(n_jobs):
-    if n_jobs is None:
-        return os.cpu_count() or 1
-    if isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs < 1:
-        raise ValueError(f"n_jobs: expected a positive integer or None, got {n_jobs!r}")
-    return int(n_jobs)
-
-
-def _parallel(fn, n, n_jobs):
-    """``[fn(i) for i in range(n)]`` in a thread pool (the solver releases the GIL)."""
-    workers = min(_n_workers(n_jobs), n)
-    if workers <= 1:
-        return [fn(i) for i in range(n)]
-    pool = _POOLS.get(workers)
-    if pool is None:
-        pool = _POOLS.setdefault(workers, ThreadPoolExecutor(
-            workers, thread_name_prefix="sparsemap-torch"))
-    return list(pool.map(fn, range(n)))
+    _run_chunks(run, _chunks(costs, n_jobs), n_jobs)
+    return out
 
 
 def _targets(target, layout):
@@ -864,14 +824,8 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     _check_reduction(reduction)
     layout = _Layout(factor, eta_u, eta_v)
     targets = _targets(target, layout)
-    eu = _to_host(eta_u)
-    layout.check_finite(eu, "eta_u")
-    eus = layout.split_u(eu)
-    evs = None
-    if eta_v is not None:
-        ev = _to_host(eta_v)
-        layout.check_finite(ev, "eta_v", "v")
-        evs = layout.split_v(ev)
+    eus = layout.split_u(_to_host(eta_u))
+    evs = None if eta_v is None else layout.split_v(_to_host(eta_v))
 
     def one(b):
         try:
@@ -880,9 +834,9 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
         except ValueError as exc:
             if not layout.batch_shape:
                 raise
-            raise ValueError(f"{exc} (batch element {b})") from None
+            raise ValueError(f"{exc}{_where(layout, b)}") from None
 
-    out = _parallel(one, layout.B, n_jobs)
+    out = _parallel(one, layout, n_jobs)
     losses = np.array([o[0] for o in out], dtype=np.float64).reshape(layout.batch_shape)
     g_u = layout.join([o[1] for o in out], "u")
     g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")

@@ -52,6 +52,17 @@ FAMILIES = {
     "matching": [sm.MatchingFactor(3, 3), sm.MatchingFactor(2, 3), sm.MatchingFactor(3, 1)],
     "generic": [generic_factor(4, 2, 6, 0), generic_factor(3, 1, 5, 1)],
     "oracle": [pair_oracle(), pair_oracle()],
+    "xor": [sm.XorFactor(4), sm.XorFactor(2), sm.XorFactor(3)],
+    "at_most_one": [sm.AtMostOneFactor(4), sm.AtMostOneFactor(1)],
+    "or": [sm.OrFactor(3), sm.OrFactor(4)],
+    "budget": [sm.BudgetFactor(5, 2), sm.BudgetFactor(3, 2), sm.BudgetFactor(4, 1)],
+    "budget_exact": [sm.BudgetFactor(5, 2, exact=True), sm.BudgetFactor(3, 1, exact=True)],
+    "pair": [sm.PairFactor(), sm.PairFactor()],
+    "or_out": [sm.OrOutFactor(4), sm.OrOutFactor(3)],
+    "and_out": [sm.AndOutFactor(3), sm.AndOutFactor(5)],
+    "xor_out": [sm.XorOutFactor(4), sm.XorOutFactor(3)],
+    "sequence_budget": [sm.SequenceBudgetFactor(5, 2), sm.SequenceBudgetFactor(3, 1, exact=True),
+                        sm.SequenceBudgetFactor(1, 1)],
 }
 
 
@@ -232,6 +243,44 @@ def test_bad_input_raises_value_error_naming_the_argument():
         smt.perceptron_loss(f, torch.zeros(2, 4, 4), torch.tensor([[-1, 0, 1, 2], [-1, 2, 3, 1]]))
 
 
+def test_masks_pass_through():
+    # -inf forbids an arc: u and the gradient are exactly 0 there, and the rest equals the
+    # same problem with a very low finite score instead.
+    scores = randn(3, 6, 6, seed=50).detach()
+    lengths = torch.tensor([5, 3, 4])
+    mask = torch.rand(3, 6, 6, generator=gen(51)) < 0.4
+    mask[:, 0, :] = False                      # root arcs stay allowed: always feasible
+    x = scores.masked_fill(mask, float("-inf")).requires_grad_()
+    u = smt.tree(x, lengths)
+    low = smt.tree(scores.masked_fill(mask, -1e4), lengths)
+    assert bool((u[mask] == 0).all()) and mask[:, 1:5, 1:5].any()
+    np.testing.assert_allclose(u.detach().numpy(), low.numpy(), atol=1e-12)
+    (gx,) = torch.autograd.grad(u, x, torch.randn(x.shape, generator=gen(52), dtype=x.dtype))
+    assert bool((gx[mask] == 0).all())
+    assert torch.autograd.gradcheck(lambda s: smt.tree(s, lengths), (x,), **GC)
+    # forbidden transitions of a sequence (BIO-style: tag 0 never followed by tag 1)
+    eu, ev = randn(2, 4, 3, seed=53), randn(2, 3, 3, 3, seed=54).detach()
+    ev_masked, ev_low = ev.clone(), ev.clone()
+    ev_masked[:, :, 0, 1] = float("-inf")
+    ev_low[:, :, 0, 1] = -1e4
+    ev_masked.requires_grad_()
+    u = smt.sequence(eu, ev_masked)
+    np.testing.assert_allclose(u.detach().numpy(), smt.sequence(eu, ev_low).detach().numpy(),
+                               atol=1e-12)
+    structures, weights = smt.distribution(sm.SequenceFactor(4, 3), eu, ev_masked)
+    used = (structures[..., :-1] == 0) & (structures[..., 1:] == 1) & (weights[..., None] > 0)
+    assert not bool(used.any())
+    assert torch.autograd.gradcheck(lambda a, b: smt.sequence(a, b), (eu, ev_masked), **GC)
+    # sparsemax: probability 0 at -inf
+    p = smt.sparsemax(torch.tensor([[0.0, float("-inf"), 0.5], [float("-inf"), 1.0, 2.0]]))
+    np.testing.assert_allclose(p.numpy(), [[0.25, 0, 0.75], [0, 0, 1]], atol=1e-7)
+    # nothing allowed: a ValueError naming the argument and the batch element
+    x = scores.clone()
+    x[1, :, 2] = float("-inf")
+    with pytest.raises(ValueError, match=r"eta_u.*forbidden.*\(batch element 1\)"):
+        smt.tree(x, lengths)
+
+
 def test_empty_batch():
     u = smt.sparsemap(sm.TreeFactor(2), torch.zeros(0, 3, 3, requires_grad=True))
     assert u.shape == (0, 3, 3)
@@ -275,7 +324,7 @@ def test_sequence_wrapper_lengths_and_shared_transitions():
         r = sm.solve(sm.SequenceFactor(n, 2), eu[b, :n].detach().numpy(),
                      full[b, :n - 1].numpy())
         np.testing.assert_array_equal(u[b, :n].detach().numpy(), r.u)
-        assert float(u[b, n:].abs().sum()) == 0
+        assert float(u[b, n:].detach().abs().sum()) == 0
     assert torch.autograd.gradcheck(lambda a, t: smt.sequence(a, t, lengths), (eu, trans), **GC)
     # per-sequence transition matrices (*batch, m, m)
     per = randn(3, 2, 2, seed=24)
