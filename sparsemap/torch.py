@@ -72,6 +72,7 @@ def _to_host(x):
     return a.copy() if t.data_ptr() == x.data_ptr() else a
 
 
+@functools.lru_cache(maxsize=4096)
 def _block(shape):
     return tuple(slice(0, n) for n in shape)
 
@@ -145,7 +146,7 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_u)
         if not self.ragged:
             return arr
-        return [arr[b][_block(f.shape_u)] for b, f in enumerate(self.factors)]
+        return [arr[(b,) + _block(f.shape_u)] for b, f in enumerate(self.factors)]
 
     def split_v(self, arr):
         if arr is None:
@@ -153,7 +154,7 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_v)
         if not self.ragged:
             return arr
-        return [arr[b][_block(f.shape_v)] if _has_v(f) else None
+        return [arr[(b,) + _block(f.shape_v)] if _has_v(f) else None
                 for b, f in enumerate(self.factors)]
 
     def join(self, arrays, which):
@@ -166,7 +167,7 @@ class _Layout:
         for b, (f, a) in enumerate(zip(self.factors, arrays)):
             shape = f.shape_u if which == "u" else f.shape_v
             if which == "u" or _has_v(f):
-                out[b][_block(shape)] = a.reshape(shape)
+                out[(b,) + _block(shape)] = a.reshape(shape)
         return out
 
 
