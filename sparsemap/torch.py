@@ -85,26 +85,25 @@ class _Layout:
     trailing ones.
     """
 
-    def __init__(self, factor, eta_u, eta_v, names=("eta_u", "eta_v")):
-        nu, nv = names
-        _check_tensor(eta_u, nu)
+    def __init__(self, factor, eta_u, eta_v):
+        _check_tensor(eta_u, "eta_u")
         if eta_v is not None:
-            _check_tensor(eta_v, nv)
+            _check_tensor(eta_v, "eta_v")
         if isinstance(factor, Factor):
             self.ragged = False
             self.factor = factor
             k = len(factor.shape_u)
             if eta_u.dim() < k or tuple(eta_u.shape[eta_u.dim() - k:]) != factor.shape_u:
-                raise ValueError(f"{nu}: expected shape (*batch, {_fmt(factor.shape_u)}) "
+                raise ValueError(f"eta_u: expected shape (*batch, {_fmt(factor.shape_u)}) "
                                  f"(batch dims, then factor.shape_u), got {tuple(eta_u.shape)}")
             self.batch_shape = tuple(eta_u.shape[:eta_u.dim() - k])
             self.pad_u, self.pad_v = factor.shape_u, factor.shape_v
             if eta_v is not None:
                 if not _has_v(factor):
-                    raise ValueError(f"{nv}: {type(factor).__name__} has no eta_v; pass None")
+                    raise ValueError(f"eta_v: {type(factor).__name__} has no eta_v; pass None")
                 want = self.batch_shape + factor.shape_v
                 if tuple(eta_v.shape) != want:
-                    raise ValueError(f"{nv}: expected shape {want} (the batch dims of {nu}, "
+                    raise ValueError(f"eta_v: expected shape {want} (the batch dims of eta_u, "
                                      f"then factor.shape_v), got {tuple(eta_v.shape)}")
             self.factors = None
         else:
@@ -113,27 +112,27 @@ class _Layout:
             B = len(self.factors)
             k = len(self.factors[0].shape_u)
             if eta_u.dim() != 1 + k or eta_u.shape[0] != B:
-                raise ValueError(f"{nu}: with a list of {B} factors, expected shape (B={B}, ...) "
+                raise ValueError(f"eta_u: with a list of {B} factors, expected shape (B={B}, ...) "
                                  f"with {k} padded dims, got {tuple(eta_u.shape)}")
             self.pad_u = tuple(eta_u.shape[1:])
             for i, f in enumerate(self.factors):
                 if len(f.shape_u) != k or any(a > b for a, b in zip(f.shape_u, self.pad_u)):
-                    raise ValueError(f"{nu}: factor[{i}].shape_u = {f.shape_u} does not fit in "
+                    raise ValueError(f"eta_u: factor[{i}].shape_u = {f.shape_u} does not fit in "
                                      f"the padded shape {self.pad_u}")
             self.batch_shape = (B,)
             with_v = [f for f in self.factors if _has_v(f)]
             self.pad_v = (0,)
             if eta_v is not None:
                 if not with_v:
-                    raise ValueError(f"{nv}: the factors have no eta_v; pass None")
+                    raise ValueError(f"eta_v: the factors have no eta_v; pass None")
                 self.pad_v = tuple(eta_v.shape[1:])
                 if eta_v.shape[0] != B:
-                    raise ValueError(f"{nv}: expected {B} batch elements (one per factor), "
+                    raise ValueError(f"eta_v: expected {B} batch elements (one per factor), "
                                      f"got shape {tuple(eta_v.shape)}")
                 for i, f in enumerate(self.factors):
                     if _has_v(f) and (len(f.shape_v) != len(self.pad_v) or
                                       any(a > b for a, b in zip(f.shape_v, self.pad_v))):
-                        raise ValueError(f"{nv}: factor[{i}].shape_v = {f.shape_v} does not "
+                        raise ValueError(f"eta_v: factor[{i}].shape_v = {f.shape_v} does not "
                                          f"fit in the padded shape {self.pad_v}")
         self.B = int(np.prod(self.batch_shape, dtype=np.int64))
 
