@@ -115,25 +115,25 @@ class _Layout:
                 raise ValueError(f"eta_u: with a list of {B} factors, expected shape (B={B}, ...) "
                                  f"with {k} padded dims, got {tuple(eta_u.shape)}")
             self.pad_u = tuple(eta_u.shape[1:])
-            for i, f in enumerate(self.factors):
-                if len(f.shape_u) != k or any(a > b for a, b in zip(f.shape_u, self.pad_u)):
-                    raise ValueError(f"eta_u: factor[{i}].shape_u = {f.shape_u} does not fit in "
-                                     f"the padded shape {self.pad_u}")
+            self.shapes_u = [f.shape_u for f in self.factors]
+            i = _first_misfit(self.shapes_u, self.pad_u)
+            if i >= 0:
+                raise ValueError(f"eta_u: factor[{i}].shape_u = {self.shapes_u[i]} does not fit "
+                                 f"in the padded shape {self.pad_u}")
             self.batch_shape = (B,)
-            with_v = [f for f in self.factors if _has_v(f)]
+            self.shapes_v = [f.shape_v if _has_v(f) else None for f in self.factors]
             self.pad_v = (0,)
             if eta_v is not None:
-                if not with_v:
-                    raise ValueError(f"eta_v: the factors have no eta_v; pass None")
+                if all(sv is None for sv in self.shapes_v):
+                    raise ValueError("eta_v: the factors have no eta_v; pass None")
                 self.pad_v = tuple(eta_v.shape[1:])
                 if eta_v.shape[0] != B:
                     raise ValueError(f"eta_v: expected {B} batch elements (one per factor), "
                                      f"got shape {tuple(eta_v.shape)}")
-                for i, f in enumerate(self.factors):
-                    if _has_v(f) and (len(f.shape_v) != len(self.pad_v) or
-                                      any(a > b for a, b in zip(f.shape_v, self.pad_v))):
-                        raise ValueError(f"eta_v: factor[{i}].shape_v = {f.shape_v} does not "
-                                         f"fit in the padded shape {self.pad_v}")
+                i = _first_misfit(self.shapes_v, self.pad_v)
+                if i >= 0:
+                    raise ValueError(f"eta_v: factor[{i}].shape_v = {self.shapes_v[i]} does not "
+                                     f"fit in the padded shape {self.pad_v}")
         self.B = int(np.prod(self.batch_shape, dtype=np.int64))
 
     def factor_of(self, b):
@@ -145,7 +145,7 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_u)
         if not self.ragged:
             return arr
-        return [arr[(b,) + _block(f.shape_u)] for b, f in enumerate(self.factors)]
+        return [arr[(b,) + _block(s)] for b, s in enumerate(self.shapes_u)]
 
     def split_v(self, arr):
         if arr is None:
@@ -153,8 +153,7 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_v)
         if not self.ragged:
             return arr
-        return [arr[(b,) + _block(f.shape_v)] if _has_v(f) else None
-                for b, f in enumerate(self.factors)]
+        return [None if s is None else arr[(b,) + _block(s)] for b, s in enumerate(self.shapes_v)]
 
     def join(self, arrays, which):
         """Per-problem arrays -> one zero-padded (*batch, *pad) float64 array."""
@@ -163,11 +162,22 @@ class _Layout:
             out = np.stack(arrays) if arrays else np.zeros((0,) + pad)
             return out.reshape(self.batch_shape + pad)
         out = np.zeros((self.B,) + pad)
-        for b, (f, a) in enumerate(zip(self.factors, arrays)):
-            shape = f.shape_u if which == "u" else f.shape_v
-            if which == "u" or _has_v(f):
-                out[(b,) + _block(shape)] = a.reshape(shape)
+        for b, (s, a) in enumerate(zip(self.shapes_u if which == "u" else self.shapes_v, arrays)):
+            if s is not None:
+                out[(b,) + _block(s)] = a.reshape(s)
         return out
+
+
+def _first_misfit(shapes, pad):
+    """Index of the first shape (None: skipped) that does not fit in ``pad``, or -1."""
+    live = [s for s in shapes if s is not None]
+    if not live or ({len(s) for s in live} == {len(pad)} and
+                    bool((np.array(live) <= np.array(pad)).all())):
+        return -1
+    for i, s in enumerate(shapes):
+        if s is not None and (len(s) != len(pad) or any(a > b for a, b in zip(s, pad))):
+            return i
+    return -1
 
 
 def _fmt(shape):
