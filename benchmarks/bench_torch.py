@@ -14,8 +14,10 @@ forward, a random linear downstream loss and its backward; the table gives
 problems per second (median over ``--repeats`` passes), the ratio
 SparseMAP / alternative, and the speedup from 1 to 2 threads.
 
-A second table splits the SparseMAP tree pass: ``sm.solve_batch`` and
-``sm.vjp_batch`` on the same host arrays, and what the torch layer adds.
+A second table splits a serial SparseMAP tree pass by CPU time (insensitive to
+other processes): ``sm.solve_batch`` and its GIL-free solver loops,
+``sm.vjp_batch``, and what the torch layer adds; the share that threads can run
+in parallel bounds the 2-thread speedup (Amdahl).
 
 Usage: python benchmarks/bench_torch.py [--repeats 15] [--batch 32] [--seed 0]
 """
@@ -28,6 +30,7 @@ import torch
 
 import sparsemap as sm
 import sparsemap.torch as smt
+from sparsemap import _active_set
 
 THREADS = (1, 2)
 SCALES = (1.0, 5.0)
@@ -73,32 +76,40 @@ def time_pass(layer, scores, g, repeats):
     return statistics.median(times[1:])
 
 
-def tree_breakdown(scores, lengths, g, repeats, n_jobs):
-    """Median seconds of solve_batch, vjp_batch and the whole torch pass, 1 batch."""
+def cpu_ms(fn, repeats):
+    """Median CPU milliseconds of fn() in this process (insensitive to other processes' load)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def tree_breakdown(scores, lengths, g, repeats):
+    """CPU ms of one serial tree pass and of its parts (n_jobs=1, torch on 1 thread)."""
     factors = [sm.TreeFactor(int(n)) for n in lengths]
-    eus = [scores[b, :n + 1, :n + 1].double().numpy() for b, n in enumerate(lengths.tolist())]
-    gs = [g[b, :n + 1, :n + 1].double().numpy() for b, n in enumerate(lengths.tolist())]
-    solve_batch = getattr(sm, "solve_batch", None)
-    vjp_batch = getattr(sm, "vjp_batch", None)
-    t_solve, t_vjp, loop = [], [], []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        rs = solve_batch(factors, eus, n_jobs=n_jobs) if solve_batch else \
-            [sm.solve(f, e) for f, e in zip(factors, eus)]
-        t1 = time.perf_counter()
-        if vjp_batch:
-            vjp_batch(rs, gs, n_jobs=n_jobs)
-        else:
-            [r.vjp(x) for r, x in zip(rs, gs)]
-        t2 = time.perf_counter()
-        t_solve.append(t1 - t0)
-        t_vjp.append(t2 - t1)
-        loop.append(sum(r.history["seconds"][-1] for r in
-                        [sm.solve(f, e, return_history=True) for f, e in zip(factors, eus)]))
-    iters = np.mean([r.n_iter for r in rs])
-    support = np.mean([len(r.weights) for r in rs])
-    return (statistics.median(t_solve[1:]), statistics.median(t_vjp[1:]),
-            statistics.median(loop[1:]), iters, support)
+    eus = [scores[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
+    gs = [g[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
+    rs = sm.solve_batch(factors, eus, n_jobs=1)
+    idx = np.arange(len(factors), dtype=np.intp)
+    checked = [f._check_array(e, "eta_u", False, True) for f, e in zip(factors, eus)]
+
+    def whole():
+        x = scores.clone().requires_grad_()
+        (smt.tree(x, lengths, n_jobs=1) * g).sum().backward()
+
+    t = dict(
+        whole=cpu_ms(whole, repeats),
+        solve=cpu_ms(lambda: sm.solve_batch(factors, eus, n_jobs=1), repeats),
+        # the part solve_batch runs without the GIL: the active-set loops of the chunk
+        loops=cpu_ms(lambda: _active_set.solve_chunk(factors, checked, None, idx, None,
+                                                     10_000, 1e-12, False), repeats),
+        vjp=cpu_ms(lambda: sm.vjp_batch(rs, gs, n_jobs=1), repeats))
+    t["iters"] = np.mean([r.n_iter for r in rs])
+    t["support"] = np.mean([len(r.weights) for r in rs])
+    return t
 
 
 def main(argv=None):
@@ -151,23 +162,25 @@ def main(argv=None):
     print(f"\ntree layer at scale 5, 1 thread: SparseMAP / CRF throughput = {a / b:.2f} "
           f"(target >= 0.5)")
 
-    print("\nwhere a SparseMAP tree pass goes (one batch, ms)")
-    print(f"{'scale':>6}{'thr':>5}{'pass':>9}{'solve_batch':>13}{'vjp_batch':>11}"
-          f"{'torch layer':>13}{'solver loops':>14}{'iters':>7}{'support':>9}")
+    print("\nwhere a serial SparseMAP tree pass goes: CPU ms (process time, so other "
+          "processes' load does not count)")
+    print(f"{'scale':>6}{'pass':>8}{'solve_batch':>13}{'(no GIL)':>10}{'vjp_batch':>11}"
+          f"{'torch+rest':>12}{'parallel':>10}{'2-thr bound':>13}{'iters':>7}{'support':>9}")
+    torch.set_num_threads(1)
     for scale in SCALES:
         rng = np.random.default_rng(args.seed)
         scores, lengths = tree_batch(rng, B, scale)
         g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
-        for t in THREADS:
-            torch.set_num_threads(t)
-            whole = B / rows["tree", scale, t][0]
-            ts, tv, loop, iters, support = tree_breakdown(scores, lengths, g, args.repeats, t)
-            print(f"{scale:>6g}{t:>5}{whole * 1e3:>9.2f}{ts * 1e3:>13.2f}{tv * 1e3:>11.2f}"
-                  f"{(whole - ts - tv) * 1e3:>13.2f}{loop * 1e3:>14.2f}{iters:>7.1f}"
-                  f"{support:>9.1f}")
-    print("\n'solver loops': summed seconds inside the active-set loops of the batch "
-          "(serial, from return_history);\n'torch layer': the pass minus solve_batch "
-          "and vjp_batch (conversion, padding, autograd).")
+        t = tree_breakdown(scores, lengths, g, args.repeats)
+        p = min(1.0, (t["loops"] + t["vjp"]) / t["whole"])
+        print(f"{scale:>6g}{t['whole']:>8.2f}{t['solve']:>13.2f}{t['loops']:>10.2f}"
+              f"{t['vjp']:>11.2f}{t['whole'] - t['solve'] - t['vjp']:>12.2f}{p:>10.2f}"
+              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['iters']:>7.1f}{t['support']:>9.1f}")
+    print("\n'(no GIL)': the active-set loops inside solve_batch, the part threads share out; "
+          "'torch+rest': the pass\nminus solve_batch and vjp_batch (the torch layer, autograd, "
+          "the downstream loss); 'parallel': the\nshare of the pass that can run in parallel "
+          "(no-GIL loops and vjp_batch), and '2-thr bound' Amdahl's\nlimit on the speedup from "
+          "1 to 2 threads it implies.")
 
 
 if __name__ == "__main__":
