@@ -27,6 +27,7 @@ losses are differentiable once (their backward raises on double backward):
 their Hessian would need the Jacobian of ``v``, which the solver does not
 expose.
 """
+import concurrent.futures
 import functools
 import numbers
 import re
@@ -36,7 +37,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _check_n_jobs, _chunks, _run_chunks
+from sparsemap._solve import _check_n_jobs, _thread_pool
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -762,6 +763,7 @@ class Sparsemax(torch.nn.Module):
         self.dim, self.n_jobs, self.solve_kw = dim, n_jobs, solve_kw
 
     def forward(self, x):
+        """Sparsemax of ``x`` along ``self.dim``."""
         return sparsemax(x, self.dim, n_jobs=self.n_jobs, **self.solve_kw)
 
     def extra_repr(self):
@@ -770,32 +772,54 @@ class Sparsemax(torch.nn.Module):
 
 # -- losses ---------------------------------------------------------------------------
 def _parallel(fn, layout, n_jobs):
-    """``[fn(b) for b in range(B)]`` in the batch layer's thread pool (largest problems
-    first, as ``sm.solve_batch`` does): each call solves without the GIL."""
-    n_jobs = _check_n_jobs(n_jobs)
-    costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
+    """``[fn(b) for b in range(B)]`` on n_jobs threads of the batch layer's pool (the
+    caller's included), largest problems first: each call solves without the GIL."""
+    n_threads = min(_check_n_jobs(n_jobs), layout.B)
+    if n_threads <= 1:
+        return [fn(b) for b in range(layout.B)]
     out = [None] * layout.B
+    errors = {}
+    costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
+    pending = iter(np.argsort(costs, kind="stable")[::-1].tolist())   # next() holds the GIL
 
-    def run(chunk):
-        for b in chunk:
-            out[b] = fn(b)
+    def work():
+        for b in pending:
+            try:
+                out[b] = fn(b)
+            except BaseException as exc:  # re-raised by the caller
+                errors[b] = exc
+                return
 
-    _run_chunks(run, _chunks(costs, n_jobs), n_jobs)
+    futures = [_thread_pool(n_threads - 1).submit(work) for _ in range(n_threads - 1)]
+    work()
+    concurrent.futures.wait(futures)
+    if errors:
+        raise errors[min(errors)]
     return out
 
 
 def _targets(target, layout):
-    """Per-problem compact structures from a (padded) integer tensor."""
+    """Per-problem targets: compact structures from a (padded) integer tensor, or dense
+    0/1 columns from a float tensor shaped like ``eta_u``."""
     if isinstance(target, torch.Tensor):
-        arr = target.detach().cpu().numpy()
+        arr = target.detach().cpu()
+        arr = (arr.double() if arr.is_floating_point() else arr).numpy()
     else:
         try:
             arr = np.asarray(target)
         except Exception as exc:  # ragged nested lists and other junk
             raise ValueError(f"target: expected an integer tensor ({exc})")
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"target: expected integers (compact structures), got dtype {arr.dtype}")
     nb = len(layout.batch_shape)
+    if arr.dtype.kind == "f":    # dense columns m_t, each element reads its block
+        want = layout.batch_shape + layout.pad_u
+        if arr.shape != want:
+            raise ValueError(f"target: a float target is dense (0/1 parts shaped like eta_u): "
+                             f"expected shape {want}, got {arr.shape}")
+        return layout.split_u(arr) if layout.ragged else \
+            list(arr.reshape((layout.B,) + layout.pad_u))
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"target: expected integers (compact structures) or floats (dense "
+                         f"0/1 parts), got dtype {arr.dtype}")
     if arr.shape[:nb] != layout.batch_shape or arr.ndim - nb > 1:
         raise ValueError(f"target: expected shape {layout.batch_shape} + (structure size,) "
                          f"(the batch dims, then one compact structure), got {arr.shape}")
@@ -856,35 +880,18 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     return per.mean() if reduction == "mean" else per.sum()
 
 
-# TEMPORARY adapters, until branch `finish` lands on main: main's NumPy losses take
-# eta_v before target and call the structured SVM's margin `cost_scale`.
-def _np_sparsemap_loss(f, eu, t, ev, margin, **solve_kw):
-    return sm.sparsemap_loss(f, eta_u=eu, eta_v=ev, target=t, margin=margin, **solve_kw)
-
-
-def _np_svm_loss(f, eu, t, ev, margin):
-    import inspect
-    key = "margin" if "margin" in inspect.signature(sm.structured_svm_loss).parameters \
-        else "cost_scale"
-    return sm.structured_svm_loss(f, eta_u=eu, eta_v=ev, target=t, **{key: margin})
-
-
-def _np_perceptron_loss(f, eu, t, ev):
-    return sm.perceptron_loss(f, eta_u=eu, eta_v=ev, target=t)
-# -- end TEMPORARY ---------------------------------------------------------------------
-
-
 _LOSS_PARAMS = """factor : Factor or list of Factor
         As in :func:`sparsemap`: one shared factor, or one per batch element.
     eta_u : Tensor, shape ``(*batch, *factor.shape_u)``
         Scores (padded for a list of factors), any float dtype and device.
-    target : int Tensor, shape ``(*batch, *structure_shape)``
+    target : int Tensor, shape ``(*batch, *structure_shape)``, or float Tensor like ``eta_u``
         One gold structure per element, in the factor's compact form: heads
         ``(*batch, N + 1)`` for trees, tags ``(*batch, N)`` for sequences,
         columns ``(*batch, R)`` for matchings, an index ``(*batch,)`` for a
         :class:`~sparsemap.GenericFactor`. With a list of factors, element
         ``b`` reads the leading ``factors[b].struct_size`` entries (so padded
-        targets work).
+        targets work). A float tensor shaped like ``eta_u`` is the dense form
+        (the 0/1 column ``m_t``, e.g. a one-hot arc matrix), read blockwise.
     eta_v : Tensor, shape ``(*batch, *factor.shape_v)``, optional
         Additional scores (zeros when omitted)."""
 
@@ -941,7 +948,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mea
             [ 0.0000, -0.5000,  0.0000,  0.0000],
             [ 0.0000,  0.0000,  0.0000,  0.0000]])
     """
-    return _loss(_np_sparsemap_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
+    return _loss(sm.sparsemap_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
                  dict(margin=margin, **solve_kw))
 
 
@@ -964,7 +971,7 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0, reduction
 
     {returns}
     """
-    return _loss(_np_svm_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
+    return _loss(sm.structured_svm_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
                  dict(margin=margin))
 
 
@@ -983,7 +990,7 @@ def perceptron_loss(factor, eta_u, target, eta_v=None, reduction="mean", *, n_jo
 
     {returns}
     """
-    return _loss(_np_perceptron_loss, factor, eta_u, target, eta_v, reduction, n_jobs, {})
+    return _loss(sm.perceptron_loss, factor, eta_u, target, eta_v, reduction, n_jobs, {})
 
 
 for _fn in (sparsemap_loss, structured_svm_loss, perceptron_loss):

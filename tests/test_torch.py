@@ -274,6 +274,19 @@ def test_masks_pass_through():
     # sparsemax: probability 0 at -inf
     p = smt.sparsemax(torch.tensor([[0.0, float("-inf"), 0.5], [float("-inf"), 1.0, 2.0]]))
     np.testing.assert_allclose(p.numpy(), [[0.25, 0, 0.75], [0, 0, 1]], atol=1e-7)
+    # losses under masks: -inf parts cost nothing, as in the NumPy losses
+    heads = torch.tensor([[-1, 0, 0, 0, 0, 0], [-1, 0, 0, 0, -1, -1], [-1, 0, 0, 0, 0, -1]])
+    factors = [sm.TreeFactor(int(n)) for n in lengths]
+    x = scores.masked_fill(mask, float("-inf")).requires_grad_()
+    for kind, margin in LOSSES:
+        loss = torch_loss(kind, factors, x, heads, None, margin, "none")
+        (g,) = torch.autograd.grad(loss.sum(), x)
+        assert bool(torch.isfinite(loss).all()) and bool((g[mask] == 0).all())
+        for b, f in enumerate(factors):
+            n = int(lengths[b])
+            want = numpy_loss(kind, f, x[b, :n + 1, :n + 1].detach().numpy(),
+                              heads[b, :n + 1].numpy(), None, margin)[0]
+            assert loss[b].item() == want
     # nothing allowed: a ValueError naming the argument and the batch element
     x = scores.clone()
     x[1, :, 2] = float("-inf")
@@ -481,13 +494,10 @@ def test_distribution_marginalised_downstream_loss():
 # -- losses ---------------------------------------------------------------------------
 def numpy_loss(kind, f, eu, t, ev, margin):
     if kind == "sparsemap":
-        return sm.sparsemap_loss(f, eta_u=eu, eta_v=ev, target=t, margin=margin)
+        return sm.sparsemap_loss(f, eu, t, ev, margin=margin)
     if kind == "perceptron":
-        return sm.perceptron_loss(f, eta_u=eu, eta_v=ev, target=t)
-    try:
-        return sm.structured_svm_loss(f, eta_u=eu, eta_v=ev, target=t, margin=margin)
-    except TypeError:
-        return sm.structured_svm_loss(f, eta_u=eu, eta_v=ev, target=t, cost_scale=margin)
+        return sm.perceptron_loss(f, eu, t, ev)
+    return sm.structured_svm_loss(f, eu, t, ev, margin=margin)
 
 
 def torch_loss(kind, factor, eu, t, ev, margin, reduction):
@@ -547,6 +557,23 @@ def test_losses_equal_numpy_losses(kind, margin, name):
     want = numpy_loss(kind, f, eu2[1, 0].detach().numpy(), t2[1, 0].numpy(),
                       None if ev2 is None else ev2[1, 0].detach().numpy(), margin)[0]
     assert per2[1, 0].item() == want
+
+
+def test_dense_targets_equal_compact_targets():
+    factors = FAMILIES["tree"]
+    eu = padded(factors, "u", 60)
+    rng = np.random.default_rng(61)
+    gold = [f.map(rng.standard_normal(f.shape_u)) for f in factors]
+    dense = torch.zeros(eu.shape, dtype=torch.float64)
+    for b, f in enumerate(factors):
+        block(dense[b], f.shape_u)[...] = torch.from_numpy(f.vertex(gold[b])[0])
+    for kind, margin in LOSSES:
+        compact = torch_loss(kind, factors, eu, padded_targets(factors, gold), None, margin, "none")
+        np.testing.assert_array_equal(
+            torch_loss(kind, factors, eu, dense, None, margin, "none").detach().numpy(),
+            compact.detach().numpy())
+    with pytest.raises(ValueError, match="target"):
+        smt.sparsemap_loss(factors, eu, dense[:, :3])
 
 
 def test_loss_modules_and_dtype():
