@@ -11,8 +11,10 @@ Scores are standard normal times ``scale`` (1, and 5 for peaked scores as in a
 trained model), float32 as a model would produce them. Each configuration runs
 on 1 and 2 threads (``torch.set_num_threads`` and ``n_jobs``). A pass is a
 forward, a random linear downstream loss and its backward; the table gives
-problems per second (median over ``--repeats`` passes), the ratio
-SparseMAP / alternative, and the speedup from 1 to 2 threads.
+problems per second (median over ``--repeats`` passes, the configurations
+sampled in turn so that drifting machine conditions hit all alike), the ratio
+SparseMAP / alternative, and the speedup from 1 to 2 threads. The machine's own
+ceiling for that speedup is measured first, as in ``bench_batch.py``.
 
 A second table splits a serial SparseMAP tree pass by CPU time (insensitive to
 other processes): ``sm.solve_batch`` and its GIL-free solver loops,
@@ -30,7 +32,9 @@ import torch
 
 import sparsemap as sm
 import sparsemap.torch as smt
+from bench_batch import median_times, reference_speedup
 from sparsemap import _active_set
+from sparsemap._solve import DEFAULT_MAX_ITER, DEFAULT_TOL, _check_batch
 
 THREADS = (1, 2)
 SCALES = (1.0, 5.0)
@@ -65,15 +69,13 @@ def tree_batch(rng, batch, scale):
     return scores, torch.from_numpy(lengths)
 
 
-def time_pass(layer, scores, g, repeats):
-    times = []
-    for _ in range(repeats + 1):          # the first pass warms up (pools, caches)
+def pass_fn(layer, scores, g, threads):
+    """One forward+backward pass of ``layer`` with torch on ``threads`` threads."""
+    def run():
+        torch.set_num_threads(threads)
         x = scores.detach().clone().requires_grad_()
-        t0 = time.perf_counter()
-        out = layer(x)
-        (out * g).sum().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        (layer(x, threads) * g).sum().backward()
+    return run
 
 
 def cpu_ms(fn, repeats):
@@ -87,14 +89,28 @@ def cpu_ms(fn, repeats):
     return 1e3 * statistics.median(times)
 
 
+def loop_cpu_ms(factors, eus, repeats):
+    """CPU ms of the part of solve_batch that runs without the GIL: a prepared batch's
+    run (batch-layer internals, for this measurement only)."""
+    _, fs, _, checked, _ = _check_batch(factors, eus, None)
+    order = np.arange(len(fs), dtype=np.intp)
+    times = []
+    for _ in range(repeats + 1):
+        batch = _active_set.prepare_solve(fs, checked, None, order, None, DEFAULT_MAX_ITER,
+                                          DEFAULT_TOL, False, 1)
+        t0 = time.process_time()
+        batch.run(0)
+        batch.wait()
+        times.append(time.process_time() - t0)
+    return 1e3 * statistics.median(times[1:])
+
+
 def tree_breakdown(scores, lengths, g, repeats):
     """CPU ms of one serial tree pass and of its parts (n_jobs=1, torch on 1 thread)."""
     factors = [sm.TreeFactor(int(n)) for n in lengths]
     eus = [scores[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
     gs = [g[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
     rs = sm.solve_batch(factors, eus, n_jobs=1)
-    idx = np.arange(len(factors), dtype=np.intp)
-    checked = [f._check_array(e, "eta_u", False, True) for f, e in zip(factors, eus)]
 
     def whole():
         x = scores.clone().requires_grad_()
@@ -103,9 +119,7 @@ def tree_breakdown(scores, lengths, g, repeats):
     t = dict(
         whole=cpu_ms(whole, repeats),
         solve=cpu_ms(lambda: sm.solve_batch(factors, eus, n_jobs=1), repeats),
-        # the part solve_batch runs without the GIL: the active-set loops of the chunk
-        loops=cpu_ms(lambda: _active_set.solve_chunk(factors, checked, None, idx, None,
-                                                     10_000, 1e-12, False), repeats),
+        loops=loop_cpu_ms(factors, eus, repeats),
         vjp=cpu_ms(lambda: sm.vjp_batch(rs, gs, n_jobs=1), repeats))
     t["iters"] = np.mean([r.n_iter for r in rs])
     t["support"] = np.mean([len(r.weights) for r in rs])
@@ -120,7 +134,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     B = args.batch
     print(f"sparsemap.torch forward+backward, batches of {B}, float32 scores, "
-          f"median of {args.repeats} passes; problems/s\n")
+          f"median of {args.repeats} passes (configurations sampled in turn); problems/s\n")
+    print(f"machine ceiling (sha256 on 1 vs 2 threads, the same conditions): "
+          f"{reference_speedup(2, args.repeats):.2f}x\n")
     head = (f"{'layer':<10}{'scale':>6}{'thr':>5}{'SparseMAP':>12}{'alternative':>13}"
             f"{'ratio':>8}   alternative")
     print(head)
@@ -145,10 +161,12 @@ def main(argv=None):
                 sums = m.sum(dim=1)[:, 1:]
                 real = torch.arange(1, scores.shape[1])[None, :] <= lengths[:, None]
                 assert torch.allclose(sums[real], torch.ones(()), atol=1e-4), "CRF check"
-            for t in THREADS:
-                torch.set_num_threads(t)
-                a = B / time_pass(lambda x: ours(x, t), scores, g, args.repeats)
-                b = B / time_pass(lambda x: alt(x, t), scores, g, args.repeats)
+            fns = [pass_fn(layer, scores, g, t) for t in THREADS for layer in (ours, alt)]
+            for fn in fns:                 # warm up pools and caches
+                fn()
+            times = median_times(fns, args.repeats)
+            for i, t in enumerate(THREADS):
+                a, b = B / times[2 * i], B / times[2 * i + 1]
                 rows[kind, scale, t] = (a, b)
                 print(f"{kind:<10}{scale:>6g}{t:>5}{a:>12.0f}{b:>13.0f}{a / b:>8.2f}   {alt_name}",
                       flush=True)
