@@ -66,11 +66,17 @@ def _has_v(factor):
     return factor.shape_v != (0,)
 
 
+# Host-side conversions go through NumPy where it has the dtype: torch would run them as
+# intra-op parallel regions, which on a busy machine cost milliseconds each.
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
+
+
 def _to_host(x):
     """A float64 NumPy copy of a tensor (a copy, so later in-place edits cannot leak in)."""
-    t = x.detach().to(device="cpu", dtype=torch.float64)
-    a = t.numpy()
-    return a.copy() if t.data_ptr() == x.data_ptr() else a
+    t = x.detach()
+    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
+        return np.array(t.numpy(), dtype=np.float64)
+    return t.to(device="cpu", dtype=torch.float64).numpy()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -229,8 +235,12 @@ def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
 
 
 def _like(arr, like):
-    """A host array as a tensor with ``like = (dtype, device)``."""
-    return torch.from_numpy(arr).to(device=like[1], dtype=like[0])
+    """A float64 host array as a tensor with ``like = (dtype, device)``."""
+    dtype, device = like
+    if dtype in _NUMPY_DTYPES:
+        t = torch.from_numpy(arr.astype(_NUMPY_DTYPES[dtype], copy=False))
+        return t if device.type == "cpu" else t.to(device)
+    return torch.from_numpy(arr).to(device=device, dtype=dtype)
 
 
 def _spec(t):
@@ -845,12 +855,12 @@ class _LossFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         out = []
+        gh = _to_host(g)
         for G, spec in zip(ctx.grads, ctx.specs):
             if spec is None:
                 out.append(None)
                 continue
-            Gt = _like(G, spec)
-            out.append(Gt * g.to(spec[0]).reshape(tuple(g.shape) + (1,) * (Gt.dim() - g.dim())))
+            out.append(_like(G * gh.reshape(gh.shape + (1,) * (G.ndim - gh.ndim)), spec))
         return out[0], out[1], None, None, None
 
 
