@@ -121,9 +121,20 @@ def tree_breakdown(scores, lengths, g, repeats):
         solve=cpu_ms(lambda: sm.solve_batch(factors, eus, n_jobs=1), repeats),
         loops=loop_cpu_ms(factors, eus, repeats),
         vjp=cpu_ms(lambda: sm.vjp_batch(rs, gs, n_jobs=1), repeats))
+    t["crf"] = cpu_ms(pass_fn(lambda x, _: crf_tree_marginals(x, lengths), scores, g, 1), repeats)
     t["iters"] = np.mean([r.n_iter for r in rs])
     t["support"] = np.mean([len(r.weights) for r in rs])
     return t
+
+
+NOTES = """
+'(no GIL)': the active-set loops inside solve_batch, the part threads share out.
+'torch+rest': the pass minus solve_batch and vjp_batch (the torch layer, autograd,
+  the downstream loss).
+'parallel': the share of the pass that can run in parallel (no-GIL loops and
+  vjp_batch); '2-thr bound': Amdahl's limit on the 1 to 2 thread speedup it implies.
+'CRF pass': CPU ms of the CRF layer's pass on one thread; 'ratio': the SparseMAP / CRF
+  throughput these CPU times give, free of other processes' load."""
 
 
 def main(argv=None):
@@ -183,7 +194,8 @@ def main(argv=None):
     print("\nwhere a serial SparseMAP tree pass goes: CPU ms (process time, so other "
           "processes' load does not count)")
     print(f"{'scale':>6}{'pass':>8}{'solve_batch':>13}{'(no GIL)':>10}{'vjp_batch':>11}"
-          f"{'torch+rest':>12}{'parallel':>10}{'2-thr bound':>13}{'iters':>7}{'support':>9}")
+          f"{'torch+rest':>12}{'parallel':>10}{'2-thr bound':>13}{'iters':>7}{'support':>9}"
+          f"{'CRF pass':>10}{'ratio':>7}")
     torch.set_num_threads(1)
     for scale in SCALES:
         rng = np.random.default_rng(args.seed)
@@ -193,12 +205,9 @@ def main(argv=None):
         p = min(1.0, (t["loops"] + t["vjp"]) / t["whole"])
         print(f"{scale:>6g}{t['whole']:>8.2f}{t['solve']:>13.2f}{t['loops']:>10.2f}"
               f"{t['vjp']:>11.2f}{t['whole'] - t['solve'] - t['vjp']:>12.2f}{p:>10.2f}"
-              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['iters']:>7.1f}{t['support']:>9.1f}")
-    print("\n'(no GIL)': the active-set loops inside solve_batch, the part threads share out; "
-          "'torch+rest': the pass\nminus solve_batch and vjp_batch (the torch layer, autograd, "
-          "the downstream loss); 'parallel': the\nshare of the pass that can run in parallel "
-          "(no-GIL loops and vjp_batch), and '2-thr bound' Amdahl's\nlimit on the speedup from "
-          "1 to 2 threads it implies.")
+              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['iters']:>7.1f}{t['support']:>9.1f}"
+              f"{t['crf']:>10.2f}{t['crf'] / t['whole']:>7.2f}")
+    print(NOTES)
 
 
 if __name__ == "__main__":
