@@ -194,6 +194,24 @@ def test_data_labels_are_decided_through_the_gold_alignment():
         assert flips == int(d["label"][k])
 
 
+def test_order_blind_rules_by_hand():
+    """Premise A B A with attributes 0 1 1; the hypothesis restates positions 1..2 (B A)."""
+    def pair(hyp, hyp_attr, label):
+        return {"premise": [0, 1, 0], "premise_attr": [0, 1, 1], "hypothesis": hyp,
+                "hypothesis_attr": hyp_attr, "prem_len": 3, "hyp_len": len(hyp), "label": label}
+
+    pairs = [pair([1, 0], [1, 1], 0),         # entailment: both rules right
+             pair([1, 0], [1, 0], 1),         # A flipped to 0, the other copy's: both wrong
+             pair([1, 0], [0, 1], 1),         # B flipped: both right
+             pair([0, 1, 0], [0, 1, 0], 1)]   # all of A B A, second A flipped to 0:
+    #                                           any copy matches, one to one does not
+    data = {k: [p[k] for p in pairs] for k in pairs[0]}
+    data = {k: torch.tensor([v + [0] * (3 - len(v)) for v in vs]) if isinstance(vs[0], list)
+            else torch.tensor(vs) for k, vs in data.items()}
+    rules = alignment.order_blind_rules(data)
+    assert rules == {"any_copy": 50.0, "one_to_one": 75.0}
+
+
 def run_cli(out, *extra):
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "2", "--train-size",
            "300", "--test-size", "60", "--threads", "1", *extra]
@@ -221,6 +239,7 @@ def test_cli_contract(tmp_path):
             assert 1 <= s["mean_nnz_per_row"] <= 8 and s["mean_support"] >= 1
             assert s["percent_nonzero"] < 100
     assert any(w != 0 for w in res["alignments"]["sequential"]["transitions"]["w_jump"])
+    assert set(res["order_blind_rules"]) == {"any_copy", "one_to_one"}
     pair = res["figure_pair"]
     assert pair["softmax"]["nnz"] == pair["softmax"]["size"] == 56
     assert pair["sequential"]["nnz"] < 56 and pair["matching"]["nnz"] < 56
