@@ -255,10 +255,9 @@ def figure_scores():
 def figure_alignments(S, bins=FIGURE_BINS):
     """The softmax matrix and the sequential and matching SparseMAP results for ``S``."""
     n_h, n_p = S.shape
-    softmax = np.exp(S - S.max(1, keepdims=True))
-    softmax /= softmax.sum(1, keepdims=True)
-    eta_u, eta_v = fold(torch.tensor(S)[None], torch.tensor([n_h]), torch.tensor([n_p]),
-                        *(b.double() for b in bins))
+    lengths = torch.tensor([n_h]), torch.tensor([n_p])
+    softmax = align("softmax", torch.tensor(S)[None], *lengths)[0].numpy()
+    eta_u, eta_v = fold(torch.tensor(S)[None], *lengths, *(b.double() for b in bins))
     seq = sm.solve(sm.SequenceFactor(n_h, n_p), eta_u[0].numpy(), eta_v[0].numpy())
     match = sm.solve(sm.MatchingFactor(n_h, n_p), S)
     return {"softmax": softmax, "sequential": seq, "matching": match}
@@ -542,6 +541,8 @@ def parse_args(argv=None):
     if not 2 <= args.min_len <= args.max_len <= args.vocab:
         ap.error(f"--min-len, --max-len, --vocab: expected 2 <= min-len <= max-len <= vocab, "
                  f"got {args.min_len}, {args.max_len}, {args.vocab}")
+    if args.repeats < 0:
+        ap.error(f"--repeats: expected a non-negative integer, got {args.repeats}")
     if args.lr <= 0:
         ap.error(f"--lr: expected a positive number, got {args.lr}")
     return args
