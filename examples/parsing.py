@@ -1,0 +1,390 @@
+"""Dependency parsing with the SparseMAP losses: Table 1 of the paper at small scale.
+
+An arc-factored, non-projective dependency parser in the spirit of Kiperwasser and
+Goldberg (2016), as in Section 5.1 of the paper: a bi-LSTM over word and gold UPOS
+embeddings, an MLP arc scorer, and one of four training losses:
+
+* ``sparsemap``: the SparseMAP loss (Section 4);
+* ``margin_sparsemap``: the SparseMAP loss with a Hamming cost (margin 1);
+* ``svm``: the structured SVM with the Hamming cost (cost-augmented MAP);
+* ``crf``: the CRF loss, with the log-partition of the single-root matrix-tree
+  theorem (Koo et al., 2007) computed as a log-determinant.
+
+Decoding is the MAP tree (non-projective, one root per sentence, as in Universal
+Dependencies), by Chu-Liu-Edmonds. UAS counts punctuation, as in the CoNLL 2017
+evaluation. The model is selected on the dev set (best epoch by UAS) and scored
+on the test set.
+
+Usage::
+
+    python examples/parsing.py --train T.conllu --dev D.conllu --test X.conllu \\
+        --loss {sparsemap,margin_sparsemap,svm,crf} --epochs E --out DIR \\
+        [--seed S] [--threads K]
+
+It prints one line per epoch and writes ``DIR/results.json``::
+
+    {"loss": ..., "test_uas": ..., "best_epoch": ...,
+     "epochs": [{"epoch", "dev_uas", "train_loss", "seconds",
+                 "mean_trees", "mean_heads_per_word", ...}, ...], ...}
+
+``seconds`` is the wall time of the epoch's training pass (forward, loss,
+backward and update over the training set; dev evaluation excluded).
+``mean_trees`` and ``mean_heads_per_word`` are the sparsity measures of the
+paper's Figure 4, on the dev set: the mean number of trees in the SparseMAP
+support of a sentence and the mean number of heads with nonzero probability per
+word (pooled over the dev words), from SparseMAP solved on the model's arc
+scores. For the CRF the distribution is the Gibbs distribution, which gives
+every tree nonzero probability, so they are the dense values: the number of
+single-root trees over ``n`` words (``n ** (n - 1)``, computed with the
+matrix-tree theorem on unit weights) and ``n`` possible heads per word.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+
+import conllu
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import sparsemap as sm
+
+LOSSES = ("sparsemap", "margin_sparsemap", "svm", "crf")
+PAD, UNK, ROOT = 0, 1, 2          # reserved indices of both vocabularies
+# Evaluation batches hold at most this many arc scores (B * (N + 1) ** 2), which
+# bounds the (B, N + 1, N + 1, mlp_dim) hidden tensor of the arc scorer.
+EVAL_ARCS = 60000
+
+
+# -- data ---------------------------------------------------------------------------
+def read_conllu(path):
+    """Read a CoNLL-U file into ``(forms, upos, heads)`` triples, one per sentence.
+
+    Multiword-token lines and empty nodes are skipped (their ids are not
+    integers). ``heads`` is an int array of shape ``(n + 1,)`` in the
+    :class:`sparsemap.TreeFactor` compact form: ``heads[0] == -1`` and
+    ``heads[m]`` the head of word ``m``.
+    """
+    sentences = []
+    with open(path, encoding="utf-8") as f:
+        for tokenlist in conllu.parse_incr(f):
+            words = [t for t in tokenlist if isinstance(t["id"], int)]
+            if not words:
+                continue
+            if [t["id"] for t in words] != list(range(1, len(words) + 1)):
+                raise ValueError(f"{path}: sentence {tokenlist.metadata.get('sent_id')!r} "
+                                 "has word ids that are not 1..n")
+            heads = np.array([-1] + [t["head"] for t in words], dtype=np.int64)
+            sentences.append(([t["form"] for t in words], [t["upos"] for t in words], heads))
+    if not sentences:
+        raise ValueError(f"{path}: no sentences found")
+    return sentences
+
+
+class Vocab:
+    """Word and tag indices from the training set; unseen words map to UNK."""
+
+    def __init__(self, sentences):
+        self.word_counts = Counter(w.lower() for forms, _, _ in sentences for w in forms)
+        self.words = {w: i + 3 for i, w in enumerate(sorted(self.word_counts))}
+        tags = sorted({t for _, upos, _ in sentences for t in upos})
+        self.tags = {t: i + 3 for i, t in enumerate(tags)}
+
+    def encode(self, sentence):
+        """Word ids, tag ids (ROOT first), word counts, heads; arrays of length n + 1."""
+        forms, upos, heads = sentence
+        words = [w.lower() for w in forms]
+        w = np.array([ROOT] + [self.words.get(x, UNK) for x in words], dtype=np.int64)
+        t = np.array([ROOT] + [self.tags.get(x, UNK) for x in upos], dtype=np.int64)
+        c = np.array([np.inf] + [self.word_counts.get(x, 0) for x in words])
+        return w, t, c, heads
+
+
+def pad_batch(encoded, word_dropout=0.0, rng=None):
+    """Stack encoded sentences into padded tensors ``(words, tags, heads, lengths)``.
+
+    With ``word_dropout = alpha > 0``, a word seen ``c`` times in training is
+    replaced by UNK with probability ``alpha / (alpha + c)`` (Kiperwasser and
+    Goldberg), so the UNK embedding is trained.
+    """
+    lengths = np.array([len(e[0]) - 1 for e in encoded])
+    B, N1 = len(encoded), lengths.max() + 1
+    words = np.full((B, N1), PAD, dtype=np.int64)
+    tags = np.full((B, N1), PAD, dtype=np.int64)
+    heads = np.full((B, N1), -1, dtype=np.int64)
+    for b, (w, t, c, h) in enumerate(encoded):
+        if word_dropout > 0:
+            w = np.where(rng.random(len(w)) < word_dropout / (word_dropout + c), UNK, w)
+        words[b, :len(w)], tags[b, :len(t)], heads[b, :len(h)] = w, t, h
+    return (torch.from_numpy(words), torch.from_numpy(tags), torch.from_numpy(heads),
+            torch.from_numpy(lengths))
+
+
+def eval_batches(encoded):
+    """Index lists of length-sorted batches of at most EVAL_ARCS arc scores each."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    batches, current = [], []
+    for i in order:
+        n1 = len(encoded[i][0])
+        if current and (len(current) + 1) * n1 * n1 > EVAL_ARCS:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current]
+
+
+# -- model --------------------------------------------------------------------------
+class Parser(nn.Module):
+    """Bi-LSTM arc scorer: ``score[b, h, m] = w . tanh(W_h x_h + W_m x_m + b)``.
+
+    ``x`` are the bi-LSTM states over ``[ROOT] + words``, each word the
+    concatenation of its word and gold UPOS embeddings. Returns scores of shape
+    ``(B, N + 1, N + 1)``, the :class:`sparsemap.TreeFactor` layout (0 is the
+    root; column 0 and the diagonal are ignored downstream).
+    """
+
+    def __init__(self, n_words, n_tags, word_dim=100, tag_dim=25, lstm_dim=125,
+                 lstm_layers=2, mlp_dim=100, dropout=0.0):
+        super().__init__()
+        self.word_emb = nn.Embedding(n_words, word_dim, padding_idx=PAD)
+        self.tag_emb = nn.Embedding(n_tags, tag_dim, padding_idx=PAD)
+        self.lstm = nn.LSTM(word_dim + tag_dim, lstm_dim, lstm_layers, batch_first=True,
+                            bidirectional=True, dropout=dropout if lstm_layers > 1 else 0.0)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(2 * lstm_dim, mlp_dim, bias=False)
+        self.mod = nn.Linear(2 * lstm_dim, mlp_dim)
+        self.out = nn.Linear(mlp_dim, 1, bias=False)
+
+    def forward(self, words, tags, lengths):
+        N1 = words.shape[1]
+        x = self.drop(torch.cat([self.word_emb(words), self.tag_emb(tags)], -1))
+        packed = pack_padded_sequence(x, lengths + 1, batch_first=True, enforce_sorted=False)
+        h, _ = self.lstm(packed)
+        h, _ = pad_packed_sequence(h, batch_first=True, total_length=N1)
+        h = self.drop(h)
+        z = torch.tanh(self.head(h)[:, :, None, :] + self.mod(h)[:, None, :, :])
+        return self.out(z).squeeze(-1)
+
+
+# -- losses -------------------------------------------------------------------------
+def arc_mask(lengths, N1):
+    """Bool ``(B, N1, N1)``: the arcs ``h -> m`` of each sentence (``m >= 1``, ``h != m``)."""
+    idx = torch.arange(N1)
+    inside = idx[None, :] <= lengths[:, None]                       # (B, N1)
+    valid = inside[:, :, None] & inside[:, None, :]
+    valid &= (idx[None, :] >= 1)[:, None, :].expand_as(valid)      # no arcs into the root
+    valid &= ~torch.eye(N1, dtype=torch.bool)[None]
+    return valid
+
+
+def log_partition(scores, lengths):
+    """Log of the sum over single-root trees of ``exp(sum of arc scores)``, per sentence.
+
+    Single-root matrix-tree theorem (Koo et al., 2007): with ``A[h, m] =
+    exp(scores[h, m])`` for words ``h, m``, the Laplacian ``L = diag(sum_h A[h,
+    :]) - A`` restricted to words, and its first row replaced by the root
+    scores ``exp(scores[0, 1:])``, the partition function is ``det(L)``. Every
+    entry in column ``m`` involves only arcs into ``m``, so each column is
+    shifted by its maximum score and the shift added back. Padding gets an
+    identity block, which leaves the determinant unchanged.
+    """
+    B, N1, _ = scores.shape
+    valid = arc_mask(lengths, N1)
+    s = scores.masked_fill(~valid, -math.inf)
+    shift = s.max(dim=1, keepdim=True).values
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    A = torch.exp(s - shift)                                         # 0 off the arcs
+    W = A[:, 1:, 1:]
+    L = torch.diag_embed(W.sum(1)) - W
+    L = torch.cat([A[:, :1, 1:], L[:, 1:, :]], dim=1)
+    padding = torch.arange(1, N1)[None, :] > lengths[:, None]
+    L = L + torch.diag_embed(padding.to(L.dtype))
+    return torch.linalg.slogdet(L).logabsdet + shift[:, 0, 1:].sum(-1)
+
+
+def tree_score(scores, heads, lengths):
+    """Sum of the arc scores of the trees ``heads`` (padded with -1), per sentence."""
+    N1 = scores.shape[1]
+    m = torch.arange(1, N1)
+    inside = m[None, :] <= lengths[:, None]
+    h = heads[:, 1:].clamp(min=0)
+    picked = scores[:, :, 1:].gather(1, h[:, None, :]).squeeze(1)    # scores[b, h_m, m]
+    return (picked * inside).sum(-1)
+
+
+def crf_loss(scores, heads, lengths):
+    """Mean negative log-likelihood of the gold trees under the tree CRF."""
+    s = scores.double()
+    return (log_partition(s, lengths) - tree_score(s, heads, lengths)).mean()
+
+
+def _fy_loss(fn, scores, heads, lengths, **kwargs):
+    """Mean of a :mod:`sparsemap.losses` loss over a batch, differentiable in ``scores``.
+
+    The losses return their value and gradient (``A (y* - y_t)``), which enter
+    autograd as ``value + <g, scores> - <g, scores>.detach()``.
+    """
+    S = scores.detach().double().numpy()
+    G = np.zeros_like(S)
+    values = []
+    for b, n in enumerate(lengths.tolist()):
+        f = sm.TreeFactor(n, single_root=True)
+        value, g, _ = fn(f, S[b, :n + 1, :n + 1], None, heads[b, :n + 1].numpy(), **kwargs)
+        values.append(value)
+        G[b, :n + 1, :n + 1] = g
+    B = len(values)
+    linear = (scores * torch.from_numpy(G / B).to(scores.dtype)).sum()
+    return linear - linear.detach() + float(np.mean(values))
+
+
+def training_loss(loss, scores, heads, lengths):
+    """The training loss ``loss`` of a batch: the mean over its sentences."""
+    if loss == "crf":
+        return crf_loss(scores, heads, lengths)
+    if loss == "svm":
+        return _fy_loss(sm.structured_svm_loss, scores, heads, lengths)
+    margin = 1.0 if loss == "margin_sparsemap" else 0.0
+    return _fy_loss(sm.sparsemap_loss, scores, heads, lengths, margin=margin)
+
+
+# -- decoding and evaluation --------------------------------------------------------
+def n_trees(n):
+    """Number of single-root dependency trees over ``n`` words, by the matrix-tree
+    theorem on unit scores (a float: it is ``n ** (n - 1)``)."""
+    logz = log_partition(torch.zeros(1, n + 1, n + 1, dtype=torch.float64), torch.tensor([n]))
+    return float(torch.exp(logz)[0])
+
+
+def evaluate(model, encoded, loss, sparsity=True, threads=1):
+    """UAS (percent) of the MAP trees, and the Figure 4 sparsity measures.
+
+    Returns ``(uas, mean_trees, mean_heads_per_word)``; the last two are None
+    when ``sparsity`` is false.
+    """
+    model.eval()
+    correct = total = heads_total = 0
+    trees = []
+    with torch.no_grad():
+        for idx in eval_batches(encoded):
+            words, tags, heads, lengths = pad_batch([encoded[i] for i in idx])
+            S = model(words, tags, lengths).double().numpy()
+            for b, n in enumerate(lengths.tolist()):
+                f = sm.TreeFactor(n, single_root=True)
+                eta = S[b, :n + 1, :n + 1]
+                pred = f.map(eta)
+                correct += int((pred[1:] == heads[b, 1:n + 1].numpy()).sum())
+                total += n
+                if sparsity and loss == "crf":
+                    trees.append(n_trees(n))
+                    heads_total += n * n
+                elif sparsity:
+                    r = sm.solve(f, eta)
+                    support = np.array(r.structures)
+                    trees.append(len(support))
+                    heads_total += sum(len(np.unique(support[:, m])) for m in range(1, n + 1))
+    uas = 100.0 * correct / total
+    if not sparsity:
+        return uas, None, None
+    return uas, float(np.mean(trees)), heads_total / total
+
+
+# -- training -----------------------------------------------------------------------
+def train(args):
+    """Train, select on dev, score on test; return the results dictionary."""
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+
+    train_set, dev_set, test_set = (read_conllu(p) for p in (args.train, args.dev, args.test))
+    vocab = Vocab(train_set)
+    train_enc, dev_enc, test_enc = ([vocab.encode(s) for s in data]
+                                    for data in (train_set, dev_set, test_set))
+    model = Parser(len(vocab.words) + 3, len(vocab.tags) + 3, dropout=args.dropout)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.9))
+
+    epochs, best_uas, best_state, best_epoch = [], -1.0, None, 0
+    print(f"{args.loss}: {len(train_set)} / {len(dev_set)} / {len(test_set)} sentences, "
+          f"{len(vocab.words)} words, {len(vocab.tags)} tags", flush=True)
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        order = rng.permutation(len(train_enc))
+        total = 0.0
+        start = time.perf_counter()
+        for k in range(0, len(order), args.batch_size):
+            batch = [train_enc[i] for i in order[k:k + args.batch_size]]
+            words, tags, heads, lengths = pad_batch(batch, args.word_dropout, rng)
+            scores = model(words, tags, lengths)
+            loss = training_loss(args.loss, scores, heads, lengths)
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            total += loss.item() * len(batch)
+        seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        dev_uas, mean_trees, mean_heads = evaluate(model, dev_enc, args.loss, threads=args.threads)
+        record = {"epoch": epoch, "dev_uas": dev_uas, "train_loss": total / len(train_enc),
+                  "seconds": seconds, "mean_trees": mean_trees,
+                  "mean_heads_per_word": mean_heads,
+                  "eval_seconds": time.perf_counter() - start}
+        epochs.append(record)
+        if dev_uas > best_uas:
+            best_uas, best_epoch = dev_uas, epoch
+            best_state = copy.deepcopy(model.state_dict())
+        print(f"epoch {epoch:3d}  train loss {record['train_loss']:8.4f}  dev UAS {dev_uas:6.2f}  "
+              f"trees {mean_trees:9.3g}  heads/word {mean_heads:6.3f}  "
+              f"{seconds:6.1f} s (+{record['eval_seconds']:.1f} s dev)", flush=True)
+
+    model.load_state_dict(best_state)
+    test_uas, _, _ = evaluate(model, test_enc, args.loss, sparsity=False)
+    print(f"test UAS {test_uas:.2f} (dev-best epoch {best_epoch}, dev UAS {best_uas:.2f})",
+          flush=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    return {"loss": args.loss, "test_uas": test_uas, "best_epoch": best_epoch,
+            "dev_uas": best_uas, "epochs": epochs, "settings": settings}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train", required=True, help="training treebank (CoNLL-U)")
+    p.add_argument("--dev", required=True, help="dev treebank for model selection (CoNLL-U)")
+    p.add_argument("--test", required=True, help="test treebank (CoNLL-U)")
+    p.add_argument("--loss", required=True, choices=LOSSES)
+    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--out", required=True, help="output directory for results.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch and sparsemap threads")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per update")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the embeddings and bi-LSTM states")
+    p.add_argument("--word-dropout", type=float, default=0.25,
+                   help="alpha of the frequency-based word dropout")
+    p.add_argument("--clip", type=float, default=5.0, help="gradient-norm clipping")
+    args = p.parse_args(argv)
+    if args.epochs < 1:
+        p.error(f"--epochs: expected a positive integer, got {args.epochs}")
+    if args.threads < 1:
+        p.error(f"--threads: expected a positive integer, got {args.threads}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results = train(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,213 @@
+"""examples/parsing.py: the CRF pieces against brute force, the CoNLL-U reader, and the
+command-line contract run end to end on the treebank excerpt."""
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import logsumexp
+
+from _reference import all_trees, simplex_qp
+
+ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT_DIR / "examples" / "parsing.py"
+EXCERPT = ROOT_DIR / "examples" / "data" / "vi_vtb-excerpt"
+
+_spec = importlib.util.spec_from_file_location("parsing_example", SCRIPT)
+parsing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(parsing)
+
+
+def tree_logit(eta, heads):
+    return sum(eta[h, m] for m, h in enumerate(heads) if m > 0)
+
+
+def padded(etas):
+    """Stack square score arrays of different sizes, padding with junk."""
+    N1 = max(len(e) for e in etas)
+    out = np.full((len(etas), N1, N1), 7.0)
+    for b, e in enumerate(etas):
+        out[b, :len(e), :len(e)] = e
+    return torch.tensor(out), torch.tensor([len(e) - 1 for e in etas])
+
+
+def test_log_partition_matches_enumeration():
+    rng = np.random.default_rng(0)
+    etas = [3 * rng.standard_normal((n + 1, n + 1)) for n in (4, 1, 3, 2, 5)]
+    scores, lengths = padded(etas)
+    got = parsing.log_partition(scores, lengths).numpy()
+    for b, eta in enumerate(etas):
+        trees = all_trees(len(eta) - 1, single_root=True)
+        expected = logsumexp([tree_logit(eta, t) for t in trees])
+        assert got[b] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_log_partition_large_scores_stay_finite():
+    # exp(800) overflows; the per-column shift must keep the log-determinant finite.
+    eta = np.zeros((4, 4))
+    eta[0, 1] = eta[1, 2] = eta[2, 3] = 800.0
+    scores, lengths = padded([eta])
+    got = float(parsing.log_partition(scores, lengths)[0])
+    trees = all_trees(3, single_root=True)
+    assert got == pytest.approx(logsumexp([tree_logit(eta, t) for t in trees]), rel=1e-12)
+
+
+def test_crf_loss_gradient_is_marginals_minus_gold():
+    rng = np.random.default_rng(1)
+    etas = [rng.standard_normal((n + 1, n + 1)) for n in (3, 4)]
+    golds = [np.array([-1, 2, 0, 2]), np.array([-1, 0, 1, 4, 1])]
+    scores, lengths = padded(etas)
+    scores.requires_grad_(True)
+    heads = torch.full((2, 5), -1)
+    for b, g in enumerate(golds):
+        heads[b, :len(g)] = torch.from_numpy(g)
+    loss = parsing.crf_loss(scores, heads, lengths)
+    loss.backward()
+    expected_loss = 0.0
+    for b, (eta, gold) in enumerate(zip(etas, golds)):
+        n = len(eta) - 1
+        trees = all_trees(n, single_root=True)
+        logits = np.array([tree_logit(eta, t) for t in trees])
+        p = np.exp(logits - logsumexp(logits))
+        marg = np.zeros_like(eta)
+        for t, pt in zip(trees, p):
+            marg[t[1:], np.arange(1, n + 1)] += pt
+        gold_arcs = np.zeros_like(eta)
+        gold_arcs[gold[1:], np.arange(1, n + 1)] = 1.0
+        expected = np.zeros((5, 5))
+        expected[:n + 1, :n + 1] = (marg - gold_arcs) / 2    # mean over the batch of 2
+        np.testing.assert_allclose(scores.grad[b].numpy(), expected, atol=1e-12)
+        expected_loss += (logsumexp(logits) - tree_logit(eta, gold)) / 2
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_n_trees_counts_single_root_trees(n):
+    assert parsing.n_trees(n) == pytest.approx(len(all_trees(n, single_root=True)), rel=1e-12)
+    assert parsing.n_trees(n) == pytest.approx(n ** (n - 1), rel=1e-12)
+
+
+def brute_force_loss(loss, eta, gold):
+    """The loss of one sentence over every single-root tree: SciPy's certified QP for the
+    SparseMAP losses, the max over trees for the SVM; and its gradient in eta."""
+    n = len(eta) - 1
+    trees = all_trees(n, single_root=True)
+    cols = np.zeros((len(trees), n + 1, n + 1))
+    for k, t in enumerate(trees):
+        cols[k, t[1:], np.arange(1, n + 1)] = 1.0
+    M = cols.reshape(len(trees), -1).T
+    gold_col = np.zeros((n + 1, n + 1))
+    gold_col[gold[1:], np.arange(1, n + 1)] = 1.0
+    cost = M.T @ (1.0 - gold_col.ravel())               # Hamming: wrong heads
+    theta = M.T @ eta.ravel()
+    if loss == "svm":
+        k = int(np.argmax(theta + cost))
+        return theta[k] + cost[k] - tree_logit(eta, gold), cols[k] - gold_col
+    if loss == "margin_sparsemap":
+        theta = theta + cost
+    u, _, value, _ = simplex_qp(M, theta)
+    target = tree_logit(eta, gold) - 0.5 * n
+    return value - target, u.reshape(n + 1, n + 1) - gold_col
+
+
+@pytest.mark.parametrize("loss", ["sparsemap", "margin_sparsemap", "svm"])
+def test_structured_losses_match_brute_force(loss):
+    rng = np.random.default_rng(2)
+    etas = [rng.standard_normal((n + 1, n + 1)) for n in (3, 2, 4)]
+    golds = [np.array([-1, 2, 0, 2]), np.array([-1, 0, 1]), np.array([-1, 3, 1, 0, 3])]
+    scores, lengths = padded(etas)
+    scores.requires_grad_(True)
+    heads = torch.full((3, 5), -1)
+    for b, g in enumerate(golds):
+        heads[b, :len(g)] = torch.from_numpy(g)
+    value = parsing.training_loss(loss, scores, heads, lengths)
+    value.backward()
+    expected = 0.0
+    for b, (eta, gold) in enumerate(zip(etas, golds)):
+        n = len(eta) - 1
+        v, g = brute_force_loss(loss, eta, gold)
+        expected += v / 3
+        grad = scores.grad[b].numpy()
+        np.testing.assert_allclose(grad[:n + 1, 1:n + 1], g[:, 1:] / 3, atol=1e-8)
+        assert not np.any(grad[n + 1:]) and not np.any(grad[:, n + 1:])
+    assert value.item() == pytest.approx(expected, rel=1e-8, abs=1e-10)
+
+
+def test_read_conllu_skips_multiword_tokens_and_empty_nodes(tmp_path):
+    text = ("# sent_id = 1\n"
+            "1-2\tdel\t_\t_\t_\t_\t_\t_\t_\t_\n"
+            "1\tde\tde\tADP\t_\t_\t2\tcase\t_\t_\n"
+            "2\tel\tel\tDET\t_\t_\t0\troot\t_\t_\n"
+            "2.1\tx\tx\tVERB\t_\t_\t_\t_\t1:dep\t_\n"
+            "3\t.\t.\tPUNCT\t_\t_\t2\tpunct\t_\t_\n\n")
+    path = tmp_path / "t.conllu"
+    path.write_text(text, encoding="utf-8")
+    [(forms, upos, heads)] = parsing.read_conllu(path)
+    assert forms == ["de", "el", "."]
+    assert upos == ["ADP", "DET", "PUNCT"]
+    assert heads.tolist() == [-1, 2, 0, 2]
+
+
+def test_excerpt_is_small_and_single_rooted():
+    total = 0
+    for split in ("train", "dev", "test"):
+        sents = parsing.read_conllu(f"{EXCERPT}-{split}.conllu")
+        total += len(sents)
+        assert all(int((h[1:] == 0).sum()) == 1 for _, _, h in sents)
+    assert total <= 200
+
+
+def run_cli(tmp_path, loss, epochs, seed=0):
+    out = tmp_path / loss
+    cmd = [sys.executable, str(SCRIPT), "--train", f"{EXCERPT}-train.conllu",
+           "--dev", f"{EXCERPT}-dev.conllu", "--test", f"{EXCERPT}-test.conllu",
+           "--loss", loss, "--epochs", str(epochs), "--out", str(out), "--seed", str(seed),
+           "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads((out / "results.json").read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("loss", parsing.LOSSES)
+def test_cli_contract(tmp_path, loss):
+    res, stdout = run_cli(tmp_path, loss, epochs=2)
+    assert stdout.count("epoch") >= 2                       # progress per epoch
+    assert res["loss"] == loss
+    assert 0 <= res["test_uas"] <= 100
+    assert res["best_epoch"] in (1, 2)
+    assert [e["epoch"] for e in res["epochs"]] == [1, 2]
+    for e in res["epochs"]:
+        assert set(e) >= {"epoch", "dev_uas", "train_loss", "seconds", "mean_trees",
+                          "mean_heads_per_word"}
+        assert 0 <= e["dev_uas"] <= 100 and e["seconds"] > 0
+        assert e["mean_trees"] >= 1 and e["mean_heads_per_word"] >= 1
+    assert res["epochs"][1]["train_loss"] < res["epochs"][0]["train_loss"]
+    if loss == "crf":
+        # dense: every single-root tree and every possible head, on the dev excerpt
+        dev = parsing.read_conllu(f"{EXCERPT}-dev.conllu")
+        lengths = [len(f) for f, _, _ in dev]
+        e = res["epochs"][0]
+        assert e["mean_trees"] == pytest.approx(np.mean([n ** (n - 1) for n in lengths]),
+                                                rel=1e-9)
+        assert e["mean_heads_per_word"] == pytest.approx(
+            sum(n * n for n in lengths) / sum(lengths))
+
+
+def test_cli_is_deterministic_given_the_seed(tmp_path):
+    a, _ = run_cli(tmp_path / "a", "sparsemap", epochs=1, seed=3)
+    b, _ = run_cli(tmp_path / "b", "sparsemap", epochs=1, seed=3)
+    for r in (a, b):
+        for e in r["epochs"]:
+            del e["seconds"], e["eval_seconds"]
+    assert a == b
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--train", "x", "--dev", "x", "--test", "x",
+           "--loss", "hinge", "--epochs", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--loss" in proc.stderr
