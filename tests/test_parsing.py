@@ -3,6 +3,7 @@ command-line contract run end to end on the treebank excerpt."""
 import importlib.util
 import json
 import pathlib
+import os
 import subprocess
 import sys
 
@@ -11,11 +12,18 @@ import pytest
 import torch
 from scipy.special import logsumexp
 
+import sparsemap
+
 from _reference import all_trees, simplex_qp
 
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT_DIR / "examples" / "parsing.py"
 EXCERPT = ROOT_DIR / "examples" / "data" / "vi_vtb-excerpt"
+
+# The script's subprocesses import the same sparsemap as this test session.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [str(pathlib.Path(sparsemap.__file__).parent.parent)]
+    + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 _spec = importlib.util.spec_from_file_location("parsing_example", SCRIPT)
 parsing = importlib.util.module_from_spec(_spec)
@@ -167,7 +175,7 @@ def run_cli(tmp_path, loss, epochs, seed=0):
            "--dev", f"{EXCERPT}-dev.conllu", "--test", f"{EXCERPT}-test.conllu",
            "--loss", loss, "--epochs", str(epochs), "--out", str(out), "--seed", str(seed),
            "--threads", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr
     return json.loads((out / "results.json").read_text()), proc.stdout
 
@@ -209,5 +217,5 @@ def test_cli_is_deterministic_given_the_seed(tmp_path):
 def test_cli_rejects_bad_arguments(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--train", "x", "--dev", "x", "--test", "x",
            "--loss", "hinge", "--epochs", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode != 0 and "--loss" in proc.stderr
