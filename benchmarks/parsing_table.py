@@ -1,0 +1,208 @@
+"""Table 1 (Vietnamese column) and Figure 4 of the paper, rerun with examples/parsing.py.
+
+Trains the parser of ``examples/parsing.py`` with each of the four losses and the
+same seeds and settings, then writes
+
+* ``DOCS/parsing_results.inc``: the test UAS table (mean and spread over the
+  seeds, each seed, the paper's figure), the training-epoch times and the dev
+  sparsity at the first and the selected epoch, included by ``docs/parsing.rst``;
+* ``DOCS/figures/parsing_sparsity.png``: the SparseMAP support on the dev set over
+  training (mean trees per sentence, mean heads per word), as in Figure 4;
+* ``OUT/summary.json``: the same numbers.
+
+Each run writes ``OUT/LOSS-seedS/results.json`` and is skipped when that file
+exists (delete it, or pass ``--force``, to rerun), so an interrupted table
+resumes where it stopped. Runs go one after the other unless ``--jobs`` > 1;
+epoch times are only comparable between runs made under the same load.
+
+Usage::
+
+    python benchmarks/parsing_table.py --data /path/to/UD_Vietnamese-VTB \\
+        [--epochs 15] [--seeds 0 1 2] [--out out/parsing] [--docs docs] \\
+        [--threads 1] [--jobs 1] [--force] [-- extra options for parsing.py]
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "parsing.py")
+LOSSES = ("svm", "crf", "sparsemap", "margin_sparsemap")
+NAMES = {"svm": "Structured SVM", "crf": "CRF", "sparsemap": "SparseMAP",
+         "margin_sparsemap": "m-SparseMAP"}
+# Table 1 of the paper, column "vi" (UD 2.0 Vietnamese), and its UDPipe baseline.
+PAPER = {"svm": 69.42, "crf": 69.10, "sparsemap": 69.71, "margin_sparsemap": 70.87}
+PAPER_UDPIPE = 69.63
+
+
+def treebank_files(data):
+    """The train, dev and test CoNLL-U files of a UD treebank folder."""
+    found = []
+    for split in ("train", "dev", "test"):
+        matches = sorted(glob.glob(os.path.join(data, f"*-{split}.conllu")))
+        if len(matches) != 1:
+            raise ValueError(f"--data: expected one *-{split}.conllu in {data!r}, "
+                             f"found {len(matches)}")
+        found.append(matches[0])
+    return found
+
+
+def run_one(files, loss, seed, args, extra):
+    out = os.path.join(args.out, f"{loss}-seed{seed}")
+    path = os.path.join(out, "results.json")
+    if os.path.exists(path) and not args.force:
+        print(f"{loss} seed {seed}: reusing {path}", flush=True)
+    else:
+        train, dev, test = files
+        cmd = [sys.executable, SCRIPT, "--train", train, "--dev", dev, "--test", test,
+               "--loss", loss, "--epochs", str(args.epochs), "--out", out,
+               "--seed", str(seed), "--threads", str(args.threads)] + extra
+        os.makedirs(out, exist_ok=True)
+        start = time.perf_counter()
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+        print(f"{loss} seed {seed}: done in {time.perf_counter() - start:.0f} s", flush=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def spread(values):
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(results, seeds):
+    """Per loss: test UAS per seed, mean, standard deviation, median epoch time, sparsity."""
+    summary = {}
+    for loss in LOSSES:
+        runs = [results[loss, s] for s in seeds]
+        uas = [r["test_uas"] for r in runs]
+        seconds = [e["seconds"] for r in runs for e in r["epochs"]]
+        first = [r["epochs"][0] for r in runs]
+        best = [r["epochs"][r["best_epoch"] - 1] for r in runs]
+        summary[loss] = {
+            "test_uas": uas, "mean": statistics.mean(uas), "std": spread(uas),
+            "paper": PAPER[loss], "best_epochs": [r["best_epoch"] for r in runs],
+            "dev_uas": [r["dev_uas"] for r in runs],
+            "median_epoch_seconds": statistics.median(seconds),
+            "trees_first": statistics.mean(e["mean_trees"] for e in first),
+            "trees_best": statistics.mean(e["mean_trees"] for e in best),
+            "heads_first": statistics.mean(e["mean_heads_per_word"] for e in first),
+            "heads_best": statistics.mean(e["mean_heads_per_word"] for e in best),
+        }
+    return summary
+
+
+def rst_table(header, rows):
+    cols = list(zip(header, *rows))
+    widths = [max(len(c) for c in col) for col in cols]
+    rule = "  ".join("=" * w for w in widths)
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([rule, line(header), rule] + [line(r) for r in rows] + [rule])
+
+
+def results_rst(summary, seeds, args, settings, load):
+    crf_time = summary["crf"]["median_epoch_seconds"]
+    uas_rows, time_rows = [], []
+    for loss in LOSSES:
+        s = summary[loss]
+        uas_rows.append([NAMES[loss], f"{s['mean']:.2f} ± {s['std']:.2f}",
+                         ", ".join(f"{u:.2f}" for u in s["test_uas"]), f"{s['paper']:.2f}",
+                         f"{s['mean'] - s['paper']:+.2f}",
+                         ", ".join(str(b) for b in s["best_epochs"])])
+        fmt = (lambda x: f"{x:.2g}") if loss == "crf" else (lambda x: f"{x:.2f}")
+        time_rows.append([NAMES[loss], f"{s['median_epoch_seconds']:.1f}",
+                          f"{s['median_epoch_seconds'] / crf_time:.2f}",
+                          f"{fmt(s['trees_first'])} → {fmt(s['trees_best'])}",
+                          f"{s['heads_first']:.2f} → {s['heads_best']:.2f}"])
+    uas_rows.append(["UDPipe baseline (paper)", "", "", f"{PAPER_UDPIPE:.2f}", "", ""])
+    opts = " ".join(settings)
+    return "\n".join([
+        f".. Generated by benchmarks/parsing_table.py on {time.strftime('%Y-%m-%d')}; "
+        "do not edit by hand.",
+        "",
+        f"Test UAS (percent, punctuation included) with the dev-best epoch, over seeds "
+        f"{', '.join(map(str, seeds))}; {args.epochs} epochs; ``parsing.py`` options: "
+        f"``--threads {args.threads}{(' ' + opts) if opts else ''}`` (defaults otherwise). "
+        "Mean ± sample standard deviation over the seeds; \"paper\" is Table 1's "
+        "Vietnamese column (UD 2.0).",
+        "",
+        rst_table(["loss", "test UAS", "per seed", "paper", "difference", "best epochs"],
+                  uas_rows),
+        "",
+        "Median wall time of a training epoch (forward, loss, backward and update over "
+        "the training sentences; dev evaluation excluded), over every epoch of every "
+        f"seed, with its ratio to the CRF's; load average when the table was written: "
+        f"{load}. Dev sparsity: mean trees per sentence and heads per word at the first "
+        "epoch → at the selected epoch, averaged over the seeds (the CRF's are the dense "
+        "counts, every tree and every head).",
+        "",
+        rst_table(["loss", "seconds / epoch", "ratio to CRF", "trees / sentence (dev)",
+                   "heads / word (dev)"], time_rows),
+        "",
+    ])
+
+
+def sparsity_figure(results, seeds, path):
+    """Figure 4 for the three losses whose SparseMAP support on dev is sparse (the
+    CRF's dense counts would flatten them)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import sparsemap.plot as smp
+
+    losses = ("sparsemap", "margin_sparsemap", "svm")
+    runs = {NAMES[loss]: [results[loss, s] for s in seeds] for loss in losses}
+    fig = smp.sparsity_over_training(runs, yscale={"mean_trees": "log",
+                                                   "mean_heads_per_word": "linear"})
+    fig.axes[0].set_ylabel("trees in the support\n(dev mean per sentence)")
+    fig.axes[1].set_ylabel("heads with nonzero\nprobability per word (dev)")
+    fig.axes[0].set_title(f"SparseMAP support on dev (mean and range over "
+                          f"{len(seeds)} seeds)", fontsize="medium")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, extra = argv[:k], argv[k + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, help="UD treebank folder with train/dev/test")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "parsing"))
+    p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    p.add_argument("--threads", type=int, default=1, help="threads of each run")
+    p.add_argument("--jobs", type=int, default=1, help="runs at the same time")
+    p.add_argument("--force", action="store_true", help="rerun runs that have results")
+    args = p.parse_args(argv)
+    files = treebank_files(args.data)
+
+    jobs = [(loss, seed) for seed in args.seeds for loss in LOSSES]
+    with ThreadPoolExecutor(max_workers=args.jobs) as ex:
+        done = ex.map(lambda job: run_one(files, job[0], job[1], args, extra), jobs)
+        results = dict(zip(jobs, done))
+    summary = summarize(results, args.seeds)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"epochs": args.epochs, "seeds": args.seeds, "options": extra,
+                   "losses": summary}, f, indent=1)
+    text = results_rst(summary, args.seeds, args, extra, load)
+    with open(os.path.join(args.docs, "parsing_results.inc"), "w") as f:
+        f.write(text)
+    sparsity_figure(results, args.seeds, os.path.join(args.docs, "figures",
+                                                      "parsing_sparsity.png"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
