@@ -30,13 +30,15 @@ It prints one line per epoch and writes ``DIR/results.json``::
 ``seconds`` is the wall time of the epoch's training pass (forward, loss,
 backward and update over the training set; dev evaluation excluded).
 ``mean_trees`` and ``mean_heads_per_word`` are the sparsity measures of the
-paper's Figure 4, on the dev set: the mean number of trees in the SparseMAP
-support of a sentence and the mean number of heads with nonzero probability per
-word (pooled over the dev words), from SparseMAP solved on the model's arc
-scores. For the CRF the distribution is the Gibbs distribution, which gives
+paper's Figure 4 on the dev set, for the distribution over trees that each loss
+trains the model to predict: the mean number of trees with nonzero probability
+per sentence and the mean number of heads with nonzero probability per word
+(pooled over the dev words). For the SparseMAP losses, the support of SparseMAP
+solved on the model's arc scores. For the CRF, the Gibbs distribution gives
 every tree nonzero probability, so they are the dense values: the number of
 single-root trees over ``n`` words (``n ** (n - 1)``, computed with the
-matrix-tree theorem on unit weights) and ``n`` possible heads per word.
+matrix-tree theorem on unit weights) and ``n`` possible heads per word. For
+the SVM, the prediction is the MAP tree alone: 1 and 1.
 """
 import argparse
 import copy
@@ -283,6 +285,9 @@ def evaluate(model, encoded, loss, sparsity=True, threads=1):
                 if sparsity and loss == "crf":
                     trees.append(n_trees(n))
                     heads_total += n * n
+                elif sparsity and loss == "svm":
+                    trees.append(1)
+                    heads_total += n
                 elif sparsity:
                     r = sm.solve(f, eta)
                     support = np.array(r.structures)
