@@ -81,9 +81,11 @@ def read_conllu(path):
             words = [t for t in tokenlist if isinstance(t["id"], int)]
             if not words:
                 continue
+            where = f"{path}: sentence {tokenlist.metadata.get('sent_id')!r}"
             if [t["id"] for t in words] != list(range(1, len(words) + 1)):
-                raise ValueError(f"{path}: sentence {tokenlist.metadata.get('sent_id')!r} "
-                                 "has word ids that are not 1..n")
+                raise ValueError(f"{where} has word ids that are not 1..n")
+            if any(not isinstance(t["head"], int) for t in words):
+                raise ValueError(f"{where} has a word without a head")
             heads = np.array([-1] + [t["head"] for t in words], dtype=np.int64)
             sentences.append(([t["form"] for t in words], [t["upos"] for t in words], heads))
     if not sentences:

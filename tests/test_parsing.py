@@ -160,6 +160,13 @@ def test_read_conllu_skips_multiword_tokens_and_empty_nodes(tmp_path):
     assert heads.tolist() == [-1, 2, 0, 2]
 
 
+def test_read_conllu_rejects_a_word_without_a_head(tmp_path):
+    path = tmp_path / "t.conllu"
+    path.write_text("# sent_id = 7\n1\ta\ta\tX\t_\t_\t_\t_\t_\t_\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="sentence '7' has a word without a head"):
+        parsing.read_conllu(path)
+
+
 def test_excerpt_is_small_and_single_rooted():
     total = 0
     for split in ("train", "dev", "test"):
