@@ -248,7 +248,7 @@ def _fy_loss(fn, scores, heads, lengths, **kwargs):
     values = []
     for b, n in enumerate(lengths.tolist()):
         f = sm.TreeFactor(n, single_root=True)
-        value, g, _ = fn(f, S[b, :n + 1, :n + 1], None, heads[b, :n + 1].numpy(), **kwargs)
+        value, g, _ = fn(f, S[b, :n + 1, :n + 1], heads[b, :n + 1].numpy(), **kwargs)
         values.append(value)
         G[b, :n + 1, :n + 1] = g
     B = len(values)
