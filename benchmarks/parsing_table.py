@@ -13,7 +13,8 @@ same seeds and settings, then writes
 Each run writes ``OUT/LOSS-seedS/results.json`` and is skipped when that file
 exists (delete it, or pass ``--force``, to rerun), so an interrupted table
 resumes where it stopped. Runs go one after the other unless ``--jobs`` > 1;
-epoch times are only comparable between runs made under the same load.
+wall times are comparable only between runs made under the same load (each epoch also
+records its CPU time, which other jobs disturb less).
 
 Usage::
 
@@ -108,7 +109,7 @@ def rst_table(header, rows):
     return "\n".join([rule, line(header), rule] + [line(r) for r in rows] + [rule])
 
 
-def results_rst(summary, seeds, args, settings, load):
+def results_rst(summary, seeds, args, settings):
     crf_time = summary["crf"]["median_epoch_seconds"]
     crf_cpu = summary["crf"]["median_epoch_cpu_seconds"]
     uas_rows, time_rows = [], []
@@ -142,11 +143,11 @@ def results_rst(summary, seeds, args, settings, load):
         "",
         "Median wall time and CPU time of a training epoch (forward, loss, backward and "
         "update over the training sentences; dev evaluation excluded), over every epoch "
-        "of every seed, with their ratios to the CRF's. The CPU time counts this run's "
-        "own work, so it is the steadier figure when other jobs share the machine; load "
-        f"average when the table was written: {load}. Dev sparsity: mean trees per sentence and heads per word at the first "
-        "epoch → at the selected epoch, averaged over the seeds (the CRF's are the dense "
-        "counts, every tree and every head; the SVM predicts one tree).",
+        "of every seed, with their ratios to the CRF's. The wall times depend on what "
+        "else ran on the machine during the runs; the CPU time counts a run's own work, "
+        "the steadier figure. Dev sparsity: mean trees per sentence and heads per word "
+        "at the first epoch → at the selected epoch, averaged over the seeds (the CRF's "
+        "are the dense counts, every tree and every head; the SVM predicts one tree).",
         "",
         rst_table(["loss", "wall s / epoch", "ratio", "CPU s / epoch", "ratio",
                    "trees / sentence (dev)",
@@ -199,11 +200,10 @@ def main(argv=None):
         done = ex.map(lambda job: run_one(files, job[0], job[1], args, extra), jobs)
         results = dict(zip(jobs, done))
     summary = summarize(results, args.seeds)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"epochs": args.epochs, "seeds": args.seeds, "options": extra,
                    "losses": summary}, f, indent=1)
-    text = results_rst(summary, args.seeds, args, extra, load)
+    text = results_rst(summary, args.seeds, args, extra)
     with open(os.path.join(args.docs, "parsing_results.inc"), "w") as f:
         f.write(text)
     sparsity_figure(results, args.seeds, os.path.join(args.docs, "figures",

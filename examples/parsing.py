@@ -295,7 +295,9 @@ def evaluate(model, encoded, loss, sparsity=True, threads=1):
     if not sparsity:
         return uas, None, None
     if loss == "crf":
-        return uas, float(np.mean([n_trees(n) for n in n_words])), float(n_words @ n_words / n_words.sum())
+        # every tree, and every one of the n possible heads of each word
+        trees = float(np.mean([n_trees(n) for n in n_words]))
+        return uas, trees, float(n_words @ n_words / n_words.sum())
     if loss == "svm":
         return uas, 1.0, 1.0
     trees = heads = 0
