@@ -58,6 +58,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import sparsemap as sm
+import sparsemap.torch as smt
 
 LOSSES = ("sparsemap", "margin_sparsemap", "svm", "crf")
 PAD, UNK, ROOT = 0, 1, 2          # reserved indices of both vocabularies
@@ -237,33 +238,21 @@ def crf_loss(scores, heads, lengths):
     return (log_partition(s, lengths) - tree_score(s, heads, lengths)).mean()
 
 
-def _fy_loss(fn, scores, heads, lengths, **kwargs):
-    """Mean of a :mod:`sparsemap.losses` loss over a batch, differentiable in ``scores``.
+def training_loss(loss, scores, heads, lengths, threads=1):
+    """The training loss ``loss`` of a batch: the mean over its sentences.
 
-    The losses return their value and gradient (``A (y* - y_t)``), which enter
-    autograd as ``value + <g, scores> - <g, scores>.detach()``.
+    The SparseMAP, margin SparseMAP and SVM losses come from
+    :mod:`sparsemap.torch`, one single-root tree factor per sentence over the
+    leading block of the padded scores; their problems run on ``threads``
+    threads.
     """
-    S = scores.detach().double().numpy()
-    G = np.zeros_like(S)
-    values = []
-    for b, n in enumerate(lengths.tolist()):
-        f = sm.TreeFactor(n, single_root=True)
-        value, g, _ = fn(f, S[b, :n + 1, :n + 1], heads[b, :n + 1].numpy(), **kwargs)
-        values.append(value)
-        G[b, :n + 1, :n + 1] = g
-    B = len(values)
-    linear = (scores * torch.from_numpy(G / B).to(scores.dtype)).sum()
-    return linear - linear.detach() + float(np.mean(values))
-
-
-def training_loss(loss, scores, heads, lengths):
-    """The training loss ``loss`` of a batch: the mean over its sentences."""
     if loss == "crf":
         return crf_loss(scores, heads, lengths)
+    factors = [sm.TreeFactor(n, single_root=True) for n in lengths.tolist()]
     if loss == "svm":
-        return _fy_loss(sm.structured_svm_loss, scores, heads, lengths)
+        return smt.structured_svm_loss(factors, scores, heads, n_jobs=threads)
     margin = 1.0 if loss == "margin_sparsemap" else 0.0
-    return _fy_loss(sm.sparsemap_loss, scores, heads, lengths, margin=margin)
+    return smt.sparsemap_loss(factors, scores, heads, margin=margin, n_jobs=threads)
 
 
 # -- decoding and evaluation --------------------------------------------------------
@@ -335,7 +324,7 @@ def train(args):
             batch = [train_enc[i] for i in order[k:k + args.batch_size]]
             words, tags, heads, lengths = pad_batch(batch, args.word_dropout, rng)
             scores = model(words, tags, lengths)
-            loss = training_loss(args.loss, scores, heads, lengths)
+            loss = training_loss(args.loss, scores, heads, lengths, args.threads)
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), args.clip)
