@@ -28,8 +28,8 @@ from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFact
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
-from sparsemap._solve import (ConvergenceWarning, SparseMAPResult, jvp_batch, solve, solve_batch,
-                              vjp_batch)
+from sparsemap._exceptions import ConvergenceWarning
+from sparsemap._solve import SparseMAPResult, jvp_batch, solve, solve_batch, vjp_batch
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
 __version__ = "0.1.0.dev0"

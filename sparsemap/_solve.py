@@ -23,6 +23,7 @@ from sparsemap import _active_set
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_MAX_ITER,
                                    STATUS_STALLED, STATUS_STOPPED, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
+from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base import SCAN_BAD, Factor, _NoAllowedStructure, _real_array, scan_values
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
@@ -40,10 +41,6 @@ _MESSAGES = {
 # Tasks per job when a batch goes to an executor: enough to balance problems
 # of unequal cost, few enough that pickling stays cheap.
 CHUNKS_PER_JOB = 4
-
-
-class ConvergenceWarning(UserWarning):
-    """A solver stopped before its duality gap reached the tolerance."""
 
 
 class SparseMAPResult:
