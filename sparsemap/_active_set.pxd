@@ -48,6 +48,8 @@ cdef class _Workspace:
     cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil
     cdef int _start(self, const int[:, ::1] S, const double* weights) except -1
     cdef void _drop_below(self, double threshold) noexcept nogil
+    cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil
+    cdef void _jacobian(self, double* x) noexcept nogil
     cdef object _export(self)
 
 

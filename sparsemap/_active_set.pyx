@@ -492,6 +492,50 @@ cdef class _Workspace:
                 self._remove(t)
             t -= 1
 
+    cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil:
+        """New scores for the kept support: a warm start (the factor graph's ADMM steps).
+
+        The support, its weights, the Cholesky factor and ``w2 = L^{-1} 1``
+        depend on the columns only and are kept; the weights stay feasible.
+        Points at the new scores (the caller keeps them alive; ``eta_v`` may be
+        NULL when ``n_v == 0``) and recomputes ``|eta|``, the offset ``theta0``,
+        ``theta``, ``theta_abs`` and ``w1 = L^{-1} theta``. Then ``_run``.
+        """
+        cdef Py_ssize_t t, j
+        cdef double th
+        self.eta_u = eta_u
+        self.eta_v = eta_v
+        for j in range(self.n_u):
+            self.abs_eu[j] = fabs(eta_u[j])
+        for j in range(self.n_v):
+            self.abs_ev[j] = fabs(eta_v[j])
+        if self.nI == 0:
+            return 0
+        self.f.c_score(self.S, eta_u, eta_v, &self.theta0)
+        for t in range(self.nI):
+            self.f.c_score(self.S + t * self.k, eta_u, eta_v, &th)
+            self.theta[t] = th - self.theta0
+            self.f.c_score(self.S + t * self.k, self.abs_eu, self.abs_ev, &self.theta_abs[t])
+            self.w1[t] = self.theta[t]
+        self._solve_lower(self.w1)
+        return 0
+
+    cdef void _jacobian(self, double* x) noexcept nogil:
+        """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = G_c^{-1} on the kept support (Prop. 1).
+
+        With x' = L^{-1} x and the kept w2 = L^{-1} 1 this is
+        L^{-T} (x' - w2 (w2.x') / (w2.w2)): two triangular solves.
+        """
+        cdef Py_ssize_t t, n = self.nI
+        cdef double a
+        if n == 0:
+            return
+        self._solve_lower(x)
+        a = _dot(self.w2, x, n) / _dot(self.w2, self.w2, n)
+        for t in range(n):
+            x[t] -= a * self.w2[t]
+        self._solve_upper(x)
+
     cdef object _export(self):
         """Support, weights and Cholesky factor as NumPy arrays."""
         cdef Py_ssize_t n = self.nI, i
