@@ -340,3 +340,196 @@ def matching_matrix(s, n_cols):
         if c != -1:
             m[i, c] = 1.0
     return m
+
+
+# -- LP-SparseMAP: problem (P) of LP_SPARSEMAP.md, section 1, over enumerated columns ----------
+
+def factor_graph_qp(n_variables, factors, eta_u, eta_v=None, support=None, tol=1e-11):
+    """Problem (P) of LP_SPARSEMAP.md by SciPy, certified by its KKT conditions.
+
+        max_{u, p}  eta_u . u - 1/2 ||u||^2 + sum_f eta_v[f] . N_f p_f
+        s.t.        M_f p_f = s_f + sigma_f * (C_f u),  p_f in the simplex   (every f)
+                    0 <= u_i <= 1                       (variables in no factor)
+
+    where row j of factor f stands for variable ``variables[j]`` (-1: tied to
+    nothing), as the literal ``1 - u`` when ``negated[j]`` (``s = 1, sigma = -1``).
+
+    SLSQP on the dual of (P) finds the supports (skipped when ``support`` is
+    given, e.g. the supports of a nearby solve, for finite differences); then a polish
+    solves the equality-constrained KKT system on the supports (least squares),
+    recovers ``p >= 0`` by NNLS, and a few primal-dual active-set corrections fix
+    a wrong support. The point is returned only if it satisfies every KKT
+    condition of (P) up to ``tol * scale``: ``M_f p_f = l_f(u)``, ``p >= 0`` on the
+    simplex, ``u = eta_u + sum_f C~_f^T mu_f`` and reduced costs
+    ``m_y . mu_f - n_y . eta_v[f] - tau_f`` that are ``>= 0``, and 0 on the support.
+
+    Parameters
+    ----------
+    n_variables : int
+    factors : list of (M, N, variables, negated)
+        ``M`` (n_f, K_f) the columns in literals, ``N`` (k_f, K_f) or None,
+        ``variables`` (n_f,) ints, ``negated`` (n_f,) bools or None.
+    eta_u : (n_variables,)
+    eta_v : list (one entry per factor, None for none) or None
+    support : list of index arrays, optional
+
+    Returns
+    -------
+    dict with u, v (list), p (list), support (list), kkt (max residual).
+    Raises RuntimeError when no certified point is found.
+    """
+    eta_u = np.asarray(eta_u, dtype=float)
+    V = n_variables
+    F = len(factors)
+    Ms, Ns, ev, rows, cvars, sig, off = [], [], [], [], [], [], []
+    deg = np.zeros(V, int)
+    for f, (M, N, var, neg) in enumerate(factors):
+        M = np.asarray(M, float)
+        N = np.zeros((0, M.shape[1])) if N is None else np.asarray(N, float)
+        var = np.asarray(var).reshape(-1)
+        neg = np.zeros(var.shape, bool) if neg is None else np.asarray(neg, bool).reshape(-1)
+        r = np.flatnonzero(var >= 0)
+        Ms.append(M); Ns.append(N)
+        e = np.zeros(N.shape[0]) if eta_v is None or eta_v[f] is None else np.asarray(eta_v[f], float).reshape(-1)
+        ev.append(e)
+        rows.append(r); cvars.append(var[r]); sig.append(np.where(neg[r], -1.0, 1.0))
+        off.append(np.where(neg[r], 1.0, 0.0))
+        np.add.at(deg, var[r], 1)
+    free = np.flatnonzero(deg > 0)         # variables in some factor
+    pos = -np.ones(V, int)
+    pos[free] = np.arange(free.size)
+    V1 = free.size
+    K = [M.shape[1] for M in Ms]
+    theta = [Ns[f].T @ ev[f] for f in range(F)]     # linear score of each column
+    # C~_f as dense matrices over the free variables
+    Ct = []
+    for f in range(F):
+        C = np.zeros((rows[f].size, V1))
+        C[np.arange(rows[f].size), pos[cvars[f]]] = sig[f]
+        Ct.append(C)
+    scale = 1.0 + np.abs(eta_u).max(initial=0) + max([np.abs(t).max(initial=0) for t in theta] + [0])
+    atol = tol * scale
+
+    def solve_on(S):
+        """KKT system of (P) restricted to the supports S, by least squares."""
+        nS = [s.size for s in S]
+        nmu = [r.size for r in rows]
+        n_unk = V1 + sum(nS) + sum(nmu) + F
+        n_eq = V1 + sum(nS) + sum(nmu) + F
+        A = np.zeros((n_eq, n_unk))
+        b = np.zeros(n_eq)
+        ip = V1                                  # p unknowns
+        im = V1 + sum(nS)                        # mu unknowns
+        it = im + sum(nmu)                       # tau unknowns
+        A[:V1, :V1] = np.eye(V1)
+        b[:V1] = eta_u[free]
+        e = V1
+        P_at, M_at = [], []
+        for f in range(F):
+            Mr = Ms[f][rows[f]]                  # tied rows
+            MS = Mr[:, S[f]]
+            P_at.append(ip); M_at.append(im)
+            A[:V1, im:im + nmu[f]] = -Ct[f].T                   # u - sum C~^T mu = eta
+            A[e:e + nS[f], im:im + nmu[f]] = MS.T               # m_y . mu - tau = theta_y
+            A[e:e + nS[f], it + f] = -1.0
+            b[e:e + nS[f]] = theta[f][S[f]]
+            e += nS[f]
+            A[e:e + nmu[f], ip:ip + nS[f]] = MS                 # M_S p - C~ u = s
+            A[e:e + nmu[f], :V1] = -Ct[f]
+            b[e:e + nmu[f]] = off[f]
+            e += nmu[f]
+            A[e, ip:ip + nS[f]] = 1.0                            # 1^T p = 1
+            b[e] = 1.0
+            e += 1
+            ip += nS[f]
+            im += nmu[f]
+        x = np.linalg.lstsq(A, b, rcond=None)[0]
+        u = x[:V1]
+        out_p, red, worst = [], [], 0.0
+        for f in range(F):
+            mu = x[M_at[f]:M_at[f] + nmu[f]]
+            tau = x[it + f]
+            Mr = Ms[f][rows[f]]
+            r = Mr.T @ mu - theta[f] - tau
+            red.append(r)
+            lit = off[f] + Ct[f] @ u
+            big = 1e3
+            w, _ = nnls(np.r_[Mr[:, S[f]], big * np.ones((1, nS[f]))], np.r_[lit, big])
+            p = np.zeros(K[f])
+            p[S[f]] = w
+            out_p.append(p)
+            worst = max(worst, np.abs(Mr @ p - lit).max(initial=0), abs(p.sum() - 1),
+                        -r.min(), np.abs(r[p > 0]).max(initial=0))
+        stat = np.abs(A[:V1] @ x - b[:V1]).max(initial=0)
+        p_ls = [x[P_at[f]:P_at[f] + nS[f]] for f in range(F)]
+        return u, out_p, red, p_ls, max(worst, stat)
+
+    def certify(S):
+        for _ in range(60):
+            u, p, red, p_ls, worst = solve_on(S)
+            if worst <= atol:
+                return u, p, worst
+            # one primal-dual active-set correction per factor: drop the most
+            # negative least-squares weight, else add the most negative reduced cost
+            changed = False
+            for f in range(F):
+                if S[f].size > 1 and p_ls[f].min() < -atol:
+                    S[f] = np.delete(S[f], int(np.argmin(p_ls[f])))
+                    changed = True
+                    continue
+                j = int(np.argmin(red[f]))
+                if red[f][j] < -atol and j not in S[f]:
+                    S[f] = np.sort(np.r_[S[f], j])
+                    changed = True
+            if not changed:
+                return None
+        return None
+
+    tries = []
+    if support is not None:
+        tries.append([np.array(s, int) for s in support])
+    else:
+        # The supports come from the dual of (P), which is small (one multiplier per
+        # link, one epigraph variable per factor) where the primal is not:
+        #   min_{mu, t}  1/2 ||eta + sum_f C~_f^T mu_f||^2 + sum_f s_f . mu_f + sum_f t_f
+        #   s.t.         t_f >= theta_y - m_y . mu_f     (every configuration y of f)
+        # A configuration can carry weight only where its constraint is active.
+        nl = [r.size for r in rows]
+        lo = np.r_[0, np.cumsum(nl)]
+        Lt = int(lo[-1])
+        Cs = np.vstack(Ct + [np.zeros((0, V1))])
+        s_all = np.concatenate(off + [np.zeros(0)])
+        e0 = eta_u[free]
+
+        def fun(x):
+            w = e0 + Cs.T @ x[:Lt]
+            return 0.5 * w @ w + s_all @ x[:Lt] + x[Lt:].sum()
+
+        def jac(x):
+            return np.r_[Cs @ (e0 + Cs.T @ x[:Lt]) + s_all, np.ones(F)]
+
+        cons = []
+        for f in range(F):
+            A = np.zeros((K[f], Lt + F))
+            A[:, lo[f]:lo[f + 1]] = Ms[f][rows[f]].T
+            A[:, Lt + f] = 1.0
+            cons.append({"type": "ineq", "fun": (lambda x, A=A, b=theta[f]: A @ x - b),
+                         "jac": (lambda x, A=A: A)})
+        x0 = np.r_[np.zeros(Lt), [th.max() for th in theta]]
+        res = minimize(fun, x0, jac=jac, method="SLSQP", constraints=cons,
+                       options={"ftol": 1e-15, "maxiter": 1000})
+        for thresh in (1e-7, 1e-9, 1e-5, 1e-3):
+            S = []
+            for f in range(F):
+                slack = res.x[Lt + f] - (theta[f] - Ms[f][rows[f]].T @ res.x[lo[f]:lo[f + 1]])
+                S.append(np.flatnonzero(slack <= thresh * scale))
+            tries.append(S)
+    for S in tries:
+        out = certify([s.copy() for s in S])
+        if out is not None:
+            u1, p, worst = out
+            u = np.clip(eta_u, 0.0, 1.0)
+            u[free] = u1
+            return dict(u=u, p=p, v=[Ns[f] @ p[f] for f in range(F)],
+                        support=[np.flatnonzero(pf > 0) for pf in p], kkt=worst)
+    raise RuntimeError("factor_graph_qp: no KKT-certified solution found")
