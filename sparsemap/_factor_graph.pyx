@@ -33,28 +33,38 @@ import warnings
 import numpy as np
 
 from cpython.ref cimport PyObject
-from libc.math cimport fabs, sqrt
+from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _run
-from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import _as_float_array, check_positive_int
+from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int
 from sparsemap._factors._generic import GenericFactor
 
 DEFAULT_MAX_ITER = 10_000
 DEFAULT_TOL = 1e-10
-DEFAULT_RHO = 1.0
+DEFAULT_RHO = 2.0
+
+# Over-relaxation of the ADMM steps (Eckstein and Bertsekas): the u and dual steps use
+# alpha y + (1 - alpha) u_prev for the factors' values y.
+cdef double ALPHA = 1.7
 
 # Each factor step is an exact SparseMAP solve (the active set stops on a
 # duality gap of round-off size).
 cdef Py_ssize_t INNER_MAX_ITER = 10_000
 cdef double INNER_TOL = 1e-12
 
-# The backward conjugate gradient stops when the distance of the result from
-# the tangent space, ||R C y||, is below CG_RTOL ||g||.
+# Conjugate gradient (backward pass and polishing) stops when the constraint
+# residual ||R (C y - t)|| is below CG_RTOL times the scale of its input.
 cdef double CG_RTOL = 1e-13
+
+# Polishing: first tried once the primal residual is below POLISH_START and no
+# support changed in the last iteration; after a failed attempt, once it is ten
+# times smaller. A polished point is accepted when its KKT conditions hold up
+# to KKT_TOL (relative to the scale of the scores and multipliers).
+cdef double POLISH_START = 1e-4
+cdef double KKT_TOL = 1e-11
 
 cdef enum:
     RUNNING = 0
@@ -70,60 +80,28 @@ cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept
     return acc
 
 
-cdef class _Scaled(Factor):
-    """Rows scaled by d^{-1/2} (splitting A's weighted SparseMAP; measurement only)."""
-    cdef Factor inner
-    cdef double[::1] dis
-    cdef double[::1] s1, s2, s3
-
-    def __init__(self, Factor inner, dis):
-        self.inner = inner
-        self.dis = np.ascontiguousarray(dis, dtype=np.float64)
-        self.s1 = np.zeros(inner.n_u); self.s2 = np.zeros(inner.n_u); self.s3 = np.zeros(inner.n_u)
-        self._set_shapes(inner.shape_u, inner.shape_v, inner.struct_size, inner.work_bytes)
-
-    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out, char* work) except -1 nogil:
-        cdef Py_ssize_t j
-        for j in range(self.n_u):
-            self.s3[j] = eta_u[j] * self.dis[j]
-        return self.inner.c_map(&self.s3[0], eta_v, out, work)
-
-    cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v, double* out) except -1 nogil:
-        cdef Py_ssize_t j
-        for j in range(self.n_u):
-            self.s3[j] = eta_u[j] * self.dis[j]
-        return self.inner.c_score(s, &self.s3[0], eta_v, out)
-
-    cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil:
-        cdef Py_ssize_t j
-        cdef double acc = 0
-        for j in range(self.n_u):
-            self.s1[j] = 0; self.s2[j] = 0
-        self.inner.c_add(s, 1.0, &self.s1[0], NULL)
-        self.inner.c_add(t, 1.0, &self.s2[0], NULL)
-        for j in range(self.n_u):
-            acc += self.s1[j] * self.s2[j] * self.dis[j] * self.dis[j]
-        out[0] = acc
-        return 0
-
-    cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil:
-        cdef Py_ssize_t j
-        for j in range(self.n_u):
-            self.s1[j] = 0
-        self.inner.c_add(s, w, &self.s1[0], v)
-        if u != NULL:
-            for j in range(self.n_u):
-                u[j] += self.s1[j] * self.dis[j]
-        return 0
+cdef inline double _amax(const double* a, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double m = 0
+    for i in range(n):
+        if fabs(a[i]) > m:
+            m = fabs(a[i])
+    return m
 
 
 cdef class _Engine:
     """One solve: the links, the ADMM state and a warm-started workspace per factor.
 
-    A result keeps its engine: the supports and Cholesky factors there are
-    what the backward pass needs, and a new solve builds a new engine.
+    A link is a unary part of a factor; link arrays hold every factor's parts,
+    factor ``f`` at ``uoff[f]:uoff[f + 1]`` (in the factor's flat order).
+    Values attached to links are in *literal* space (what the factor sees:
+    ``l = s + sigma u``) when they feed a factor, and in *variable* space
+    (``sigma (l - s)``) when they feed the variables; each array says which.
+
+    A result keeps its engine: the supports and Cholesky factors in the
+    workspaces are what the backward pass needs; a new solve builds a new engine.
     """
-    cdef Py_ssize_t V, F, L, LV, max_nu, max_nv
+    cdef Py_ssize_t V, F, L, LV
     cdef list factors, workspaces
     cdef object _arrays          # the NumPy arrays behind the pointers below
     cdef PyObject** wsp          # borrowed: self.workspaces owns them
@@ -132,36 +110,42 @@ cdef class _Engine:
     cdef int* var                # per link: its variable, -1 where the factor ignores the part
     cdef double* sig             # per link: -1 if negated, else 1
     cdef double* sh              # per link: 1 if negated, else 0
-    cdef double* scores          # per link: the factor's eta_u (the workspaces point here)
+    cdef double* scores          # per link, literal: the factor's eta_u (workspaces point here)
     cdef double* ev              # eta_v of every factor, concatenated
-    cdef double* evs             # eta_v / rho (the workspaces point here)
-    cdef double* lam             # per link, in the variable space
-    cdef double* yh              # per link: the factor's value, in the variable space
-    cdef double* eta             # eta_u (V)
+    cdef double* evs             # eta_v / rho (workspaces point here)
+    cdef double* lam             # per link, variable space: the multiplier
+    cdef double* yh              # per link, variable space: the factor's value
+    cdef double* eta             # V
     cdef double* u               # V
-    cdef double* acc             # V scratch
+    cdef double* uprev           # V
     cdef int* deg                # V
     cdef double* zu              # zeros, max n_u
     cdef double* zv              # zeros, max n_v
-    cdef double* lh
-    cdef double* lh0
-    cdef double* y0
-    cdef double* l0
-    cdef double* u0
-    cdef public double rho
-    cdef public Py_ssize_t n_iter, n_inner_fail
-    cdef public double res_primal, res_dual
+    # polishing scratch: link arrays (L) and variable arrays (V)
+    cdef double* cz
+    cdef double* cr
+    cdef double* cp
+    cdef double* cq
+    cdef double* ctmp
+    cdef double* ct              # literal: the factors' current values minus s
+    cdef double* cg              # literal: each factor's eta_v term M_S D N_S^T eta_v
+    cdef double* cmu             # literal: minus the multipliers
+    cdef double* cw              # V
+    cdef double* ca              # V
+    cdef double* cu              # V
+    cdef double* ck              # V: the multiplier correction kappa, and its CG vectors
+    cdef double* ckr
+    cdef double* ckp
+    cdef double* ckq
+    cdef public double rho, res_primal, res_dual
+    cdef public Py_ssize_t n_iter, n_inner_fail, n_polish
+    cdef bint try_polish
     cdef public int status
-    cdef public double alpha
-    cdef public int adapt
-    cdef public double mu
-    cdef public int splitting
-    cdef double* fscale          # A: per factor, d if uniform (plain call) else 0 (wrapper)
-    cdef double* dis             # A: per link d^{-1/2} for wrapped factors, else 1
+    cdef public bint polished
 
     def __cinit__(self, list factors, list variables, list negated, Py_ssize_t n_variables,
-                  eta_u, list eta_v, double rho, int splitting=0):
-        cdef Py_ssize_t f, F = len(factors), j
+                  eta_u, list eta_v, double rho, bint polish):
+        cdef Py_ssize_t f, F = len(factors)
         cdef Factor fac
         self.V = n_variables
         self.F = F
@@ -174,95 +158,58 @@ cdef class _Engine:
             voff[f + 1] = voff[f] + fac.n_v
         self.L = uoff[F]
         self.LV = voff[F]
-        self.max_nu = max([(<Factor> x).n_u for x in factors] + [1])
-        self.max_nv = max([(<Factor> x).n_v for x in factors] + [1])
+        max_nu = max([(<Factor> x).n_u for x in factors] + [1])
+        max_nv = max([(<Factor> x).n_v for x in factors] + [1])
         # every array gets one spare entry, so that none is empty
         var = np.concatenate([np.asarray(v, dtype=np.intc).reshape(-1) for v in variables]
                              + [np.full(1, -1, np.intc)]).astype(np.intc)
         neg = np.concatenate([np.asarray(v, dtype=bool).reshape(-1) for v in negated]
                              + [np.zeros(1, bool)])
-        sig = np.where(neg, -1.0, 1.0)
-        sh = np.where(neg, 1.0, 0.0)
         deg = np.bincount(var[var >= 0], minlength=n_variables).astype(np.intc)
         ev = np.concatenate([np.asarray(e, dtype=np.float64).reshape(-1) for e in eta_v]
                             + [np.zeros(1)])
         eta = np.array(eta_u, dtype=np.float64)
-        u = np.clip(eta, 0.0, 1.0)          # degree-0 variables keep this value
-        arrays = dict(uoff=uoff, voff=voff, var=var, sig=sig, sh=sh, deg=deg, ev=ev, eta=eta, u=u,
-                      evs=ev / rho, scores=np.zeros(self.L + 1), lam=np.zeros(self.L + 1),
-                      yh=np.zeros(self.L + 1), acc=np.zeros(n_variables + 1),
-                      zu=np.zeros(self.max_nu), zv=np.zeros(self.max_nv),
-                      wsp=np.zeros(F + 1, dtype=np.intp),
-                      lh=np.zeros(self.L + 1), lh0=np.zeros(self.L + 1), y0=np.zeros(self.L + 1),
-                      l0=np.zeros(self.L + 1), u0=np.zeros(n_variables + 1))
-        self._arrays = arrays
-        self.uoff = <Py_ssize_t*> _ptr(arrays["uoff"])
-        self.voff = <Py_ssize_t*> _ptr(arrays["voff"])
-        self.var = <int*> _ptr(arrays["var"])
-        self.sig = <double*> _ptr(arrays["sig"])
-        self.sh = <double*> _ptr(arrays["sh"])
-        self.deg = <int*> _ptr(arrays["deg"])
-        self.ev = <double*> _ptr(arrays["ev"])
-        self.evs = <double*> _ptr(arrays["evs"])
-        self.eta = <double*> _ptr(arrays["eta"])
-        self.u = <double*> _ptr(arrays["u"])
-        self.scores = <double*> _ptr(arrays["scores"])
-        self.lam = <double*> _ptr(arrays["lam"])
-        self.yh = <double*> _ptr(arrays["yh"])
-        self.acc = <double*> _ptr(arrays["acc"])
-        self.zu = <double*> _ptr(arrays["zu"])
-        self.zv = <double*> _ptr(arrays["zv"])
-        self.wsp = <PyObject**> _ptr(arrays["wsp"])
-        self.lh = <double*> _ptr(arrays["lh"])
-        self.lh0 = <double*> _ptr(arrays["lh0"])
-        self.y0 = <double*> _ptr(arrays["y0"])
-        self.l0 = <double*> _ptr(arrays["l0"])
-        self.u0 = <double*> _ptr(arrays["u0"])
+        L1, V1 = self.L + 1, n_variables + 1
+        a = dict(uoff=uoff, voff=voff, var=var, deg=deg, ev=ev, eta=eta,
+                 sig=np.where(neg, -1.0, 1.0), sh=np.where(neg, 1.0, 0.0), evs=ev / rho,
+                 u=np.clip(eta, 0.0, 1.0),   # degree-0 variables keep this value
+                 uprev=np.zeros(V1), zu=np.zeros(max_nu), zv=np.zeros(max_nv),
+                 wsp=np.zeros(F + 1, dtype=np.intp))
+        for k in ("scores", "lam", "yh", "cz", "cr", "cp", "cq", "ctmp", "ct", "cg", "cmu"):
+            a[k] = np.zeros(L1)
+        for k in ("cw", "ca", "cu", "ck", "ckr", "ckp", "ckq"):
+            a[k] = np.zeros(V1)
+        self._arrays = a
+        self.uoff = <Py_ssize_t*> _ptr(a["uoff"])
+        self.voff = <Py_ssize_t*> _ptr(a["voff"])
+        self.var = <int*> _ptr(a["var"])
+        self.deg = <int*> _ptr(a["deg"])
+        self.wsp = <PyObject**> _ptr(a["wsp"])
+        self.sig, self.sh, self.ev, self.evs = _d(a, "sig"), _d(a, "sh"), _d(a, "ev"), _d(a, "evs")
+        self.eta, self.u, self.uprev = _d(a, "eta"), _d(a, "u"), _d(a, "uprev")
+        self.scores, self.lam, self.yh = _d(a, "scores"), _d(a, "lam"), _d(a, "yh")
+        self.zu, self.zv = _d(a, "zu"), _d(a, "zv")
+        self.cz, self.cr, self.cp, self.cq = _d(a, "cz"), _d(a, "cr"), _d(a, "cp"), _d(a, "cq")
+        self.ctmp, self.ct, self.cg, self.cmu = _d(a, "ctmp"), _d(a, "ct"), _d(a, "cg"), _d(a, "cmu")
+        self.cw, self.ca, self.cu = _d(a, "cw"), _d(a, "ca"), _d(a, "cu")
+        self.ck, self.ckr, self.ckp, self.ckq = _d(a, "ck"), _d(a, "ckr"), _d(a, "ckp"), _d(a, "ckq")
         self.rho = rho
-        self.splitting = splitting
-        fscale = np.zeros(F + 1)
-        dis = np.ones(self.L + 1)
-        wfactors = list(factors)
-        if splitting == 1:
-            for f in range(F):
-                vv = var[uoff[f]:uoff[f + 1]]
-                dd = deg[vv[vv >= 0]]
-                if dd.size == 0 or np.all(dd == dd[0]):
-                    fscale[f] = dd[0] if dd.size else 1.0
-                else:
-                    dl = np.where(vv >= 0, deg[np.maximum(vv, 0)], 1).astype(float)
-                    dis[uoff[f]:uoff[f + 1]] = 1 / np.sqrt(dl)
-                    wfactors[f] = _Scaled(factors[f], 1 / np.sqrt(dl))
-        arrays["fscale"] = fscale
-        arrays["dis"] = dis
-        self.fscale = <double*> _ptr(fscale)
-        self.dis = <double*> _ptr(dis)
-        self.workspaces = [_Workspace(fac, 16) for fac in wfactors]
+        self.workspaces = [_Workspace(fac, 16) for fac in factors]
         for f in range(F):
             self.wsp[f] = <PyObject*> self.workspaces[f]
         self.n_iter = 0
-        self.alpha = 1.0
-        self.adapt = 0
-        self.mu = 10.0
         self.n_inner_fail = 0
+        self.n_polish = 0
+        self.polished = False
+        self.try_polish = polish
         self.status = RUNNING
 
-    # -- forward ------------------------------------------------------------------
+    # -- forward: ADMM, splitting B of LP_SPARSEMAP.md (section 2.3) ---------------------------
     cdef void _set_scores(self, Py_ssize_t f) noexcept nogil:
         """The factor's eta_u for the current u and lam: l_f(u + lam / rho)."""
         cdef Py_ssize_t j
         cdef int i
         cdef double inv = 1.0 / self.rho
-        if self.splitting == 1:
-            for j in range(self.uoff[f], self.uoff[f + 1]):
-                i = self.var[j]
-                if i >= 0:
-                    self.scores[j] = self.dis[j] * (self.sh[j] + self.sig[j] * (self.eta[i] + self.lam[j] + self.rho * self.u[i]) / (1 + self.rho))
-                else:
-                    self.scores[j] = 0.0
-            for j in range(self.voff[f], self.voff[f + 1]):
-                self.evs[j] = self.ev[j] / (1 + self.rho) * (self.fscale[f] if self.fscale[f] > 0 else 1.0)
-            return
         for j in range(self.uoff[f], self.uoff[f + 1]):
             i = self.var[j]
             if i >= 0:
@@ -287,207 +234,290 @@ cdef class _Engine:
             ws._start(S0, NULL)
 
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
+        """Warm-started SparseMAP of factor f at the current scores; its values into yh."""
         cdef Py_ssize_t j, a = self.uoff[f], n_it
         cdef double gap, obj
-        cdef int status
         self._set_scores(f)
         ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
-        status = _run(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj)
-        if status != CONVERGED:
+        if _run(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != CONVERGED:
             self.n_inner_fail += 1
-        # _run leaves ws.u = M_f p_f (the last gap was computed at the returned weights)
+        # _run leaves ws.u = M_f p_f (its last gap was computed at the returned weights)
         for j in range(a, self.uoff[f + 1]):
-            if self.var[j] >= 0:
-                self.yh[j] = self.sig[j] * (ws.u[j - a] / self.dis[j] - self.sh[j])
-            else:
-                self.yh[j] = 0.0
+            self.yh[j] = self.sig[j] * (ws.u[j - a] - self.sh[j]) if self.var[j] >= 0 else 0.0
         return 0
+
+    cdef unsigned long long _support_hash(self) noexcept nogil:
+        cdef Py_ssize_t f
+        cdef unsigned long long h = 0
+        for f in range(self.F):
+            h = h * 1000003ULL + (<_Workspace> self.wsp[f]).hash
+        return h
 
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil:
         cdef Py_ssize_t it, f, j, i
-        cdef double rho, unew, rp, rd, r, al = self.alpha, yr
+        cdef double rho = self.rho, rp, rd, r, yr, polish_at = POLISH_START
         cdef int v
+        cdef unsigned long long h, h_prev = 0
         for it in range(max_iter):
-            rho = self.rho
             for f in range(self.F):
                 self._factor_step(<_Workspace> self.wsp[f], f)
-            if self.adapt <= -100:
-                for j in range(self.L):
-                    v = self.var[j]
-                    if v >= 0:
-                        self.lh[j] = self.lam[j] - rho * (self.yh[j] - self.u[v])
-            # u step
-            if self.splitting == 1:
-                for i in range(self.V):
-                    self.acc[i] = 0
-                for j in range(self.L):
-                    v = self.var[j]
-                    if v >= 0:
-                        self.acc[v] += self.yh[j]
-                rd = 0.0
-                for i in range(self.V):
-                    if self.deg[i] > 0:
-                        unew = self.acc[i] / self.deg[i]
-                        r = fabs(unew - self.u[i])
-                        if r > rd:
-                            rd = r
-                        self.u[i] = unew
-                rd *= rho
-                rp = 0.0
-                for j in range(self.L):
-                    v = self.var[j]
-                    if v >= 0:
-                        r = self.yh[j] - self.u[v]
-                        if fabs(r) > rp:
-                            rp = fabs(r)
-                        self.lam[j] -= rho * r
-                self.n_iter = it + 1
-                self.res_primal = rp
-                self.res_dual = rd
-                if rp <= tol and rd <= tol:
-                    self.status = CONVERGED
-                    return 0
-                if self.adapt == 1 and it % 10 == 0:   # lp-sparsemap's rule
-                    if rp > 100 * rd and rho < 100:
-                        self.rho = 2 * rho
-                    elif rd > 10 * rp and rho > 1e-3:
-                        self.rho = rho / 2
-                continue
+            # u step, with over-relaxed values alpha y + (1 - alpha) u_prev
             for i in range(self.V):
-                self.acc[i] = self.eta[i]
+                if self.deg[i] > 0:
+                    self.uprev[i] = self.u[i]
+                    self.u[i] = self.eta[i]
             for j in range(self.L):
                 v = self.var[j]
                 if v >= 0:
-                    yr = al * self.yh[j] + (1 - al) * self.u[v]
-                    self.acc[v] += rho * yr - self.lam[j]
-            for j in range(self.L):
-                v = self.var[j]
-                if v >= 0:
-                    self.scores[j] = al * self.yh[j] + (1 - al) * self.u[v]   # relaxed, kept for dual
+                    yr = ALPHA * self.yh[j] + (1.0 - ALPHA) * self.uprev[v]
+                    self.u[v] += rho * yr - self.lam[j]
             rd = 0.0
             for i in range(self.V):
                 if self.deg[i] > 0:
-                    unew = self.acc[i] / (1.0 + rho * self.deg[i])
-                    r = fabs(unew - self.u[i])
+                    self.u[i] /= 1.0 + rho * self.deg[i]
+                    r = fabs(self.u[i] - self.uprev[i])
                     if r > rd:
                         rd = r
-                    self.u[i] = unew
             rd *= rho
             # dual step
             rp = 0.0
             for j in range(self.L):
                 v = self.var[j]
                 if v >= 0:
-                    r = self.yh[j] - self.u[v]
-                    if fabs(r) > rp:
-                        rp = fabs(r)
-                    self.lam[j] -= rho * (self.scores[j] - self.u[v])
+                    r = fabs(self.yh[j] - self.u[v])
+                    if r > rp:
+                        rp = r
+                    yr = ALPHA * self.yh[j] + (1.0 - ALPHA) * self.uprev[v]
+                    self.lam[j] -= rho * (yr - self.u[v])
             self.n_iter = it + 1
             self.res_primal = rp
             self.res_dual = rd
+            # polishing: once the supports look settled, solve (P) on them and certify
+            h = self._support_hash()
+            if self.try_polish and rp <= polish_at and h == h_prev:
+                if self._polish():
+                    self.status = CONVERGED
+                    return 0
+                polish_at = rp / 10
+            h_prev = h
             if rp <= tol and rd <= tol:
                 self.status = CONVERGED
                 return 0
-            if self.adapt > 0 and it % self.adapt == 0:
-                if rp > self.mu * rd:
-                    self.rho = rho * 2
-                elif rd > self.mu * rp:
-                    self.rho = rho / 2
-            elif self.adapt <= -100:
-                self._spectral(it, -self.adapt - 100)
-            elif self.adapt < 0 and it % (-self.adapt) == 0 and rp > 0 and rd > 0:
-                r = sqrt(rp / rd)
-                if r > self.mu or r < 1.0 / self.mu:
-                    self.rho = min(max(rho * r, 1e-4), 1e4)
-                if self.rho != rho:
-                    for j in range(self.LV):
-                        self.evs[j] = self.ev[j] / self.rho
         self.status = MAX_ITER
         return 0
-
-    cdef void _spectral(self, Py_ssize_t it, Py_ssize_t Tf) noexcept nogil:
-        """AADMM (Xu, Figueiredo, Goldstein 2017): spectral penalty from the last Tf iterations."""
-        cdef Py_ssize_t j
-        cdef int v
-        cdef double dlh, dH, dl, dG, hh = 0, hl = 0, ll = 0, gg = 0, gl = 0, mm = 0
-        cdef double aSD, aMG, bSD, bMG, a, b, acor, bcor, rho = self.rho
-        if it > 0 and it % Tf == 0:
-            for j in range(self.L):
-                v = self.var[j]
-                if v >= 0:
-                    dlh = self.lh[j] - self.lh0[j]
-                    dH = self.yh[j] - self.y0[j]
-                    dl = self.lam[j] - self.l0[j]
-                    dG = -(self.u[v] - self.u0[v])
-                    hh += dH * dH; hl += dH * dlh; ll += dlh * dlh
-                    gg += dG * dG; gl += dG * dl; mm += dl * dl
-            acor = hl / sqrt(hh * ll) if hh > 0 and ll > 0 else 0.0
-            bcor = gl / sqrt(gg * mm) if gg > 0 and mm > 0 else 0.0
-            a = 0; b = 0
-            if acor > 0.2:
-                aSD = ll / hl; aMG = hl / hh
-                a = aMG if 2 * aMG > aSD else aSD - aMG / 2
-            if bcor > 0.2:
-                bSD = mm / gl; bMG = gl / gg
-                b = bMG if 2 * bMG > bSD else bSD - bMG / 2
-            if acor > 0.2 and bcor > 0.2:
-                self.rho = sqrt(a * b)
-            elif acor > 0.2:
-                self.rho = a
-            elif bcor > 0.2:
-                self.rho = b
-            self.rho = min(max(self.rho, 1e-3), 1e3)
-            if self.rho != rho:
-                for j in range(self.LV):
-                    self.evs[j] = self.ev[j] / self.rho
-        if it % Tf == 0:
-            for j in range(self.L):
-                self.lh0[j] = self.lh[j]
-                self.y0[j] = self.yh[j]
-                self.l0[j] = self.lam[j]
-            for j in range(self.V):
-                self.u0[j] = self.u[j]
 
     def run(self, Py_ssize_t max_iter, double tol):
         self._start()
         with nogil:
             self._admm(max_iter, tol)
+            if (self.try_polish and not self.polished and self.F > 0
+                    and self.res_primal <= POLISH_START):
+                # a last attempt at the returned supports (not counted as an iteration)
+                if self._polish():
+                    self.status = CONVERGED
 
-    # -- results ---------------------------------------------------------------------
-    def u_array(self):
-        return np.array(self._arrays["u"])
+    # -- polishing: (P) on the current faces, and its KKT certificate --------------------------
+    def _try_polish(self):
+        """Polish now, whatever the residuals (tests: the certificate must reject wrong faces)."""
+        with nogil:
+            ok = self._polish()
+        return ok
 
-    def factor_result(self, Py_ssize_t f):
-        """(v, structures, weights) of factor f."""
-        cdef _Workspace ws = self.workspaces[f]
-        ws._compute_u(ws.y, True)
-        v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
-        S, y, _ = ws._export()
-        return v, S, y
+    cdef bint _polish(self) except -1 nogil:
+        """Solve (P) restricted to the current supports; keep it if its KKT conditions hold.
 
-    def n_map(self):
-        return sum((<_Workspace> ws).n_map for ws in self.workspaces)
+        On the faces spanned by the supports, p_f is an affine function of the
+        literals, so (P) becomes the projection of w = eta + g (g: the eta_v
+        terms, linear in u on the faces) onto the affine set
+        {u : R_f (C~_f u - t_f) = 0}, t_f a point of factor f's face: one CG
+        solve. The multipliers of a shared variable are not unique; the ones
+        closest to ADMM's (mu_A = -sigma lam) among those that satisfy
+        stationarity, u = eta + sum_f C~_f^T mu_f, and keep every support
+        structure at the same reduced score (mu_f - g_f in range R_f) are
+        mu = g + R (mu_A - C~ kappa), (C~^T R C~) kappa = C~^T R (mu_A + z):
+        a second CG. The point is optimal for (P) when every factor's weights
+        p_f = G_c^{-1} (M_S^T l_f + c 1) are >= 0 and no structure beats the
+        support at the multipliers (MAP at scores (-mu_f, eta_v)).
+        """
+        cdef Py_ssize_t f, j, i
+        cdef double res
+        self.n_polish += 1
+        for i in range(self.V):
+            self.cw[i] = self.eta[i]
+        for f in range(self.F):
+            self._polish_prepare(<_Workspace> self.wsp[f], f)
+        for j in range(self.L):
+            if self.var[j] >= 0:
+                self.cw[self.var[j]] += self.sig[j] * self.cg[j]
+        self._project(self.cw, self.ct, self.cu, self.cz, self.cr, self.cp, self.cq, self.ctmp,
+                      self.ca, NULL, 10 * (self.L + 10), &res)
+        # the multipliers: cmu = -mu = -g - R (mu_A - C~ kappa), with mu_A = -sigma lam
+        for j in range(self.L):
+            self.cmu[j] = -self.sig[j] * self.lam[j] + self.cz[j] if self.var[j] >= 0 else 0.0
+        self._R(self.cmu, self.ctmp, NULL)
+        self._Ct(self.ctmp, self.ckr)                  # C~^T R (mu_A + z)
+        self._solve_kappa()
+        self._C(self.ck, self.ctmp)
+        for j in range(self.L):
+            self.ctmp[j] = -self.sig[j] * self.lam[j] - self.ctmp[j] if self.var[j] >= 0 else 0.0
+        self._R(self.ctmp, self.cmu, NULL)
+        for j in range(self.L):
+            self.cmu[j] = -(self.cg[j] + self.cmu[j]) if self.var[j] >= 0 else 0.0
+        for f in range(self.F):
+            if not self._polish_check(<_Workspace> self.wsp[f], f):
+                return False
+        # accepted: the weights (kept in each ws.x1 by the check), and the polished u
+        for f in range(self.F):
+            self._polish_accept(<_Workspace> self.wsp[f])
+        for i in range(self.V):
+            if self.deg[i] > 0:
+                self.u[i] = self.cu[i]
+        self.res_primal = self._primal_residual()
+        self.res_dual = 0.0
+        self.polished = True
+        return True
 
-    # -- backward --------------------------------------------------------------------
-    cdef void _project_factor(self, _Workspace ws, const double* x, double* out,
-                              double* buf) noexcept nogil:
-        """out = P_f x: the single-factor SparseMAP Jacobian at the final support (literals)."""
+    cdef void _solve_kappa(self) noexcept nogil:
+        """ck = kappa with (C~^T R C~) kappa = ckr, by CG from 0 (variables of degree >= 1)."""
+        cdef Py_ssize_t i, it = 0, V = self.V
+        cdef double rs, rs_new, pq, alpha, target
+        for i in range(V):
+            self.ck[i] = 0.0
+            if self.deg[i] == 0:
+                self.ckr[i] = 0.0
+            self.ckp[i] = self.ckr[i]
+        rs = _dot(self.ckr, self.ckr, V)
+        target = CG_RTOL * CG_RTOL * max(rs, 1e-300)
+        while rs > target and it < 10 * (V + 10):
+            self._C(self.ckp, self.ctmp)
+            self._R(self.ctmp, self.cq, NULL)
+            self._Ct(self.cq, self.ckq)
+            for i in range(V):
+                if self.deg[i] == 0:
+                    self.ckq[i] = 0.0
+            pq = _dot(self.ckp, self.ckq, V)
+            if pq <= 0.0:
+                break
+            alpha = rs / pq
+            for i in range(V):
+                self.ck[i] += alpha * self.ckp[i]
+                self.ckr[i] -= alpha * self.ckq[i]
+            rs_new = _dot(self.ckr, self.ckr, V)
+            for i in range(V):
+                self.ckp[i] = self.ckr[i] + (rs_new / rs) * self.ckp[i]
+            rs = rs_new
+            it += 1
+
+    cdef void _polish_prepare(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+        """t_f (a point of the face, minus s) into ct; the eta_v term g_f into cg (literal)."""
+        cdef Py_ssize_t j, a = self.uoff[f]
+        for j in range(a, self.uoff[f + 1]):
+            self.ct[j] = ws.u[j - a] - self.sh[j] if self.var[j] >= 0 else 0.0
+            self.cg[j] = 0.0
+        if ws.n_v:
+            self._prop1(ws, NULL, self.ev + self.voff[f], self.cg + a, NULL, ws.x1, NULL)
+
+    cdef bint _polish_check(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+        """Factor f's KKT conditions at the polished point; its weights are left in ws.x1."""
+        cdef Py_ssize_t j, t, a = self.uoff[f], b = self.uoff[f + 1], n = ws.nI
+        cdef double* x = ws.x1
+        cdef double* ev = self.ev + self.voff[f] if ws.n_v else NULL
+        cdef double scale = 1.0, val, tau_hi = -INFINITY, tau_lo = INFINITY, best, psum = 0.0
+        # the literals of the polished u (into ctmp), then p = G_c^{-1} (M_S^T l + c 1)
+        for j in range(a, b):
+            self.ctmp[j] = self.sh[j] + self.sig[j] * self.cu[self.var[j]] \
+                if self.var[j] >= 0 else 0.0
+        for t in range(n):
+            ws.f.c_score(ws.S + t * ws.k, self.ctmp + a, self.zv, &x[t])
+            x[t] += ws.c
+        ws._solve_lower(x)
+        ws._solve_upper(x)
+        for t in range(n):
+            if x[t] < -KKT_TOL:
+                return False
+            psum += x[t]
+        if fabs(psum - 1.0) > 1e-9:
+            return False
+        for j in range(a, b):
+            if fabs(self.cmu[j]) > scale:
+                scale = fabs(self.cmu[j])
+        if ws.n_v:
+            scale = max(scale, _amax(ev, ws.n_v))
+        # every support structure has the same reduced score, and MAP finds none better
+        for t in range(n):
+            ws.f.c_score(ws.S + t * ws.k, self.cmu + a, ev if ev != NULL else self.zv, &val)
+            tau_hi = max(tau_hi, val)
+            tau_lo = min(tau_lo, val)
+        if tau_hi - tau_lo > KKT_TOL * scale:
+            return False
+        ws.f.c_map(self.cmu + a, ev, ws.snew, ws.work)
+        ws.n_map += 1
+        ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
+        return best - tau_hi <= KKT_TOL * scale
+
+    cdef void _polish_accept(self, _Workspace ws) noexcept nogil:
+        cdef Py_ssize_t t
+        cdef double psum = 0.0
+        for t in range(ws.nI):
+            ws.y[t] = ws.x1[t] if ws.x1[t] > 0.0 else 0.0
+            psum += ws.y[t]
+        for t in range(ws.nI):
+            ws.y[t] /= psum
+        ws._drop_below(0.0)
+        ws._compute_u(ws.y, False)
+
+    cdef double _primal_residual(self) noexcept nogil:
+        """max over links of |l_f(u) - M_f p_f| (each ws.u holds M_f p_f)."""
+        cdef Py_ssize_t f
+        cdef double rp = 0.0
+        for f in range(self.F):
+            rp = max(rp, self._factor_residual(<_Workspace> self.wsp[f], f))
+        return rp
+
+    cdef double _factor_residual(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+        cdef Py_ssize_t j, a = self.uoff[f]
+        cdef double rp = 0.0
+        for j in range(a, self.uoff[f + 1]):
+            if self.var[j] >= 0:
+                rp = max(rp, fabs(self.sh[j] + self.sig[j] * self.u[self.var[j]] - ws.u[j - a]))
+        return rp
+
+    # -- the single-factor Jacobian at the final support (Prop. 1) ------------------------------
+    cdef void _prop1(self, _Workspace ws, const double* in_u, const double* in_v, double* out_u,
+                     double* out_v, double* buf, double* scratch_u) noexcept nogil:
+        """out_u += M_S D (M_S^T in_u + N_S^T in_v); out_v += N_S D (...), D of Prop. 1.
+
+        in_u / in_v NULL: zeros; out_u NULL: scratch_u (n_u) is written instead;
+        out_v NULL: skipped. buf holds ws.nI doubles. With in_v, out_v NULL this
+        is P_f in_u, the projector onto the directions of factor f's face.
+        """
         cdef Py_ssize_t t
         for t in range(ws.nI):
-            ws.f.c_score(ws.S + t * ws.k, x, self.zv, &buf[t])
+            ws.f.c_score(ws.S + t * ws.k, in_u if in_u != NULL else self.zu,
+                         in_v if in_v != NULL else self.zv, &buf[t])
         ws._jacobian(buf)
-        memset(out, 0, ws.n_u * sizeof(double))
+        if out_u == NULL:
+            memset(scratch_u, 0, ws.n_u * sizeof(double))
+            out_u = scratch_u
         for t in range(ws.nI):
-            ws.f.c_add(ws.S + t * ws.k, buf[t], out, NULL)
+            ws.f.c_add(ws.S + t * ws.k, buf[t], out_u, out_v if ws.n_v else NULL)
 
     cdef void _R(self, const double* x, double* out, double* buf) noexcept nogil:
-        """out = R x = (I - P_f) x, factor by factor, on link vectors (0 off the tied links)."""
-        cdef Py_ssize_t f, j, a
+        """out = R x = (I - P_f) x, factor by factor, on literal link vectors (0 where untied).
+
+        buf: at least max nI doubles, or NULL to use each workspace's scratch.
+        """
+        cdef Py_ssize_t f
         for f in range(self.F):
-            a = self.uoff[f]
-            self._project_factor(<_Workspace> self.wsp[f], x + a, out + a, buf)
-            for j in range(a, self.uoff[f + 1]):
-                out[j] = (x[j] - out[j]) if self.var[j] >= 0 else 0.0
+            self._R_factor(<_Workspace> self.wsp[f], f, x, out, buf)
+
+    cdef void _R_factor(self, _Workspace ws, Py_ssize_t f, const double* x, double* out,
+                        double* buf) noexcept nogil:
+        cdef Py_ssize_t j, a = self.uoff[f]
+        memset(out + a, 0, ws.n_u * sizeof(double))
+        self._prop1(ws, x + a, NULL, out + a, NULL, buf if buf != NULL else ws.x1, NULL)
+        for j in range(a, self.uoff[f + 1]):
+            out[j] = (x[j] - out[j]) if self.var[j] >= 0 else 0.0
 
     cdef void _C(self, const double* y, double* out) noexcept nogil:
         """out = C~ y: per link sigma_j y_i (0 where untied)."""
@@ -496,7 +526,7 @@ cdef class _Engine:
             out[j] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
 
     cdef void _Ct(self, const double* z, double* out) noexcept nogil:
-        """out = C~^T z (V), over variables of degree >= 1; others untouched."""
+        """out = C~^T z on the variables of degree >= 1 (others untouched)."""
         cdef Py_ssize_t j, i
         for i in range(self.V):
             if self.deg[i] > 0:
@@ -505,27 +535,37 @@ cdef class _Engine:
             if self.var[j] >= 0:
                 out[self.var[j]] += self.sig[j] * z[j]
 
-    cdef Py_ssize_t _project(self, double* y, double* z, double* r, double* p, double* q,
-                             double* w, double* a, double* buf, Py_ssize_t max_cg,
-                             double* res_out) noexcept nogil:
-        """y <- Proj_S y on the variables of degree >= 1, by CG on R C C^T R z = R C y.
+    cdef Py_ssize_t _project(self, const double* w, const double* t, double* y, double* z,
+                             double* r, double* p, double* q, double* tmp, double* a,
+                             double* buf, Py_ssize_t max_cg, double* res_out) noexcept nogil:
+        """y = w - C~^T R z, the point of {y : R (C~ y - t) = 0} closest to w (degree >= 1).
 
-        Returns the number of CG iterations; res_out gets ||R C y|| / ||y_in||.
+        (R C~ C~^T R) z = R (C~ w - t) is solved by conjugate gradient from z = 0;
+        the system is consistent, so CG converges to its minimum-norm solution.
+        With t NULL (t = 0) this is y = Proj_S w, the backward pass. Stops when
+        the true constraint residual ||R (C~ y - t)|| is below CG_RTOL times
+        max(||w||, ||t||) (checked directly: the recursive residual drifts).
+        Returns the CG iterations; res_out gets that residual over the scale.
         """
         cdef Py_ssize_t j, i, it = 0, L = self.L, n_restart = 0
-        cdef double gnorm, rs, rs_new, alpha, pq = 1.0, target
+        cdef double scale, rs, rs_new, alpha, pq, target
         cdef bint stalled
-        gnorm = 0.0
+        scale = 0.0
         for i in range(self.V):
             if self.deg[i] > 0:
-                gnorm += y[i] * y[i]
-        gnorm = sqrt(gnorm)
-        target = CG_RTOL * gnorm
+                scale += w[i] * w[i]
+        if t != NULL:
+            scale = max(scale, _dot(t, t, L))
+        scale = sqrt(scale)
+        target = CG_RTOL * scale
         for j in range(L):
             z[j] = 0.0
-        # r = b = R C y
-        self._C(y, w)
-        self._R(w, r, buf)
+        # r = b = R (C w - t)
+        self._C(w, tmp)
+        if t != NULL:
+            for j in range(L):
+                tmp[j] -= t[j]
+        self._R(tmp, r, buf)
         rs = _dot(r, r, L)
         while True:
             for j in range(L):
@@ -533,10 +573,10 @@ cdef class _Engine:
             stalled = False
             while sqrt(rs) > target and it < max_cg:
                 # q = H p = R C C^T R p
-                self._R(p, w, buf)
-                self._Ct(w, a)
-                self._C(a, w)
-                self._R(w, q, buf)
+                self._R(p, tmp, buf)
+                self._Ct(tmp, a)
+                self._C(a, tmp)
+                self._R(tmp, q, buf)
                 pq = _dot(p, q, L)
                 if pq <= 0.0:
                     stalled = True
@@ -550,77 +590,88 @@ cdef class _Engine:
                     p[j] = r[j] + (rs_new / rs) * p[j]
                 rs = rs_new
                 it += 1
-            # the recursive residual drifts: take the true one, R C (y - C^T R z)
-            self._R(z, w, buf)
-            self._Ct(w, a)
+            # y = w - C^T R z, and the true residual R (C y - t)
+            self._R(z, tmp, buf)
+            self._Ct(tmp, a)
             for i in range(self.V):
                 if self.deg[i] > 0:
-                    a[i] = y[i] - a[i]
-            self._C(a, w)
-            self._R(w, r, buf)
+                    y[i] = w[i] - a[i]
+            self._C(y, tmp)
+            if t != NULL:
+                for j in range(L):
+                    tmp[j] -= t[j]
+            self._R(tmp, r, buf)
             rs = _dot(r, r, L)
             n_restart += 1
             if sqrt(rs) <= target or it >= max_cg or stalled or n_restart > 3:
-                for i in range(self.V):
-                    if self.deg[i] > 0:
-                        y[i] = a[i]
-                res_out[0] = sqrt(rs) / gnorm if gnorm > 0 else 0.0
+                res_out[0] = sqrt(rs) / scale if scale > 0 else 0.0
                 return it
+            # else restart CG from the true residual (r = b - H z)
 
-    def project(self, g):
-        """Proj_S g (degree-0 entries: g * 1[0 < eta < 1]) and (CG iterations, residual)."""
-        cdef double[::1] y = np.array(g, dtype=np.float64)
-        cdef Py_ssize_t L = self.L + 1, n_cg, max_cg = 10 * (self.L + 10)
-        cdef double[::1] z = np.zeros(L), r = np.zeros(L), p = np.zeros(L), q = np.zeros(L)
-        cdef double[::1] w = np.zeros(L), a = np.zeros(self.V + 1)
-        cdef Py_ssize_t i, max_s = 1
+    # -- results -------------------------------------------------------------------------------
+    def u_array(self):
+        return np.array(self._arrays["u"])
+
+    def factor_result(self, Py_ssize_t f):
+        """(v, structures, weights) of factor f."""
+        cdef _Workspace ws = self.workspaces[f]
+        ws._compute_u(ws.y, True)
+        v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
+        S, y, _ = ws._export()
+        return v, S, y
+
+    def n_map(self):
+        return sum([(<_Workspace> ws).n_map for ws in self.workspaces])
+
+    # -- backward --------------------------------------------------------------------------------
+    cdef object _buffers(self):
+        cdef Py_ssize_t max_s = 1
         for ws in self.workspaces:
             max_s = max(max_s, (<_Workspace> ws).nI)
-        cdef double[::1] buf = np.zeros(max_s)
+        return np.zeros(max_s), np.zeros(max(f.n_u for f in self.factors) if self.F else 1)
+
+    def project(self, g):
+        """Proj_S g (degree-0 entries: g * 1[0 < eta < 1]), CG iterations, relative residual."""
+        cdef double[::1] w = np.array(g, dtype=np.float64)
+        cdef double[::1] y = np.array(g, dtype=np.float64)
+        cdef Py_ssize_t L = self.L + 1, n_cg, i
+        cdef double[::1] z = np.zeros(L), r = np.zeros(L), p = np.zeros(L), q = np.zeros(L)
+        cdef double[::1] tmp = np.zeros(L), a = np.zeros(self.V + 1)
+        cdef double[::1] buf = self._buffers()[0]
         cdef double res = 0.0
         with nogil:
-            n_cg = self._project(&y[0] if self.V else NULL, &z[0], &r[0], &p[0], &q[0], &w[0],
-                                 &a[0], &buf[0], max_cg, &res)
+            n_cg = self._project(&w[0], NULL, &y[0], &z[0], &r[0], &p[0], &q[0], &tmp[0], &a[0],
+                                 &buf[0], 10 * (self.L + 10), &res)
             for i in range(self.V):
-                if self.deg[i] == 0:
-                    y[i] = y[i] if 0.0 < self.eta[i] < 1.0 else 0.0
+                if self.deg[i] == 0 and not (0.0 < self.eta[i] < 1.0):
+                    y[i] = 0.0
         return np.asarray(y), n_cg, res
 
-    def factor_jvp_v(self, Py_ssize_t f, d_eta_v, double[::1] out):
-        """out (V) += C~_f^T M_S Q_f N_S^T d_eta_v: factor f's eta_v direction, in u space."""
+    def add_eta_v_direction(self, Py_ssize_t f, const double[::1] dv, double[::1] out):
+        """out (V) += C~_f^T M_S D N_S^T dv: factor f's eta_v direction, mapped to the variables."""
         cdef _Workspace ws = self.workspaces[f]
-        cdef Factor fac = ws.f
-        cdef double[::1] dv = np.ascontiguousarray(d_eta_v, dtype=np.float64).reshape(-1)
-        cdef double[::1] buf = np.zeros(ws.nI + 1)
-        cdef double[::1] su = np.zeros(ws.n_u)
-        cdef Py_ssize_t t, j, a = self.uoff[f]
+        buf, scr = self._buffers()
+        cdef double[::1] b = buf
+        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
-            for t in range(ws.nI):
-                fac.c_score(ws.S + t * ws.k, self.zu, &dv[0], &buf[t])
-            ws._jacobian(&buf[0])
-            for t in range(ws.nI):
-                fac.c_add(ws.S + t * ws.k, buf[t], &su[0], NULL)
+            self._prop1(ws, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
             for j in range(a, self.uoff[f + 1]):
                 if self.var[j] >= 0:
-                    out[self.var[j]] += self.sig[j] * su[j - a]
+                    out[self.var[j]] += self.sig[j] * lit[j - a]
 
-    def factor_vjp_v(self, Py_ssize_t f, const double[::1] y):
-        """N_S Q_f M_S^T C~_f y: the gradient of factor f's eta_v given Proj_S g = y."""
+    def eta_v_gradient(self, Py_ssize_t f, const double[::1] y):
+        """N_S D M_S^T C~_f y: the gradient of factor f's eta_v, given Proj_S g = y."""
         cdef _Workspace ws = self.workspaces[f]
-        cdef Factor fac = ws.f
+        buf, scr = self._buffers()
+        cdef double[::1] b = buf, s = scr
         cdef double[::1] gv = np.zeros(ws.n_v)
-        cdef double[::1] buf = np.zeros(ws.nI + 1)
-        cdef double[::1] su = np.zeros(ws.n_u)
-        cdef Py_ssize_t t, j, a = self.uoff[f]
+        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             for j in range(a, self.uoff[f + 1]):
-                su[j - a] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
-            for t in range(ws.nI):
-                fac.c_score(ws.S + t * ws.k, &su[0], self.zv, &buf[t])
-            ws._jacobian(&buf[0])
-            su[:] = 0.0
-            for t in range(ws.nI):
-                fac.c_add(ws.S + t * ws.k, buf[t], &su[0], &gv[0])
+                lit[j - a] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
+            self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
 
@@ -628,6 +679,10 @@ cdef void* _ptr(arr):
     """Data pointer of a non-empty C-contiguous NumPy array kept alive by the caller."""
     cdef char[::1] raw = arr.reshape(-1).view(np.int8)
     return <void*> &raw[0]
+
+
+cdef double* _d(dict arrays, str key):
+    return <double*> _ptr(arrays[key])
 
 
 _MESSAGES = {
@@ -645,9 +700,6 @@ def _check_real(value, name, positive):
         raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
                          f"float, got {value!r}")
     return value
-
-
-_knobs = {}
 
 
 def _describe(f, factor):
@@ -836,7 +888,8 @@ class FactorGraph:
                 out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
         return out
 
-    def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO):
+    def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
+              polish=True):
         """LP-SparseMAP marginals of the graph's variables.
 
         Parameters
@@ -851,11 +904,17 @@ class FactorGraph:
         max_iter : int, optional
             ADMM iteration limit (default 10000).
         tol : float, default 1e-10
-            Converged when every factor agrees with ``u`` up to ``tol``
+            ADMM stops when every factor agrees with ``u`` up to ``tol``
             (primal residual ``max |l_f(u) - M_f p_f|``) and ``u`` moved by at
-            most ``tol / rho`` in the last iteration (dual residual).
-        rho : float, default 1.0
+            most ``tol / rho`` in the last iteration (dual residual), unless a
+            polished point was certified before.
+        rho : float, default 2.0
             ADMM penalty.
+        polish : bool, default True
+            Once the factors' supports settle, solve the problem exactly on
+            them and keep the result if its KKT conditions hold (then
+            ``polished=True`` and ``u`` is exact up to round-off). False runs
+            plain ADMM to ``tol``.
 
         Returns
         -------
@@ -865,24 +924,24 @@ class FactorGraph:
         ------
         ValueError
             Wrong shapes or lengths, non-finite scores, ``eta_v`` for a factor
-            without additional scores, bad ``max_iter``, ``tol`` or ``rho``.
+            without additional scores, bad ``max_iter``, ``tol``, ``rho`` or
+            ``polish``.
 
         Warns
         -----
         ConvergenceWarning
-            When the residuals are above ``tol`` at ``max_iter``; the last
-            iterate is returned with ``converged=False``.
+            When neither a certified polished point nor residuals below ``tol``
+            were reached within ``max_iter``; the last iterate is returned with
+            ``converged=False``.
         """
         eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
         ev = self._check_eta_v(eta_v, "eta_v")
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
         tol = _check_real(tol, "tol", positive=False)
         rho = _check_real(rho, "rho", positive=True)
+        polish = check_bool(polish, "polish")
         engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
-                         self.n_variables, eu, ev, rho, _knobs.get("splitting", 0))
-        for k, val in _knobs.items():
-            if k != "splitting":
-                setattr(engine, k, val)
+                         self.n_variables, eu, ev, rho, polish)
         engine.run(max_iter, tol)
         result = FactorGraphResult(self, engine, eu, ev)
         if not result.converged:
@@ -908,14 +967,22 @@ class FactorGraphResult:
     weights : list of ndarray
         Per factor, their weights (positive, summing to one).
     converged : bool
-        Whether both residuals reached ``tol``.
+        Whether a polished point was certified optimal, or both residuals
+        reached ``tol``.
+    polished : bool
+        Whether the returned point is the exact solution on the final
+        supports, certified by the KKT conditions of the problem (every
+        factor's weights nonnegative, and no structure of any factor better
+        than its support at the multipliers): ``u`` is then exact up to
+        round-off.
     n_iter : int
         ADMM iterations run.
     primal_residual : float
         ``max_{f, j} |l_fj(u) - (M_f p_f)_j|``: how far the factors' marginals
-        are from the variables'.
+        are from the variables' (round-off when polished).
     dual_residual : float
-        ``rho * max_i |u_i - u_i^{prev}|`` over the last iteration.
+        ``rho * max_i |u_i - u_i^{prev}|`` over the last ADMM iteration (0 when
+        polished: the certificate replaces it).
     objective : float
         ``1/2 ||u||^2 - eta_u . u - sum_f eta_v[f] . v[f]`` (a minimisation,
         as for :func:`solve`).
@@ -926,6 +993,9 @@ class FactorGraphResult:
     n_inner_unconverged : int
         Factor steps whose SparseMAP solve stopped before its gap tolerance
         (0 in normal use).
+    backward_info : dict or None
+        After :meth:`jvp` or :meth:`vjp`: ``cg_iterations`` and
+        ``relative_residual`` of the last backward solve.
     message : str
     """
 
@@ -950,6 +1020,7 @@ class FactorGraphResult:
         self.rho = float(engine.rho)
         self.n_map = int(engine.n_map())
         self.n_inner_unconverged = int(engine.n_inner_fail)
+        self.polished = bool(engine.polished)
         self.message = _MESSAGES[engine.status]
         self.objective = float(0.5 * self.u @ self.u - eta_u @ self.u
                                - sum(float(e @ v.reshape(-1)) for e, v in zip(eta_v, self.v)))
@@ -1014,7 +1085,7 @@ class FactorGraphResult:
         w = np.array(d, dtype=np.float64)
         for f, e in enumerate(dv):
             if e is not None:
-                self._engine.factor_jvp_v(f, e, w)
+                self._engine.add_eta_v_direction(f, e, w)
         return self._project(w)
 
     def vjp(self, du):
@@ -1045,7 +1116,7 @@ class FactorGraphResult:
         gv = []
         for f, factor in enumerate(self.factors):
             if factor.n_v:
-                gv.append(self._engine.factor_vjp_v(f, y).reshape(factor.shape_v))
+                gv.append(self._engine.eta_v_gradient(f, y).reshape(factor.shape_v))
             else:
                 gv.append(np.zeros(factor.shape_v))
         return y, gv

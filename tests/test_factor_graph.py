@@ -70,10 +70,12 @@ def g_budgets_xors(rng):
     return 8, spec, rng.normal(size=8) * 0.8 + 0.3, None
 
 
-def g_pair_cycle(rng, repulsive=False):
+def g_pair_cycle(rng, repulsive=False, negated=False):
     """Five variables, a cycle of pairs and a chord, mixed or repulsive couplings."""
     edges = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 0), (0, 2)]
-    spec = [(pair(), list(e), None) for e in edges]
+    flips = [[False, True], [False, False], [True, True], [False, False], [True, False],
+             [False, False]] if negated else [None] * len(edges)
+    spec = [(pair(), list(e), neg) for e, neg in zip(edges, flips)]
     if repulsive:   # strong unaries: repulsive edges keep u0 + u1 - 1 > 0 on some edges
         return 5, spec, rng.uniform(0.9, 1.6, 5), [-rng.uniform(0.1, 0.4, 1) for _ in edges]
     return 5, spec, rng.normal(0.5, 0.6, 5), [rng.normal(size=1) for _ in edges]
@@ -132,6 +134,7 @@ def g_sequence_budget_factor(rng):
 
 GRAPHS = {"budgets_xors": g_budgets_xors, "pair_cycle": g_pair_cycle,
           "pair_cycle_repulsive": lambda rng: g_pair_cycle(rng, True),
+          "pair_cycle_negated": lambda rng: g_pair_cycle(rng, negated=True),
           "tree_budgets": g_tree_budgets, "sequence_budget": g_sequence_budget,
           "negations": g_negations, "or_and_out": g_or_and_out, "matching": g_matching,
           "sequence_budget_factor": g_sequence_budget_factor}
@@ -170,12 +173,12 @@ def test_solution_matches_reference(name, seed):
     ref = reference(name, seed)
     assert ref["kkt"] < 1e-10
     r = fg.solve(eta_u, eta_v)
-    assert r.converged
-    assert r.primal_residual <= 1e-10 and r.dual_residual <= 1e-10
-    np.testing.assert_allclose(r.u, ref["u"], rtol=0, atol=1e-8)
+    assert r.converged and r.polished
+    assert r.primal_residual <= 1e-13
+    np.testing.assert_allclose(r.u, ref["u"], rtol=0, atol=1e-12)
     for f, (M, N, var, neg) in enumerate(cols):
         if N is not None:
-            np.testing.assert_allclose(r.v[f].reshape(-1), ref["v"][f], rtol=0, atol=1e-7)
+            np.testing.assert_allclose(r.v[f].reshape(-1), ref["v"][f], rtol=0, atol=1e-10)
     # each factor's distribution: weights on the simplex, and its marginals agree with u
     for f, factor in enumerate(fg.factors):
         w = r.weights[f]
@@ -186,19 +189,70 @@ def test_solution_matches_reference(name, seed):
             mu += wt * factor.vertex(s)[0]
         var, neg = fg.variables[f], fg.negated[f]
         lit = np.where(neg, 1 - r.u[np.maximum(var, 0)], r.u[np.maximum(var, 0)])
-        np.testing.assert_allclose(mu[var >= 0], lit[var >= 0], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(mu[var >= 0], lit[var >= 0], rtol=0, atol=1e-12)
     objective = 0.5 * r.u @ r.u - eta_u @ r.u - sum(
         float(np.sum(e * v)) for e, v in zip(eta_v or [], r.v) if e is not None)
     assert r.objective == pytest.approx(objective, abs=1e-12)
 
 
-def test_default_tolerance_reaches_1e_8_with_margin():
-    """The default tol (1e-10) leaves u within a few 1e-10 of (P)'s solution."""
+def test_plain_admm_default_tolerance_reaches_1e_8():
+    """Without polishing, the default tol (1e-10) leaves u within a few 1e-10 of (P)'s solution."""
     worst = 0.0
     for name, seed in CASES:
         fg, cols, eta_u, eta_v, ev_flat = make(name, seed)
-        worst = max(worst, np.abs(fg.solve(eta_u, eta_v).u - reference(name, seed)["u"]).max())
+        r = fg.solve(eta_u, eta_v, polish=False)
+        assert r.converged and not r.polished
+        assert r.primal_residual <= 1e-10 and r.dual_residual <= 1e-10
+        worst = max(worst, np.abs(r.u - reference(name, seed)["u"]).max())
     assert worst < 2e-9
+
+
+def test_a_certified_point_is_the_solution():
+    """Stopped early, a solve that claims a polished point has the exact solution."""
+    n_polished = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.ConvergenceWarning)
+        for name, seed in CASES:
+            fg, cols, eta_u, eta_v, ev_flat = make(name, seed)
+            for k in range(2, 30, 3):
+                r = fg.solve(eta_u, eta_v, max_iter=k)
+                if r.polished:
+                    n_polished += 1
+                    np.testing.assert_allclose(r.u, reference(name, seed)["u"], atol=1e-12)
+                else:
+                    assert not r.converged
+    assert n_polished > 20
+
+
+def test_the_certificate_rejects_wrong_supports():
+    """Polishing after a few ADMM steps, on supports that are not yet the optimal faces: the
+    KKT certificate must refuse every point but the solution."""
+    n_rejected = n_accepted = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.ConvergenceWarning)
+        for name, seed in CASES:
+            fg, cols, eta_u, eta_v, ev_flat = make(name, seed)
+            for k in (1, 2, 4):
+                engine = fg.solve(eta_u, eta_v, max_iter=k, polish=False)._engine
+                if engine._try_polish():
+                    n_accepted += 1
+                    np.testing.assert_allclose(engine.u_array(), reference(name, seed)["u"],
+                                               atol=1e-12)
+                else:
+                    n_rejected += 1
+    assert n_rejected > 20 and n_accepted > 0
+
+
+def test_threads_give_the_same_results():
+    """solve releases the GIL; concurrent solves of one graph agree with serial ones."""
+    from concurrent.futures import ThreadPoolExecutor
+    fg, cols, eta_u, eta_v, _ = make("tree_budgets", 0)
+    etas = [eta_u + 0.3 * k for k in range(8)]
+    serial = [fg.solve(e).u for e in etas]
+    with ThreadPoolExecutor(2) as ex:
+        threaded = list(ex.map(lambda e: fg.solve(e).u, etas))
+    for a, b in zip(serial, threaded):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_degree_zero_variable_is_clipped():
@@ -275,8 +329,8 @@ def test_oracle_factor_and_repeated_variable():
 def test_max_iter_warns():
     fg, cols, eta_u, eta_v, _ = make("tree_budgets", 0)
     with pytest.warns(sm.ConvergenceWarning):
-        r = fg.solve(eta_u, eta_v, max_iter=2)
-    assert not r.converged and r.n_iter == 2
+        r = fg.solve(eta_u, eta_v, max_iter=2, polish=False)
+    assert not r.converged and not r.polished and r.n_iter == 2
     assert r.primal_residual > 1e-10 or r.dual_residual > 1e-10
 
 
@@ -324,7 +378,8 @@ def test_jacobian_matches_finite_differences(name):
     assert r.backward_info["relative_residual"] <= 1e-13
 
 
-@pytest.mark.parametrize("name", ["pair_cycle", "pair_cycle_repulsive", "sequence_budget"])
+@pytest.mark.parametrize("name", ["pair_cycle", "pair_cycle_repulsive", "pair_cycle_negated",
+                                  "sequence_budget", "sequence_budget_factor"])
 def test_eta_v_gradients_match_finite_differences(name):
     fg, cols, eta_u, eta_v, ev_flat = make(name, 0)
     sup = reference(name, 0)["support"]
@@ -431,7 +486,8 @@ def test_solve_rejects_bad_input():
     with pytest.raises(ValueError, match=r"^eta_v\[1\]: contains non-finite"):
         fg.solve(np.zeros(3), [None, [np.inf]])
     for kw, name in ((dict(max_iter=0), "max_iter"), (dict(max_iter=1.5), "max_iter"),
-                     (dict(tol=-1.0), "tol"), (dict(tol=np.nan), "tol"), (dict(rho=0.0), "rho")):
+                     (dict(tol=-1.0), "tol"), (dict(tol=np.nan), "tol"), (dict(rho=0.0), "rho"),
+                     (dict(polish="yes"), "polish")):
         with pytest.raises(ValueError, match=f"^{name}"):
             fg.solve(np.zeros(3), **kw)
     r = fg.solve(np.zeros(3), [None, [0.5]])
