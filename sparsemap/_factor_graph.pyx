@@ -11,14 +11,20 @@ negated). The problem (``LP_SPARSEMAP.md``, section 1) is
 and is solved by ADMM with splitting B of the spec (section 2.3): every factor
 step is a plain, warm-started SparseMAP call on the factor's own active-set
 workspace, so any factor works at its native cost. In the variable space (a
-link's value ``y^_j = sigma_j (y_j - s_j)``, its multiplier ``lam^_j``):
+link's value ``y^_j = sigma_j (y_j - s_j)``, its multiplier ``lam^_j``), with
+over-relaxed values ``r_j = alpha y^_j + (1 - alpha) u_i``:
 
     factor step  p_f = SparseMAP(eta_u' = l_f(u + lam^/rho), eta_v' = eta_v[f] / rho)
-    u step       u_i = (eta_i - sum_j lam^_j + rho sum_j y^_j) / (1 + rho d_i)
-    dual step    lam^_j -= rho (y^_j - u_i)
+    u step       u_i = (eta_i - sum_j lam^_j + rho sum_j r_j) / (1 + rho d_i)
+    dual step    lam^_j -= rho (r_j - u_i)
 
 where the sums run over the links ``j`` of variable ``i`` and ``d_i`` is their
 number. The loop holds no Python objects and runs without the GIL.
+
+Once the supports settle, the problem restricted to the faces they span is
+solved directly (polishing: a projection onto an affine set, by conjugate
+gradient) and accepted only if its KKT conditions hold: then ``u`` is exact up
+to round-off. Otherwise ADMM goes on, and stops on its residuals.
 
 The backward pass is exact (spec, section 3.3): ``du/deta_u`` is the orthogonal
 projector onto ``{v : sigma_f C_f v in T_f for all f}``, with ``T_f`` the
@@ -37,6 +43,7 @@ from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _run
+from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int
@@ -70,6 +77,8 @@ cdef enum:
     RUNNING = 0
     CONVERGED = 1
     MAX_ITER = 2
+
+cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
 
 
 cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
@@ -239,7 +248,7 @@ cdef class _Engine:
         cdef double gap, obj
         self._set_scores(f)
         ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
-        if _run(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != CONVERGED:
+        if _run(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != INNER_CONVERGED:
             self.n_inner_fail += 1
         # _run leaves ws.u = M_f p_f (its last gap was computed at the returned weights)
         for j in range(a, self.uoff[f + 1]):
@@ -377,7 +386,7 @@ cdef class _Engine:
         self.polished = True
         return True
 
-    cdef void _solve_kappa(self) noexcept nogil:
+    cdef int _solve_kappa(self) except -1 nogil:
         """ck = kappa with (C~^T R C~) kappa = ckr, by CG from 0 (variables of degree >= 1)."""
         cdef Py_ssize_t i, it = 0, V = self.V
         cdef double rs, rs_new, pq, alpha, target
@@ -407,8 +416,9 @@ cdef class _Engine:
                 self.ckp[i] = self.ckr[i] + (rs_new / rs) * self.ckp[i]
             rs = rs_new
             it += 1
+        return 0
 
-    cdef void _polish_prepare(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+    cdef int _polish_prepare(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """t_f (a point of the face, minus s) into ct; the eta_v term g_f into cg (literal)."""
         cdef Py_ssize_t j, a = self.uoff[f]
         for j in range(a, self.uoff[f + 1]):
@@ -416,8 +426,9 @@ cdef class _Engine:
             self.cg[j] = 0.0
         if ws.n_v:
             self._prop1(ws, NULL, self.ev + self.voff[f], self.cg + a, NULL, ws.x1, NULL)
+        return 0
 
-    cdef bint _polish_check(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+    cdef int _polish_check(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """Factor f's KKT conditions at the polished point; its weights are left in ws.x1."""
         cdef Py_ssize_t j, t, a = self.uoff[f], b = self.uoff[f + 1], n = ws.nI
         cdef double* x = ws.x1
@@ -434,10 +445,10 @@ cdef class _Engine:
         ws._solve_upper(x)
         for t in range(n):
             if x[t] < -KKT_TOL:
-                return False
+                return 0
             psum += x[t]
         if fabs(psum - 1.0) > 1e-9:
-            return False
+            return 0
         for j in range(a, b):
             if fabs(self.cmu[j]) > scale:
                 scale = fabs(self.cmu[j])
@@ -449,13 +460,13 @@ cdef class _Engine:
             tau_hi = max(tau_hi, val)
             tau_lo = min(tau_lo, val)
         if tau_hi - tau_lo > KKT_TOL * scale:
-            return False
+            return 0
         ws.f.c_map(self.cmu + a, ev, ws.snew, ws.work)
         ws.n_map += 1
         ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
-        return best - tau_hi <= KKT_TOL * scale
+        return 1 if best - tau_hi <= KKT_TOL * scale else 0
 
-    cdef void _polish_accept(self, _Workspace ws) noexcept nogil:
+    cdef int _polish_accept(self, _Workspace ws) except -1 nogil:
         cdef Py_ssize_t t
         cdef double psum = 0.0
         for t in range(ws.nI):
@@ -465,6 +476,7 @@ cdef class _Engine:
             ws.y[t] /= psum
         ws._drop_below(0.0)
         ws._compute_u(ws.y, False)
+        return 0
 
     cdef double _primal_residual(self) noexcept nogil:
         """max over links of |l_f(u) - M_f p_f| (each ws.u holds M_f p_f)."""
@@ -483,8 +495,8 @@ cdef class _Engine:
         return rp
 
     # -- the single-factor Jacobian at the final support (Prop. 1) ------------------------------
-    cdef void _prop1(self, _Workspace ws, const double* in_u, const double* in_v, double* out_u,
-                     double* out_v, double* buf, double* scratch_u) noexcept nogil:
+    cdef int _prop1(self, _Workspace ws, const double* in_u, const double* in_v, double* out_u,
+                    double* out_v, double* buf, double* scratch_u) except -1 nogil:
         """out_u += M_S D (M_S^T in_u + N_S^T in_v); out_v += N_S D (...), D of Prop. 1.
 
         in_u / in_v NULL: zeros; out_u NULL: scratch_u (n_u) is written instead;
@@ -501,8 +513,9 @@ cdef class _Engine:
             out_u = scratch_u
         for t in range(ws.nI):
             ws.f.c_add(ws.S + t * ws.k, buf[t], out_u, out_v if ws.n_v else NULL)
+        return 0
 
-    cdef void _R(self, const double* x, double* out, double* buf) noexcept nogil:
+    cdef int _R(self, const double* x, double* out, double* buf) except -1 nogil:
         """out = R x = (I - P_f) x, factor by factor, on literal link vectors (0 where untied).
 
         buf: at least max nI doubles, or NULL to use each workspace's scratch.
@@ -510,14 +523,16 @@ cdef class _Engine:
         cdef Py_ssize_t f
         for f in range(self.F):
             self._R_factor(<_Workspace> self.wsp[f], f, x, out, buf)
+        return 0
 
-    cdef void _R_factor(self, _Workspace ws, Py_ssize_t f, const double* x, double* out,
-                        double* buf) noexcept nogil:
+    cdef int _R_factor(self, _Workspace ws, Py_ssize_t f, const double* x, double* out,
+                       double* buf) except -1 nogil:
         cdef Py_ssize_t j, a = self.uoff[f]
         memset(out + a, 0, ws.n_u * sizeof(double))
         self._prop1(ws, x + a, NULL, out + a, NULL, buf if buf != NULL else ws.x1, NULL)
         for j in range(a, self.uoff[f + 1]):
             out[j] = (x[j] - out[j]) if self.var[j] >= 0 else 0.0
+        return 0
 
     cdef void _C(self, const double* y, double* out) noexcept nogil:
         """out = C~ y: per link sigma_j y_i (0 where untied)."""
@@ -537,7 +552,7 @@ cdef class _Engine:
 
     cdef Py_ssize_t _project(self, const double* w, const double* t, double* y, double* z,
                              double* r, double* p, double* q, double* tmp, double* a,
-                             double* buf, Py_ssize_t max_cg, double* res_out) noexcept nogil:
+                             double* buf, Py_ssize_t max_cg, double* res_out) except -1 nogil:
         """y = w - C~^T R z, the point of {y : R (C~ y - t) = 0} closest to w (degree >= 1).
 
         (R C~ C~^T R) z = R (C~ w - t) is solved by conjugate gradient from z = 0;

@@ -326,6 +326,17 @@ def test_oracle_factor_and_repeated_variable():
     assert r.u[0] + 2 * r.u[1] == pytest.approx(1, abs=1e-9)
 
 
+def test_oracle_errors_propagate():
+    """An exception in a Python oracle during the nogil loop reaches the caller."""
+    def failing_map(eu, ev):
+        raise RuntimeError("oracle failed")
+    f = sm.OracleFactor(failing_map, lambda s: np.eye(3)[s], shape_u=3)
+    fg = sm.FactorGraph(3)
+    fg.add(f, [0, 1, 2])
+    with pytest.raises(RuntimeError, match="oracle failed"):
+        fg.solve([0.5, 0.4, 0.1])
+
+
 def test_max_iter_warns():
     fg, cols, eta_u, eta_v, _ = make("tree_budgets", 0)
     with pytest.warns(sm.ConvergenceWarning):
