@@ -328,13 +328,19 @@ def test_oracle_factor_and_repeated_variable():
 
 def test_oracle_errors_propagate():
     """An exception in a Python oracle during the nogil loop reaches the caller."""
-    def failing_map(eu, ev):
-        raise RuntimeError("oracle failed")
+    calls = []
+
+    def failing_map(eu, ev):      # the first call (the initial support) succeeds
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("oracle failed")
+        return int(np.argmax(eu))
     f = sm.OracleFactor(failing_map, lambda s: np.eye(3)[s], shape_u=3)
     fg = sm.FactorGraph(3)
     fg.add(f, [0, 1, 2])
     with pytest.raises(RuntimeError, match="oracle failed"):
         fg.solve([0.5, 0.4, 0.1])
+    assert len(calls) == 2
 
 
 def test_max_iter_warns():
