@@ -69,9 +69,13 @@ cdef double CG_RTOL = 1e-13
 # Polishing: first tried once the primal residual is below POLISH_START and no
 # support changed in the last iteration; after a failed attempt, once it is ten
 # times smaller. A polished point is accepted when its KKT conditions hold up
-# to KKT_TOL (relative to the scale of the scores and multipliers).
+# to KKT_TOL (relative to the scale of the scores and multipliers). Its two CG
+# solves take at most POLISH_MAX_CG iterations each (on the graphs measured in
+# benchmarks/bench_factor_graph.py a successful attempt took at most 115): on
+# wrong supports the affine set may be empty, and CG would not converge.
 cdef double POLISH_START = 1e-4
 cdef double KKT_TOL = 1e-11
+cdef Py_ssize_t POLISH_MAX_CG = 1000
 
 cdef enum:
     RUNNING = 0
@@ -359,7 +363,9 @@ cdef class _Engine:
             if self.var[j] >= 0:
                 self.cw[self.var[j]] += self.sig[j] * self.cg[j]
         self._project(self.cw, self.ct, self.cu, self.cz, self.cr, self.cp, self.cq, self.ctmp,
-                      self.ca, NULL, 10 * (self.L + 10), &res)
+                      self.ca, NULL, POLISH_MAX_CG, &res)
+        if res > 1e3 * CG_RTOL:
+            return False
         # the multipliers: cmu = -mu = -g - R (mu_A - C~ kappa), with mu_A = -sigma lam
         for j in range(self.L):
             self.cmu[j] = -self.sig[j] * self.lam[j] + self.cz[j] if self.var[j] >= 0 else 0.0
@@ -397,7 +403,7 @@ cdef class _Engine:
             self.ckp[i] = self.ckr[i]
         rs = _dot(self.ckr, self.ckr, V)
         target = CG_RTOL * CG_RTOL * max(rs, 1e-300)
-        while rs > target and it < 10 * (V + 10):
+        while rs > target and it < POLISH_MAX_CG:
             self._C(self.ckp, self.ctmp)
             self._R(self.ctmp, self.cq, NULL)
             self._Ct(self.cq, self.ckq)
