@@ -76,6 +76,8 @@ cdef double CG_RTOL = 1e-13
 cdef double POLISH_START = 1e-4
 cdef double KKT_TOL = 1e-11
 cdef Py_ssize_t POLISH_MAX_CG = 1000
+# Polished weights up to this are round-off zeros.
+cdef double ZERO_WEIGHT = 1e-12
 
 cdef enum:
     RUNNING = 0
@@ -473,10 +475,12 @@ cdef class _Engine:
         return 1 if best - tau_hi <= KKT_TOL * scale else 0
 
     cdef int _polish_accept(self, _Workspace ws) except -1 nogil:
+        """The polished weights; those at round-off level (ADMM approached the face
+        through structures whose weight vanishes there) leave the support."""
         cdef Py_ssize_t t
         cdef double psum = 0.0
         for t in range(ws.nI):
-            ws.y[t] = ws.x1[t] if ws.x1[t] > 0.0 else 0.0
+            ws.y[t] = ws.x1[t] if ws.x1[t] > ZERO_WEIGHT else 0.0
             psum += ws.y[t]
         for t in range(ws.nI):
             ws.y[t] /= psum
@@ -776,13 +780,16 @@ class FactorGraph:
 
     >>> import numpy as np, sparsemap as sm
     >>> fg = sm.FactorGraph(3)
-    >>> fg.add(sm.GenericFactor(np.eye(2)), [0, 1])         # exactly one of u0, u1
+    >>> fg.add(sm.XorFactor(2), [0, 1])
     0
-    >>> fg.add(sm.GenericFactor([[0., 1, 0], [0, 0, 1]]), [1, 2])   # at most one of u1, u2
+    >>> fg.add(sm.AtMostOneFactor(2), [1, 2])
     1
     >>> r = fg.solve(np.array([0.2, 0.5, 0.9]))
-    >>> r.converged, np.round(r.u, 6)
-    (True, array([0.533333, 0.466667, 0.533333]))
+    >>> r.converged, r.polished, np.round(r.u, 6)
+    (True, True, array([0.533333, 0.466667, 0.533333]))
+
+    The projection of the scores onto ``{u0 + u1 = 1, u1 + u2 <= 1}``; see
+    :doc:`/factor_graphs` for a parser with valency constraints.
     """
 
     def __init__(self, n_variables):
