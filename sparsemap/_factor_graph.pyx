@@ -1062,6 +1062,10 @@ class FactorGraphResult:
     def _project(self, g):
         y, n_cg, res = self._engine.project(g)
         self.backward_info = {"cg_iterations": int(n_cg), "relative_residual": float(res)}
+        if res > 1e-10:
+            warnings.warn(f"FactorGraphResult: the backward conjugate gradient stopped at a "
+                          f"relative residual of {res:.3g} after {n_cg} iterations",
+                          ConvergenceWarning, stacklevel=3)
         return y
 
     def _check_direction_v(self, d_eta_v):
