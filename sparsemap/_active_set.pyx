@@ -20,8 +20,12 @@ Python objects and runs without the GIL; the workspace grows geometrically.
 Problems are solved in batches (one problem for ``solve``): ``prepare_solve``
 makes every Python object and takes every pointer with the GIL, then threads
 call ``_Batch.run`` and claim problems from an atomic counter without it; each
-outcome stays in C buffers (``_Solution``) until a field is asked for.
-``prepare_backward`` runs Jacobian products (Prop. 1) the same way.
+outcome stays in C buffers (a ``_Sol``, owned by a ``_Solution``) until a field
+is asked for. ``prepare_backward`` runs Jacobian products (Prop. 1) the same
+way. A padded batch (the PyTorch layer's path) reads every problem from its
+block of one padded array and writes into one padded output, the threads
+copying, converting and scanning the blocks; its outcomes stay in one C array
+(``_Solutions``), with no Python object per problem.
 """
 import numpy as np
 
@@ -34,7 +38,7 @@ from libc.stdlib cimport calloc, malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
 from scipy.linalg.cython_blas cimport dtrsv
 
-from sparsemap._factors._base cimport Factor
+from sparsemap._factors._base cimport HAS_BAD, Factor, _scan
 
 cnp.import_array()
 
@@ -691,79 +695,192 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
 # one block without it, the outcome left in C buffers until asked for.
 # ---------------------------------------------------------------------------
 
-cdef class _Solution:
-    """Outcome of one solve, in C buffers; NumPy copies are made on request.
+cdef struct _Sol:
+    # Outcome of one solve. The support S, weights y and Cholesky factor L (n x n,
+    # row-major lower triangular) are in the solver's order, which the backward pass
+    # uses as it is; u and v are flat. A solution of a solver that keeps no factor (CG)
+    # has no L. One malloc'ed block, buf, holds them all (NULL: nothing solved).
+    void* buf
+    int* S
+    double* y
+    double* L
+    double* u
+    double* v
+    Py_ssize_t n_support, n_iter, n_map
+    int status
+    double gap, objective
+    double seconds       # spent in the solve without the GIL (benchmarks)
+    bint has_cholesky
 
-    The support ``S``, weights ``y`` and Cholesky factor ``L`` (``n x n``,
-    row-major lower triangular) are in the solver's order, which the backward
-    pass uses as it is; ``u`` and ``v`` are flat. A solution of a solver that
-    keeps no factor (CG) has no ``L``. One malloc'ed block holds them all.
-    """
+
+cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, bint with_L) except -1 nogil:
+    """(Re)allocate sol's block for a support of n structures of factor f."""
+    cdef Py_ssize_t nL = n * n if with_L else 0
+    free(sol.buf)
+    sol.buf = malloc((n + nL + f.n_u + f.n_v) * sizeof(double)
+                     + n * f.struct_size * sizeof(int) + sizeof(double))
+    if sol.buf == NULL:
+        with gil:
+            raise MemoryError()
+    sol.y = <double*> sol.buf
+    sol.L = sol.y + n
+    sol.u = sol.L + nL
+    sol.v = sol.u + f.n_u
+    sol.S = <int*> (sol.v + f.n_v)
+    sol.n_support = n
+    sol.has_cholesky = with_L
+    return 0
+
+
+cdef int _sol_copy(_Sol* dst, const _Sol* src, Factor f) except -1 nogil:
+    """dst <- a copy of src (same factor f)."""
+    cdef void* buf = dst.buf
+    dst[0] = src[0]
+    dst.buf = buf
+    if src.buf == NULL:
+        free(dst.buf)
+        dst.buf = NULL
+        return 0
+    _sol_alloc(dst, f, src.n_support, src.has_cholesky)
+    memcpy(dst.buf, src.buf, (<char*> (src.S + src.n_support * f.struct_size))
+                             - <char*> src.buf)
+    return 0
+
+
+cdef class _Solution:
+    """Outcome of one solve, in C buffers (a ``_Sol``); NumPy copies are made on request."""
     cdef public Factor factor
-    cdef void* buf
-    cdef int* S
-    cdef double* y
-    cdef double* L
-    cdef double* u
-    cdef double* v
-    cdef readonly Py_ssize_t n_support, n_iter, n_map
-    cdef readonly int status
-    cdef readonly double gap, objective
-    cdef readonly double seconds       # spent in the solve without the GIL (benchmarks)
-    cdef readonly bint has_cholesky
+    cdef _Sol s
     cdef public object history
 
     def __dealloc__(self):
-        free(self.buf)
+        free(self.s.buf)
 
-    cdef int _alloc(self, Py_ssize_t n, bint with_L) except -1 nogil:
-        cdef Py_ssize_t n_u = self.factor.n_u, n_v = self.factor.n_v
-        cdef Py_ssize_t nL = n * n if with_L else 0
-        free(self.buf)
-        self.buf = malloc((n + nL + n_u + n_v) * sizeof(double)
-                          + n * self.factor.struct_size * sizeof(int) + sizeof(double))
-        if self.buf == NULL:
-            with gil:
-                raise MemoryError()
-        self.y = <double*> self.buf
-        self.L = self.y + n
-        self.u = self.L + nL
-        self.v = self.u + n_u
-        self.S = <int*> (self.v + n_v)
-        self.n_support = n
-        self.has_cholesky = with_L
-        return 0
+    @property
+    def n_support(self):
+        return self.s.n_support
+
+    @property
+    def n_iter(self):
+        return self.s.n_iter
+
+    @property
+    def n_map(self):
+        return self.s.n_map
+
+    @property
+    def status(self):
+        return self.s.status
+
+    @property
+    def gap(self):
+        return self.s.gap
+
+    @property
+    def objective(self):
+        return self.s.objective
+
+    @property
+    def seconds(self):
+        """Spent in the solve without the GIL (benchmarks)."""
+        return self.s.seconds
+
+    @property
+    def has_cholesky(self):
+        return self.s.has_cholesky
 
     def structures_array(self):
         """The support, ``(n_support, struct_size)`` intc, solver's order."""
         cdef Py_ssize_t k = self.factor.struct_size
-        out = np.empty((self.n_support, k), dtype=np.intc)
+        out = np.empty((self.s.n_support, k), dtype=np.intc)
         cdef int[:, ::1] o = out
-        if self.n_support:
-            memcpy(&o[0, 0], self.S, self.n_support * k * sizeof(int))
+        if self.s.n_support:
+            memcpy(&o[0, 0], self.s.S, self.s.n_support * k * sizeof(int))
         return out
 
     def weights_array(self):
-        return _copy_out(self.y, self.n_support)
+        return _copy_out(self.s.y, self.s.n_support)
 
     def u_array(self):
-        return _copy_out(self.u, self.factor.n_u)
+        return _copy_out(self.s.u, self.factor.n_u)
 
     def v_array(self):
-        return _copy_out(self.v, self.factor.n_v)
+        return _copy_out(self.s.v, self.factor.n_v)
 
     def cholesky_array(self):
         """``L`` as an ``(n, n)`` array, or None."""
-        if not self.has_cholesky:
+        if not self.s.has_cholesky:
             return None
-        return _copy_out(self.L, self.n_support * self.n_support).reshape(
-            self.n_support, self.n_support)
+        return _copy_out(self.s.L, self.s.n_support * self.s.n_support).reshape(
+            self.s.n_support, self.s.n_support)
 
     def __reduce__(self):
         return (solution_from_arrays,
                 (self.factor, self.structures_array(), self.weights_array(), self.cholesky_array(),
-                 self.u_array(), self.v_array(), self.n_iter, self.n_map, self.status, self.gap,
-                 self.objective, self.history))
+                 self.u_array(), self.v_array(), self.s.n_iter, self.s.n_map, self.s.status,
+                 self.s.gap, self.s.objective, self.history))
+
+
+cdef class _Solutions:
+    """The outcomes of a padded batch, one ``_Sol`` per problem in one C array.
+
+    What the backward pass of a padded batch needs, without a Python object per
+    problem; :meth:`solution` copies one out as a :class:`_Solution`.
+    """
+    cdef _Sol* items
+    cdef PyObject** factors      # per problem (borrowed from self.keep)
+    cdef Py_ssize_t n
+    cdef object keep
+
+    def __cinit__(self, factors, Py_ssize_t n):
+        cdef Py_ssize_t i
+        self.n = n
+        self.items = <_Sol*> calloc(n if n > 0 else 1, sizeof(_Sol))
+        self.factors = <PyObject**> malloc((n if n > 0 else 1) * sizeof(PyObject*))
+        if self.items == NULL or self.factors == NULL:
+            raise MemoryError()
+        if isinstance(factors, Factor):
+            self.keep = factors
+            for i in range(n):
+                self.factors[i] = <PyObject*> factors
+        else:
+            self.keep = tuple(factors)
+            for i in range(n):
+                self.factors[i] = <PyObject*> self.keep[i]
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.items != NULL:
+            for i in range(self.n):
+                free(self.items[i].buf)
+        free(self.items)
+        free(self.factors)
+
+    def __len__(self):
+        return self.n
+
+    def solution(self, Py_ssize_t i):
+        """A :class:`_Solution` copy of problem i's outcome."""
+        cdef _Solution sol = _Solution.__new__(_Solution)
+        sol.factor = <Factor> self.factors[i]
+        _sol_copy(&sol.s, &self.items[i], sol.factor)
+        return sol
+
+    def backward_costs(self):
+        """Per problem, the cost of a backward product, ``|I| (n_u + struct_size)``."""
+        cdef Py_ssize_t i
+        out = np.empty(self.n, dtype=np.intp)
+        cdef Py_ssize_t[::1] o = out
+        for i in range(self.n):
+            o[i] = self.items[i].n_support * ((<Factor> self.factors[i]).n_u
+                                              + (<Factor> self.factors[i]).struct_size)
+        return out
+
+    def put(self, Py_ssize_t i, _Solution sol):
+        """Problem i's outcome <- a copy of sol's (of the same factor)."""
+        if sol.factor is not <object> self.factors[i]:
+            raise ValueError(f"put: problem {i} has another factor")
+        _sol_copy(&self.items[i], &sol.s, sol.factor)
 
 
 def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssize_t n_map,
@@ -778,31 +895,31 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     cdef const double[::1] Lv
     cdef Py_ssize_t n = Sv.shape[0]
     sol.factor = factor
-    sol._alloc(n, L is not None)
+    _sol_alloc(&sol.s, factor, n, L is not None)
     if n:
-        memcpy(sol.S, &Sv[0, 0], n * factor.struct_size * sizeof(int))
-        memcpy(sol.y, &yv[0], n * sizeof(double))
+        memcpy(sol.s.S, &Sv[0, 0], n * factor.struct_size * sizeof(int))
+        memcpy(sol.s.y, &yv[0], n * sizeof(double))
         if L is not None:
             Lv = np.ascontiguousarray(L, dtype=np.float64).reshape(-1)
-            memcpy(sol.L, &Lv[0], n * n * sizeof(double))
-    memcpy(sol.u, &uv[0], factor.n_u * sizeof(double))
+            memcpy(sol.s.L, &Lv[0], n * n * sizeof(double))
+    memcpy(sol.s.u, &uv[0], factor.n_u * sizeof(double))
     if factor.n_v:
-        memcpy(sol.v, &vv[0], factor.n_v * sizeof(double))
-    sol.n_iter = n_iter
-    sol.n_map = n_map
-    sol.status = status
-    sol.gap = gap
-    sol.objective = objective
+        memcpy(sol.s.v, &vv[0], factor.n_v * sizeof(double))
+    sol.s.n_iter = n_iter
+    sol.s.n_map = n_map
+    sol.s.status = status
+    sol.s.gap = gap
+    sol.s.objective = objective
     sol.history = history
     return sol
 
 
-cdef int _export_to(_Solution sol, _Workspace ws, Py_ssize_t n_iter, int status, double gap,
+cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, double gap,
                     double obj) except -1 nogil:
     """Copy a finished solve out of the workspace (which the next problem reuses)."""
     cdef Py_ssize_t n = ws.nI, i
     ws._compute_u(ws.y, True)
-    sol._alloc(n, True)
+    _sol_alloc(sol, ws.f, n, True)
     memcpy(sol.S, ws.S, n * ws.k * sizeof(int))
     memcpy(sol.y, ws.y, n * sizeof(double))
     for i in range(n):
@@ -870,7 +987,7 @@ cdef int _warm_start(_Workspace ws, const int* S, Py_ssize_t n) except -1 nogil:
     return 0
 
 
-cdef int _solve_one(_Workspace ws, _Solution sol, const double* eta_u, const double* eta_v,
+cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
                     double tol) except -1 nogil:
     """One active-set solve into sol; status INFEASIBLE when every structure is forbidden."""
@@ -955,11 +1072,60 @@ cdef extern from *:
     Py_ssize_t sm_load(Py_ssize_t* p) nogil
 
 
+cdef enum:
+    MAX_DIMS = 8     # dims of a padded array beyond the batch axis
+
+
+cdef extern from *:
+    """
+    /* CPU seconds of the calling thread (benchmarks: the time batches spend without the GIL). */
+    #if defined(_WIN32)
+    static double sm_thread_cpu(void) {
+        FILETIME c, e, k, u;
+        ULARGE_INTEGER kk, uu;
+        GetThreadTimes(GetCurrentThread(), &c, &e, &k, &u);
+        kk.LowPart = k.dwLowDateTime; kk.HighPart = k.dwHighDateTime;
+        uu.LowPart = u.dwLowDateTime; uu.HighPart = u.dwHighDateTime;
+        return 1e-7 * (double) (kk.QuadPart + uu.QuadPart);
+    }
+    #else
+    static double sm_thread_cpu(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+        return ts.tv_sec + 1e-9 * ts.tv_nsec;
+    }
+    #endif
+    """
+    double sm_thread_cpu() noexcept nogil
+
+
+# Benchmarks only: when on, batches add the CPU time their threads spend on problems
+# without the GIL (in nanoseconds) to _no_gil_ns.
+cdef bint _timing = False
+cdef Py_ssize_t _no_gil_ns = 0
+
+
+def no_gil_seconds(on=None):
+    """CPU seconds batches have spent on problems without the GIL (benchmarks only).
+
+    Counted only while switched on: ``no_gil_seconds(True)`` switches it on
+    (and ``False`` off); every call returns the total so far. The time a
+    thread holds the GIL inside a run (creating a workspace) is not counted.
+    """
+    global _timing
+    if on is not None:
+        _timing = bool(on)
+    return sm_load(&_no_gil_ns) * 1e-9
+
+
 cdef struct _Problem:
-    PyObject* sol            # the _Solution solved, or differentiated
+    _Sol* sol                # the outcome solved, or differentiated
+    PyObject* factor         # its factor (borrowed: the batch keeps it alive)
+    # In a padded batch, in_u, out_u (and in_v, out_v where padded) are the problem's
+    # slots of padded arrays, float64 or float32, read and written by _gather / _scatter.
     const double* in_u       # eta_u, or the direction / gradient of a backward product
     const double* in_v       # eta_v or d_eta_v (NULL: none or zeros)
-    double* out_u            # backward outputs
+    double* out_u            # backward outputs; padded batches: the solve's u too
     double* out_v
     const int* init          # warm start rows, or NULL
     Py_ssize_t n_init
@@ -979,10 +1145,109 @@ cdef inline const double* _data(object arrays, Py_ssize_t i) except NULL:
     return (<const double*> cnp.PyArray_DATA(a)) + i * a.shape[1]
 
 
+# -- padded batches: each problem's block of one padded array -------------------------
+# A padded array is C-contiguous, float64 or float32 (itemsize 8 or 4), shaped
+# (n, *pad); problem i's data is the leading block (its factor's shape) of its slot,
+# element i. The threads convert to and from float64 as they copy.
+
+cdef void _block_copy(char* padded, Py_ssize_t isz, const Py_ssize_t* pad,
+                      const Py_ssize_t* shape, int ndim, double* flat,
+                      bint into_padded) noexcept nogil:
+    """Copy between the leading block ``shape`` of a padded slot and a flat float64 C-ordered
+    array of that block (into the slot if into_padded), row by row."""
+    cdef Py_ssize_t idx[MAX_DIMS]
+    cdef Py_ssize_t stride[MAX_DIMS]
+    cdef Py_ssize_t rows = 1, width = shape[ndim - 1], r, k, off = 0
+    cdef int d
+    cdef char* q
+    cdef double* x
+    stride[ndim - 1] = 1
+    for d in range(ndim - 2, -1, -1):
+        stride[d] = stride[d + 1] * pad[d + 1]
+    for d in range(ndim - 1):
+        rows *= shape[d]
+        idx[d] = 0
+    if width == 0:
+        return
+    for r in range(rows):
+        q = padded + off * isz
+        x = flat + r * width
+        if isz == 8:
+            if into_padded:
+                memcpy(q, x, width * sizeof(double))
+            else:
+                memcpy(x, q, width * sizeof(double))
+        elif into_padded:
+            for k in range(width):
+                (<float*> q)[k] = <float> x[k]
+        else:
+            for k in range(width):
+                x[k] = (<const float*> q)[k]
+        d = ndim - 2          # the next row: an odometer over the leading dims
+        while d >= 0:
+            idx[d] += 1
+            off += stride[d]
+            if idx[d] < shape[d]:
+                break
+            off -= idx[d] * stride[d]
+            idx[d] = 0
+            d -= 1
+
+
+cdef inline Py_ssize_t _prod(const Py_ssize_t* shape, int ndim) noexcept nogil:
+    cdef Py_ssize_t n = 1
+    cdef int d
+    for d in range(ndim):
+        n *= shape[d]
+    return n
+
+
+cdef int _gather(const char* slot, Py_ssize_t isz, const Py_ssize_t* pad,
+                 const Py_ssize_t* shape, int ndim, double* flat) noexcept nogil:
+    """A problem's block of a padded array into flat (float64); its HAS_NEGINF | HAS_BAD flags.
+
+    Only the block is read (the padding may hold anything, NaN included)."""
+    _block_copy(<char*> slot, isz, pad, shape, ndim, flat, False)
+    return _scan(flat, _prod(shape, ndim))
+
+
+cdef void _scatter(const double* flat, char* slot, Py_ssize_t isz, const Py_ssize_t* pad,
+                   const Py_ssize_t* shape, int ndim) noexcept nogil:
+    """flat (NULL: zeros) into the block of a problem's slot, zeros in the rest of the slot."""
+    memset(slot, 0, _prod(pad, ndim) * isz)
+    if flat != NULL:
+        _block_copy(slot, isz, pad, shape, ndim, <double*> flat, True)
+
+
+cdef Py_ssize_t _check_padded(object arr, str name, Py_ssize_t n, object like=None) except -1:
+    """The itemsize of a padded array; a ValueError unless it is one (shaped like ``like``)."""
+    if (type(arr) is not np.ndarray or arr.dtype.kind != "f" or arr.itemsize not in (4, 8)
+            or not arr.flags.c_contiguous or not 2 <= arr.ndim <= MAX_DIMS + 1
+            or arr.shape[0] != n or (like is not None and arr.shape != like.shape)):
+        raise ValueError(f"{name}: expected a C-contiguous float32 or float64 array of shape "
+                         f"({n}, ...) with 1 to {MAX_DIMS} padded dims"
+                         + ("" if like is None else f", shaped {like.shape}")
+                         + f", got {arr!r:.60}")
+    return arr.itemsize
+
+
+cdef inline char* _base(object arr, Py_ssize_t* stride):
+    """The data of a padded array (NULL for None) and, in stride, the bytes per slot."""
+    if arr is None:
+        stride[0] = 0
+        return NULL
+    stride[0] = (<cnp.ndarray> arr).strides[0]
+    return <char*> cnp.PyArray_DATA(<cnp.ndarray> arr)
+
+
 cdef enum:
     SOLVE = 0
     JVP = 1
     VJP = 2
+
+# A problem of a padded batch whose input block the run refused (nan or +inf in scores; any
+# non-finite value in a gradient or direction): not solved, zeros in its outputs.
+REFUSED = -1
 
 
 cdef class _Batch:
@@ -995,6 +1260,11 @@ cdef class _Batch:
     first (the order given), so they balance problems of unequal cost and
     touch the GIL only to create a workspace the first time they meet a
     factor. A thread that joins late finds nothing left and returns.
+
+    A padded batch reads every problem's input from its block of one padded
+    array and writes its outputs into its slot of one padded array (zeros
+    outside the block), copying through per-thread buffers without the GIL;
+    :meth:`report` then says which problems need a look from Python.
     """
     cdef _Problem* P
     cdef Py_ssize_t n, n_threads, n_slots
@@ -1006,24 +1276,39 @@ cdef class _Batch:
     cdef Py_ssize_t signalled    # whether `finished` was released (once)
     cdef PyThread_type_lock finished   # held until every problem is done, or one failed
     cdef PyObject** ws           # n_threads x n_slots workspaces (NULL until needed)
-    cdef double* scratch         # backward: 2 * max support doubles per thread
+    cdef double* scratch         # per thread: padded blocks, then 2 * max support doubles
     cdef Py_ssize_t scratch_stride
     cdef list keep               # the objects behind the pointers
     cdef list slot_factors
     cdef object error            # (problem, exception) of the first failure
-    cdef public list outputs     # in problem order: _Solution, du, or (g_u, g_v)
+    cdef public object outputs   # list in problem order (_Solution, du, or (g_u, g_v)),
+                                 # a padded solve's _Solutions, or None (padded backward)
     cdef list hists              # return_history buffers, in problem order
+    # padded batches
+    cdef bint padded             # u data (in and out) are slots of padded arrays
+    cdef bint v_in_padded        # in_v too (else flat, zeros or NULL)
+    cdef Py_ssize_t isz_in_u, isz_in_v, isz_out_u, isz_out_v   # their itemsizes
+    cdef int ndim_u, ndim_v
+    cdef Py_ssize_t pad_u[MAX_DIMS]
+    cdef Py_ssize_t pad_v[MAX_DIMS]
+    cdef Py_ssize_t* shapes      # per slot: its factor's shape_u, then shape_v (MAX_DIMS each)
+    cdef Py_ssize_t max_nu, max_nv
+    cdef unsigned char* flags    # per problem (claim order): flags of its input blocks
 
     def __cinit__(self):
         self.P = NULL
         self.ws = NULL
         self.scratch = NULL
         self.finished = NULL
+        self.shapes = NULL
+        self.flags = NULL
 
     def __dealloc__(self):
         free(self.P)
         free(self.ws)
         free(self.scratch)
+        free(self.shapes)
+        free(self.flags)
         if self.finished != NULL:
             if self.signalled == 0:     # still held: release before freeing, as CPython does
                 PyThread_release_lock(self.finished)
@@ -1049,6 +1334,59 @@ cdef class _Batch:
         self.error = None
         return 0
 
+    cdef Py_ssize_t _slot(self, dict slots, Factor f) except -1:
+        """The slot of factor f (one per distinct factor object), added on first sight."""
+        s = slots.get(id(f))
+        if s is None:
+            s = slots[id(f)] = len(self.slot_factors)
+            self.slot_factors.append(f)
+        return s
+
+    cdef int _set_pads(self, arr_u, arr_v) except -1:
+        """Padded shapes from the arrays (n, *pad_u) and (n, *pad_v) (None: no v), checked."""
+        cdef int d
+        self.padded = True
+        self.ndim_u = arr_u.ndim - 1
+        for d in range(self.ndim_u):
+            self.pad_u[d] = arr_u.shape[d + 1]
+        self.ndim_v = 0 if arr_v is None else arr_v.ndim - 1
+        for d in range(self.ndim_v):
+            self.pad_v[d] = arr_v.shape[d + 1]
+        return 0
+
+    cdef int _set_shapes(self, names) except -1:
+        """Each slot's block shapes, checked against the padded shapes (after the slots)."""
+        cdef Py_ssize_t s, d, i
+        cdef Py_ssize_t* sh
+        cdef Factor f
+        self.shapes = <Py_ssize_t*> calloc(max(self.n_slots, 1) * 2 * MAX_DIMS,
+                                           sizeof(Py_ssize_t))
+        self.flags = <unsigned char*> calloc(self.n if self.n > 0 else 1, 1)
+        if self.shapes == NULL or self.flags == NULL:
+            raise MemoryError()
+        self.max_nu = self.max_nv = 0
+        for s in range(self.n_slots):
+            f = self.slot_factors[s]
+            sh = self.shapes + s * 2 * MAX_DIMS
+            self.max_nu = max(self.max_nu, f.n_u)
+            self.max_nv = max(self.max_nv, f.n_v)
+            for which, shape, pad, ndim, out in (
+                    ("u", f.shape_u, [self.pad_u[d] for d in range(self.ndim_u)], self.ndim_u, 0),
+                    ("v", f.shape_v, [self.pad_v[d] for d in range(self.ndim_v)], self.ndim_v,
+                     MAX_DIMS)):
+                if ndim == 0 or (which == "v" and f.n_v == 0):
+                    continue      # no padded v, or an empty block
+                if len(shape) != ndim or any(a > b for a, b in zip(shape, pad)):
+                    i = min(P_index for P_index in self._problems_of(s))
+                    raise ValueError(f"{names[which == 'v']}[{i}]: the factor's shape_{which} "
+                                     f"{shape} does not fit in the padded shape {tuple(pad)}")
+                for d in range(ndim):
+                    sh[out + d] = shape[d]
+        return 0
+
+    def _problems_of(self, Py_ssize_t s):
+        return [self.P[j].index for j in range(self.n) if self.P[j].slot == s]
+
     cdef int _alloc_workspaces(self) except -1:
         self.ws = <PyObject**> calloc(self.n_threads * max(len(self.slot_factors), 1),
                                       sizeof(PyObject*))
@@ -1057,10 +1395,75 @@ cdef class _Batch:
         self.n_slots = len(self.slot_factors)
         return 0
 
+    cdef int _alloc_scratch(self, Py_ssize_t per_thread) except -1:
+        self.scratch_stride = per_thread if per_thread > 0 else 1
+        self.scratch = <double*> malloc(self.n_threads * self.scratch_stride * sizeof(double))
+        if self.scratch == NULL:
+            raise MemoryError()
+        return 0
+
     cdef int _new_workspace(self, Py_ssize_t t, Py_ssize_t slot) except -1:
         ws = _Workspace(self.slot_factors[slot], 16)
         self.keep.append(ws)
         self.ws[t * self.n_slots + slot] = <PyObject*> ws
+        return 0
+
+    cdef int _work(self, Py_ssize_t t, Py_ssize_t j) except -1 nogil:
+        """Problem j (claim order) as thread t."""
+        cdef _Problem* p = &self.P[j]
+        cdef PyObject** ws = self.ws + t * self.n_slots
+        cdef double* buf = self.scratch + t * self.scratch_stride if self.scratch != NULL else NULL
+        cdef const double* in_u = p.in_u
+        cdef const double* in_v = p.in_v
+        cdef double* out_u = p.out_u
+        cdef double* out_v = p.out_v
+        cdef const Py_ssize_t* shape_u = NULL
+        cdef const Py_ssize_t* shape_v = NULL
+        cdef int flags = 0
+        cdef Py_ssize_t n_v = (<Factor> p.factor).n_v
+        cdef double t0 = 0.0
+        if self.kind == SOLVE and ws[p.slot] == NULL:
+            with gil:
+                self._new_workspace(t, p.slot)
+        if _timing:
+            t0 = sm_thread_cpu()
+        if self.padded:
+            # the blocks go through this thread's buffers: in_u, in_v, out_u, out_v, then x
+            shape_u = self.shapes + p.slot * 2 * MAX_DIMS
+            shape_v = shape_u + MAX_DIMS
+            flags = _gather(<const char*> p.in_u, self.isz_in_u, self.pad_u, shape_u,
+                            self.ndim_u, buf)
+            in_u = buf
+            if self.v_in_padded and n_v:
+                flags |= _gather(<const char*> p.in_v, self.isz_in_v, self.pad_v, shape_v,
+                                 self.ndim_v, buf + self.max_nu)
+                in_v = buf + self.max_nu
+            self.flags[j] = flags
+            buf += self.max_nu + self.max_nv
+            out_u = buf
+            out_v = buf + self.max_nu if (p.out_v != NULL and n_v) else NULL
+            buf += self.max_nu + self.max_nv
+        if self.kind == SOLVE:
+            if not (flags & HAS_BAD):
+                (<_Workspace> ws[p.slot]).callback = p.callback
+                _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
+                           self.max_iter, self.tol)
+                (<_Workspace> ws[p.slot]).callback = NULL
+            if self.padded:
+                _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
+                         self.pad_u, shape_u, self.ndim_u)
+        else:
+            # a backward product: gradients and directions must be finite (masks are scores)
+            if flags == 0:
+                _jacobian_apply(p.sol, <Factor> p.factor, in_u, in_v, out_u, out_v, buf)
+            if self.padded:
+                _scatter(out_u if flags == 0 else NULL, <char*> p.out_u, self.isz_out_u,
+                         self.pad_u, shape_u, self.ndim_u)
+                if p.out_v != NULL:
+                    _scatter(out_v if flags == 0 else NULL, <char*> p.out_v, self.isz_out_v,
+                             self.pad_v, shape_v, self.ndim_v)
+        if _timing:
+            sm_fetch_add(&_no_gil_ns, <Py_ssize_t> (1e9 * (sm_thread_cpu() - t0)))
         return 0
 
     def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
@@ -1071,12 +1474,9 @@ cdef class _Batch:
         that many seconds have passed (checked between problems).
         """
         cdef Py_ssize_t j = -1
-        cdef _Problem* p
-        cdef PyObject** ws
         cdef double t0 = _now()
         if t < 0 or t >= self.n_threads:
             raise ValueError(f"t: expected a thread number in [0, {self.n_threads}), got {t}")
-        ws = self.ws + t * self.n_slots
         try:
             with nogil:
                 while sm_load(&self.stop) == 0:
@@ -1085,18 +1485,7 @@ cdef class _Batch:
                     j = sm_claim(&self.claimed, self.n, from_back)
                     if j < 0:
                         break
-                    p = &self.P[j]
-                    if self.kind == SOLVE:
-                        if ws[p.slot] == NULL:
-                            with gil:
-                                self._new_workspace(t, p.slot)
-                        (<_Workspace> ws[p.slot]).callback = p.callback
-                        _solve_one(<_Workspace> ws[p.slot], <_Solution> p.sol, p.in_u, p.in_v,
-                                   p.init, p.n_init, p.hist, self.max_iter, self.tol)
-                        (<_Workspace> ws[p.slot]).callback = NULL
-                    else:
-                        _jacobian_apply(<_Solution> p.sol, p.in_u, p.in_v, p.out_u, p.out_v,
-                                        self.scratch + t * self.scratch_stride)
+                    self._work(t, j)
                     if sm_fetch_add(&self.n_done, 1) == self.n - 1:
                         self._signal()
         except BaseException as exc:
@@ -1135,6 +1524,29 @@ cdef class _Batch:
                 (<_Solution> sol).history = h[:4 * sol.n_iter].reshape(sol.n_iter, 4).copy()
 
 
+    def report(self):
+        """After :meth:`wait`: the problems to look at, as ``(index, code)`` by index.
+
+        ``code`` is ``REFUSED`` for a problem of a padded batch whose input
+        block held a value the run does not accept (nan or +inf in scores; any
+        non-finite value in a backward input), else, for solves, the status of
+        a problem that did not converge. Usually empty.
+        """
+        cdef Py_ssize_t j
+        cdef int status
+        out = []
+        for j in range(self.n):
+            if self.flags != NULL and (self.flags[j] & HAS_BAD if self.kind == SOLVE
+                                       else self.flags[j]):
+                out.append((self.P[j].index, REFUSED))
+            elif self.kind == SOLVE:
+                status = self.P[j].sol.status
+                if status != CONVERGED:
+                    out.append((self.P[j].index, status))
+        out.sort()
+        return out
+
+
 def _add_note(exc, Py_ssize_t i):
     if hasattr(exc, "add_note"):   # Python >= 3.11
         exc.add_note(f"(while solving problem {i} of the batch)")
@@ -1142,10 +1554,11 @@ def _add_note(exc, Py_ssize_t i):
 
 def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
-                  callback=None):
+                  callback=None, out_u=None):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
-    Inputs must be validated: their pointers are read without checks.
+    Inputs must be validated: their pointers are read without checks (except
+    in a padded batch, whose blocks the threads scan).
 
     Parameters
     ----------
@@ -1153,9 +1566,12 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
         Shared by every problem, or one per problem.
     etas_u : ndarray or list of ndarray
         A 2-d float64 C-contiguous array (row ``i``: problem ``i``) or a list
-        of flat float64 C-contiguous arrays.
+        of flat float64 C-contiguous arrays. With ``out_u``: a padded
+        C-contiguous float64 or float32 array ``(n, *pad_u)``, problem ``i``
+        reading the leading block of shape ``factor.shape_u`` of ``etas_u[i]``.
     etas_v : None, ndarray or list
-        As ``etas_u``; None (or None entries of a list): zeros.
+        As ``etas_u`` (padded with ``out_u``, leading blocks of shape
+        ``factor.shape_v``); None (or None entries of a list): zeros.
     order : int array
         Every problem index once, in the order threads should claim them
         (largest first).
@@ -1168,6 +1584,12 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     callback : callable, optional
         Called with the GIL after every iteration of every problem (see
         :func:`sparsemap.solve`); a problem it stops gets ``STATUS_STOPPED``.
+    out_u : ndarray, optional
+        Makes the batch padded: a C-contiguous float64 or float32 array
+        shaped like ``etas_u``, into which each problem writes its ``u``
+        (zeros outside its block). The threads copy each block out in float64,
+        scan it (a problem whose block holds nan or +inf is refused, see
+        :meth:`_Batch.report`) and solve it: the padding is never read.
 
     Notes
     -----
@@ -1181,14 +1603,19 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     cdef Py_ssize_t n = order.shape[0], j, i, max_nv = 0
     cdef Factor f
     cdef _Solution sol
+    cdef _Solutions sols
     cdef cnp.ndarray a
     cdef bint shared = isinstance(factors, Factor)
+    cdef bint padded = out_u is not None
     cdef const double* zeros = NULL
+    cdef char* in_u = NULL
+    cdef char* in_v = NULL
+    cdef char* o_u = NULL
+    cdef Py_ssize_t st_u = 0, st_v = 0, st_o = 0
     cdef _Problem* p
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
-    b.outputs = [None] * n
     b.hists = [None] * n if return_history else None
     slots = {}
     if shared:
@@ -1196,31 +1623,51 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
         max_nv = (<Factor> factors).n_v
     else:
         for f in factors:
-            if id(f) not in slots:
-                slots[id(f)] = len(b.slot_factors)
-                b.slot_factors.append(f)
-                if f.n_v > max_nv:
-                    max_nv = f.n_v
+            b._slot(slots, f)
+            if f.n_v > max_nv:
+                max_nv = f.n_v
     if max_nv and (etas_v is None or type(etas_v) is list):
         zero_buf = np.zeros(max_nv)
         b.keep.append(zero_buf)
         zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
-    b.keep.extend((etas_u, etas_v, inits, callback))
+    if padded:
+        b.isz_in_u = _check_padded(etas_u, "etas_u", n)
+        b.isz_out_u = _check_padded(out_u, "out_u", n, etas_u)
+        b.v_in_padded = etas_v is not None
+        if b.v_in_padded:
+            b.isz_in_v = _check_padded(etas_v, "etas_v", n)
+        b._set_pads(etas_u, etas_v)
+        in_u = _base(etas_u, &st_u)
+        in_v = _base(etas_v, &st_v)
+        o_u = _base(out_u, &st_o)
+        sols = _Solutions(factors, n)
+        b.outputs = sols
+    else:
+        b.outputs = [None] * n
+    b.keep.extend((etas_u, etas_v, inits, callback, out_u))
     for j in range(n):
         i = order[j]
         p = &b.P[j]
         p.index = i
         f = factors if shared else factors[i]
-        sol = _Solution.__new__(_Solution)
-        sol.factor = f
-        b.outputs[i] = sol
-        p.sol = <PyObject*> sol
+        p.factor = <PyObject*> f
         p.slot = 0 if shared else slots[id(f)]
-        p.in_u = _data(etas_u, i)
+        if padded:
+            p.sol = &sols.items[i]
+            p.in_u = <const double*> (in_u + i * st_u)
+            p.out_u = <double*> (o_u + i * st_o)
+        else:
+            sol = _Solution.__new__(_Solution)
+            sol.factor = f
+            b.outputs[i] = sol
+            p.sol = &sol.s
+            p.in_u = _data(etas_u, i)
         if f.n_v == 0:
             p.in_v = NULL
         elif etas_v is None or (type(etas_v) is list and etas_v[i] is None):
             p.in_v = zeros
+        elif padded:
+            p.in_v = <const double*> (in_v + i * st_v)
         else:
             p.in_v = _data(etas_v, i)
         if inits is not None and inits[i] is not None:
@@ -1233,64 +1680,114 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
             b.hists[i] = h
             p.hist = <double*> cnp.PyArray_DATA(<cnp.ndarray> h)
     b._alloc_workspaces()
+    if padded:
+        b._set_shapes(("etas_u", "etas_v"))
+        b._alloc_scratch(2 * (b.max_nu + b.max_nv))
     return b
 
 
-def prepare_backward(list sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] order,
-                     Py_ssize_t n_threads):
+def prepare_backward(sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] order,
+                     Py_ssize_t n_threads, out_u=None, out_v=None):
     """A :class:`_Batch` of Jacobian products; its ``outputs`` are the products.
 
     Parameters
     ----------
-    sols : list of _Solution
+    sols : list of _Solution, or _Solutions
         Each with its Cholesky factor.
     ins_u : list of flat float64 arrays, or a 2-d float64 array (row i for sols[i])
-        ``d_eta_u`` (jvp) or ``du`` (vjp), validated.
+        ``d_eta_u`` (jvp) or ``du`` (vjp), validated. With ``out_u``: a padded
+        C-contiguous float64 or float32 array ``(n, *pad_u)`` (leading blocks read).
     ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
     transpose : bool
         False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
     order, n_threads
         As for :func:`prepare_solve`.
+    out_u, out_v : ndarray, optional
+        Make the batch padded, as in :func:`prepare_solve`: ``out_u`` shaped
+        like ``ins_u`` receives ``du`` (jvp) or ``g_u`` (vjp) of each problem,
+        zero-padded; ``out_v`` (vjp only, optional) a C-contiguous float64
+        or float32 array ``(n, *pad_v)`` receives ``g_v``. Inputs are scanned in the
+        threads: a block holding a non-finite value is refused (see
+        :meth:`_Batch.report`).
 
     Returns
     -------
     _Batch whose ``outputs`` are ``du`` arrays (jvp) or ``(g_u, g_v)`` pairs
-    (vjp), shaped like the factors' scores.
+    (vjp), shaped like the factors' scores (None when padded).
     """
     cdef _Batch b = _Batch.__new__(_Batch)
     cdef Py_ssize_t n = order.shape[0], j, i, max_support = 0
     cdef _Solution sol
+    cdef _Solutions many = sols if isinstance(sols, _Solutions) else None
+    cdef Factor f
     cdef _Problem* p
+    cdef bint padded = out_u is not None
+    cdef char* in_u = NULL
+    cdef char* in_v = NULL
+    cdef char* o_u = NULL
+    cdef char* o_v = NULL
+    cdef Py_ssize_t st_u = 0, st_v = 0, st_ou = 0, st_ov = 0
+    if many is not None and many.n != n:
+        raise ValueError(f"sols: expected {n} solutions, got {many.n}")
     b._setup(n, n_threads, VJP if transpose else JVP)
-    b.outputs = [None] * n
+    b.outputs = None if padded else [None] * n
     b.hists = None
-    b.keep.extend((sols, ins_u, ins_v))
+    b.keep.extend((sols, ins_u, ins_v, out_u, out_v))
+    slots = {}
+    if padded:
+        if (ins_v if transpose else out_v) is not None:
+            raise ValueError("a vjp takes no ins_v, a jvp gives no out_v")
+        b.isz_in_u = _check_padded(ins_u, "ins_u", n)
+        b.isz_out_u = _check_padded(out_u, "out_u", n, ins_u)
+        b.v_in_padded = ins_v is not None
+        if b.v_in_padded:
+            b.isz_in_v = _check_padded(ins_v, "ins_v", n)
+        if out_v is not None:
+            b.isz_out_v = _check_padded(out_v, "out_v", n)
+        b._set_pads(ins_u, out_v if transpose else ins_v)
+        in_u = _base(ins_u, &st_u)
+        in_v = _base(ins_v, &st_v)
+        o_u = _base(out_u, &st_ou)
+        o_v = _base(out_v, &st_ov)
     for j in range(n):
         i = order[j]
         p = &b.P[j]
         p.index = i
-        sol = sols[i]
-        if sol.n_support > max_support:
-            max_support = sol.n_support
-        p.sol = <PyObject*> sol
+        if many is not None:
+            p.sol = &many.items[i]
+            p.factor = many.factors[i]
+        else:
+            sol = sols[i]
+            p.sol = &sol.s
+            p.factor = <PyObject*> sol.factor
+        f = <Factor> p.factor
+        if p.sol.n_support > max_support:
+            max_support = p.sol.n_support
+        if padded:
+            p.slot = b._slot(slots, f)
+            p.in_u = <const double*> (in_u + i * st_u)
+            p.out_u = <double*> (o_u + i * st_ou)
+            if in_v != NULL:
+                p.in_v = <const double*> (in_v + i * st_v)
+            if o_v != NULL:
+                p.out_v = <double*> (o_v + i * st_ov)
+            continue
         p.in_u = _data(ins_u, i)
-        if sol.factor.n_v and ins_v is not None and (type(ins_v) is not list
-                                                      or ins_v[i] is not None):
+        if f.n_v and ins_v is not None and (type(ins_v) is not list or ins_v[i] is not None):
             p.in_v = _data(ins_v, i)
-        gu = np.empty(sol.factor.shape_u)
+        gu = np.empty(f.shape_u)
         p.out_u = <double*> cnp.PyArray_DATA(<cnp.ndarray> gu)
         if transpose:
-            gv = np.empty(sol.factor.shape_v)
-            if sol.factor.n_v:
+            gv = np.empty(f.shape_v)
+            if f.n_v:
                 p.out_v = <double*> cnp.PyArray_DATA(<cnp.ndarray> gv)
             b.outputs[i] = (gu, gv)
         else:
             b.outputs[i] = gu
-    b.scratch_stride = 2 * max_support + 2
-    b.scratch = <double*> malloc(b.n_threads * b.scratch_stride * sizeof(double))
-    if b.scratch == NULL:
-        raise MemoryError()
     b._alloc_workspaces()
+    if padded:
+        b._set_shapes(("ins_u", "ins_v" if not transpose else "out_v"))
+    b._alloc_scratch(2 * (b.max_nu + b.max_nv) + 2 * max_support + 2)
     return b
 
 
@@ -1336,23 +1833,23 @@ cdef void _jacobian_transform(const double* L, int n, double* x, double* ones) n
         x[t] -= a * ones[t]
 
 
-cdef int _jacobian_apply(_Solution sol, const double* in_u, const double* in_v, double* out_u,
-                         double* out_v, double* x) except -1 nogil:
+cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
+                         double* out_u, double* out_v, double* x) except -1 nogil:
     """``M_I D A_I^T`` or ``A_I D M_I^T`` applied to a vector, D of Prop. 1.
 
     x_t = a_t . [in_u; in_v] (in_v NULL: only the m_t part), x <- D x, and
     out_u = sum_t x_t m_t, plus out_v = sum_t x_t n_t when out_v is not NULL.
     x is scratch for 2 |I| doubles. O(|I| n + |I|^2).
     """
-    cdef Py_ssize_t n = sol.n_support, k = sol.factor.struct_size, t
-    memset(out_u, 0, sol.factor.n_u * sizeof(double))
+    cdef Py_ssize_t n = sol.n_support, k = f.struct_size, t
+    memset(out_u, 0, f.n_u * sizeof(double))
     if out_v != NULL:
-        memset(out_v, 0, sol.factor.n_v * sizeof(double))
+        memset(out_v, 0, f.n_v * sizeof(double))
     for t in range(n):
-        sol.factor.c_score(sol.S + t * k, in_u, in_v, &x[t])
+        f.c_score(sol.S + t * k, in_u, in_v, &x[t])
     _jacobian_transform(sol.L, <int> n, x, x + n)
     for t in range(n):
-        sol.factor.c_add(sol.S + t * k, x[t], out_u, out_v)
+        f.c_add(sol.S + t * k, x[t], out_u, out_v)
     return 0
 
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from sparsemap import _active_set
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_MAX_ITER,
-                                   STATUS_STALLED, STATUS_STOPPED, solution_from_arrays)
+                                   STATUS_STALLED, STATUS_STOPPED, _Solutions,
+                                   solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base import SCAN_BAD, Factor, _NoAllowedStructure, _real_array, scan_values
@@ -732,8 +733,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
             sol.factor = f   # the caller's factor objects, not copies
     for i, sol in enumerate(sols):
         if sol.status == STATUS_INFEASIBLE:
-            raise ValueError(fs[i]._infeasible_message(_names(fs[i], "etas_u", "etas_v",
-                                                              f"[{i}]")))
+            raise _infeasible_error(fs[i], i)
     if method == "active_set":   # the scores are kept for CG's backward pass only
         results = [SparseMAPResult(f, sol, method) for f, sol in zip(fs, sols)]
     else:
@@ -844,3 +844,161 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
         if isinstance(dv, list):
             dv = [None if f.n_v == 0 else d for f, d in zip(factors, dv)]
     return _backward_batch(rs, du, dv, False, n_jobs)
+
+
+# -- padded batches: the PyTorch layer's path -------------------------------------------
+#
+# One padded float64 array in, one out: problem i reads the leading block of shape
+# factors[i].shape_u of etas_u[i] (and of etas_v[i]) and writes u, zero-padded, into its
+# slot of one output array. The threads copy and scan each block and write each slot
+# without the GIL (_active_set.prepare_solve with out_u), so what stays serial is one
+# pass over the problems to take pointers, and a look at the few the run reports.
+
+def _blocks(factors, arr, on_v):
+    """Each problem's leading block of a padded array (views)."""
+    fs = [factors] * len(arr) if isinstance(factors, Factor) else factors
+    return [arr[(i,) + tuple(slice(0, d) for d in (f.shape_v if on_v else f.shape_u))]
+            for i, f in enumerate(fs)]
+
+
+def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
+    """Solve a padded batch (the fast path of ``sparsemap.torch``; private).
+
+    Parameters
+    ----------
+    factors : Factor or list of Factor
+        One factor for every problem, or one per problem.
+    etas_u : ndarray, shape ``(B, *pad_u)``
+        C-contiguous float64 or float32. Problem ``i`` reads the leading block
+        of shape ``factors[i].shape_u`` of ``etas_u[i]``; the rest is never
+        read, and nothing is written.
+    etas_v : ndarray, shape ``(B, *pad_v)``, or None
+        Likewise with ``shape_v`` (None: zeros).
+    out_u : ndarray, shaped like ``etas_u``
+        C-contiguous float64 or float32: receives each ``u`` (bitwise equal
+        to :func:`solve`'s, rounded to float32 for a float32 array), zeros
+        outside each problem's block.
+    n_jobs : int or None
+    solve_kw : dict
+        As for :func:`solve_batch`.
+
+    Returns
+    -------
+    handles : _Solutions or list of SparseMAPResult
+        The outcomes, for :func:`_backward_padded`: in C buffers (the active
+        set), or results (the general path: other solvers, warm starts).
+
+    Raises
+    ------
+    ValueError
+        As :func:`solve_batch`, naming ``etas_u[i]`` or ``etas_v[i]``.
+    """
+    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+                                           solve_kw.get("max_iter"),
+                                           solve_kw.get("tol", DEFAULT_TOL))
+    B = etas_u.shape[0]
+    shared = isinstance(factors, Factor)
+    if method != "active_set" or set(solve_kw) - {"method", "max_iter", "tol"}:
+        # the general path: blocks through solve_batch (CG solvers, warm starts, ...), from
+        # copies (CG's results keep their scores for the backward pass)
+        etas_u = np.array(etas_u, dtype=np.float64)
+        etas_v = None if etas_v is None else np.array(etas_v, dtype=np.float64)
+        results = solve_batch(factors, _blocks(factors, etas_u, False),
+                              None if etas_v is None else _blocks(factors, etas_v, True),
+                              n_jobs=n_jobs, **solve_kw)
+        out_u[...] = 0.0
+        for b, r in zip(_blocks(factors, out_u, False), results):
+            b[...] = r.u
+        return results
+    n_threads = max(1, min(_check_n_jobs(n_jobs), B))
+    order = _order(B, None if shared or n_threads == 1 else [f.n_u + f.n_v for f in factors])
+    batch = _active_set.prepare_solve(factors, etas_u, etas_v, order, None, max_iter, tol,
+                                      False, n_threads, None, out_u)
+    sols = _run(batch, n_threads)
+    report = batch.report()
+    if report:
+        _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol)
+    return sols
+
+
+def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
+    """The problems a padded run reported, as :func:`solve_batch` would treat them.
+
+    A refused block (nan or +inf) goes through the factor's validation, which
+    raises unless those values sit in entries the factor ignores; then it is
+    solved again with them set to 0. Then the first infeasible problem
+    raises, and problems that did not converge warn.
+    """
+    fs = [factors] * len(sols) if isinstance(factors, Factor) else factors
+    for i, code in report:
+        if code != _active_set.REFUSED:
+            continue
+        f = fs[i]
+        eu = f._check_array(_blocks(f, etas_u[i:i + 1], False)[0], f"etas_u[{i}]", False, True)
+        ev = None
+        if etas_v is not None and f.n_v:
+            ev = f._check_array(_blocks(f, etas_v[i:i + 1], True)[0], f"etas_v[{i}]", True, True)
+        sol = _solve_problems(f, [eu], [ev], None, method, max_iter, tol, False)[0]
+        sols.put(i, sol)
+        _blocks(f, u[i:i + 1], False)[0][...] = sol.u_array().reshape(f.shape_u)
+    reported = [(i, sols.solution(i)) for i, _ in report]
+    for i, sol in reported:
+        if sol.status == STATUS_INFEASIBLE:
+            raise _infeasible_error(fs[i], i)
+    for i, sol in reported:
+        if sol.status != STATUS_CONVERGED:
+            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ", 4)
+
+
+def _infeasible_error(f, i):
+    return ValueError(f._infeasible_message(_names(f, "etas_u", "etas_v", f"[{i}]")))
+
+
+def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None):
+    """Jacobian products of a padded batch (the backward of ``sparsemap.torch``; private).
+
+    Parameters
+    ----------
+    handles : _Solutions or list of SparseMAPResult
+        From :func:`_solve_padded`.
+    ins_u : ndarray, shape ``(B, *pad_u)``
+        C-contiguous float64 or float32: ``du`` (vjp) or ``d_eta_u`` (jvp),
+        leading blocks read.
+    ins_v : ndarray, shape ``(B, *pad_v)``, or None
+        ``d_eta_v`` (jvp only; None: zeros).
+    transpose : bool
+        True: vjp, ``(g_eta_u, g_eta_v)``; False: jvp, ``du``.
+    n_jobs : int or None
+    out_u : ndarray, shaped like ``ins_u``
+        Receives ``g_eta_u`` (vjp) or ``du`` (jvp), zero-padded.
+    out_v : ndarray, shape ``(B, *pad_v)``, optional
+        vjp: receives ``g_eta_v``, zero-padded (None: not computed).
+
+    Raises
+    ------
+    ValueError
+        A non-finite value in a block read, naming ``dus[i]`` (vjp) or
+        ``d_etas_u[i]`` / ``d_etas_v[i]`` (jvp).
+    """
+    B = ins_u.shape[0]
+    n_threads = max(1, min(_check_n_jobs(n_jobs), B))
+    if isinstance(handles, _Solutions):
+        sols = handles
+        costs = None if n_threads == 1 else sols.backward_costs()
+    else:
+        sols = [h._backward_solution() for h in handles]
+        costs = None if n_threads == 1 else \
+            [s.n_support * (s.factor.n_u + s.factor.struct_size) for s in sols]
+    order = _order(B, costs)
+    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, order, n_threads,
+                                         out_u, out_v)
+    _run(batch, n_threads)
+    report = batch.report()
+    if report:
+        i = report[0][0]
+        f = handles.solution(i).factor if isinstance(handles, _Solutions) else sols[i].factor
+        name = "dus" if transpose else "d_etas_u"
+        if not transpose and ins_v is not None and f.n_v and \
+                np.isfinite(_blocks(f, ins_u[i:i + 1], False)[0]).all():
+            name = "d_etas_v"
+        raise ValueError(f"{name}[{i}]: contains non-finite values (nan or inf)")

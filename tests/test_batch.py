@@ -336,3 +336,148 @@ def test_every_problem_solved_exactly_once(n_jobs):
         assert len(calls) == sum(r.n_map for r in rs)
         for r, e in zip(rs, etas):
             same_result(r, sm.solve(f, e))
+
+
+# -- padded batches (the PyTorch layer's path: one padded array in, one out) ------------
+from sparsemap._solve import _backward_padded, _solve_padded  # noqa: E402
+
+
+def padded_batch(rng, factors, on_v=False, fill=np.nan, scale=1.0):
+    """Random padded scores: each factor's leading block, ``fill`` everywhere else."""
+    shapes = [f.shape_v if on_v else f.shape_u for f in factors]
+    pad = tuple(max(d) for d in zip(*shapes))
+    arr = np.full((len(factors),) + pad, fill)
+    for b, s in enumerate(shapes):
+        arr[(b,) + tuple(slice(0, d) for d in s)] = scale * rng.standard_normal(s)
+    return arr
+
+
+def block(arr, b, shape):
+    return arr[(b,) + tuple(slice(0, d) for d in shape)]
+
+
+def outside_is_zero(arr, b, shape):
+    rest = arr[b].copy()
+    rest[tuple(slice(0, d) for d in shape)] = 0
+    return not rest.any()
+
+
+PADDED_FAMILIES = {
+    "tree": lambda: [sm.TreeFactor(n) for n in (3, 7, 1, 5, 7, 2)],
+    "sequence": lambda: [sm.SequenceFactor(n, 3) for n in (4, 1, 6, 2, 6)],
+    "matching": lambda: [sm.MatchingFactor(r, c) for r, c in ((3, 4), (2, 2), (4, 1), (1, 3))],
+    "shared": lambda: sm.SequenceFactor(4, 3),
+}
+
+
+@pytest.mark.parametrize("name", PADDED_FAMILIES)
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_padded_solve_and_backward_bitwise_equal_per_element(name, n_jobs):
+    rng = np.random.default_rng(40)
+    factors = PADDED_FAMILIES[name]()
+    fs = factors if isinstance(factors, list) else [factors] * 5
+    has_v = fs[0].n_v > 0
+    eu = padded_batch(rng, fs, scale=2.0)      # NaN in the padding: never read
+    ev = padded_batch(rng, fs, True) if has_v else None
+    u = np.full(eu.shape, 7.0)
+    handles = _solve_padded(factors, eu, ev, u, n_jobs, {})
+    du = padded_batch(rng, fs)
+    g_u, g_v = np.full(eu.shape, 7.0), (np.full(ev.shape, 7.0) if has_v else None)
+    _backward_padded(handles, du, None, True, n_jobs, g_u, g_v)
+    d_eu, d_ev = padded_batch(rng, fs), (padded_batch(rng, fs, True) if has_v else None)
+    jv = np.full(eu.shape, 7.0)
+    _backward_padded(handles, d_eu, d_ev, False, n_jobs, jv)
+    for b, f in enumerate(fs):
+        r = sm.solve(f, block(eu, b, f.shape_u), None if ev is None else block(ev, b, f.shape_v))
+        assert np.array_equal(block(u, b, f.shape_u), r.u) and outside_is_zero(u, b, f.shape_u)
+        gu, gv = r.vjp(block(du, b, f.shape_u))
+        assert np.array_equal(block(g_u, b, f.shape_u), gu) and outside_is_zero(g_u, b, f.shape_u)
+        if has_v:
+            assert np.array_equal(block(g_v, b, f.shape_v), gv)
+            assert outside_is_zero(g_v, b, f.shape_v)
+        want = r.jvp(block(d_eu, b, f.shape_u),
+                     None if d_ev is None else block(d_ev, b, f.shape_v))
+        assert np.array_equal(block(jv, b, f.shape_u), want) and outside_is_zero(jv, b, f.shape_u)
+
+
+def test_padded_float32_in_and_out():
+    # the threads convert: float32 scores read exactly, u rounded as NumPy rounds it
+    rng = np.random.default_rng(41)
+    fs = [sm.TreeFactor(n) for n in (4, 2, 6)]
+    eu = padded_batch(rng, fs, fill=np.inf, scale=3.0).astype(np.float32)
+    u = np.empty(eu.shape, dtype=np.float32)
+    handles = _solve_padded(fs, eu, None, u, 2, {})
+    du = padded_batch(rng, fs).astype(np.float32)
+    g = np.empty(eu.shape, dtype=np.float32)
+    _backward_padded(handles, du, None, True, 2, g)
+    for b, f in enumerate(fs):
+        r = sm.solve(f, block(eu, b, f.shape_u).astype(np.float64))
+        assert np.array_equal(block(u, b, f.shape_u), r.u.astype(np.float32))
+        want = r.vjp(block(du, b, f.shape_u).astype(np.float64))[0].astype(np.float32)
+        assert np.array_equal(block(g, b, f.shape_u), want)
+        assert outside_is_zero(u, b, f.shape_u) and outside_is_zero(g, b, f.shape_u)
+
+
+def test_padded_masks_and_ignored_entries():
+    rng = np.random.default_rng(42)
+    fs = [sm.TreeFactor(n) for n in (5, 3, 6, 4)]
+    eu = padded_batch(rng, fs, fill=np.nan)
+    eu[0, 1:4, 2] = -np.inf                     # forbidden arcs
+    eu[1, 2, 2] = np.nan                        # the diagonal and column 0 are ignored:
+    eu[2, :, 0] = np.inf                        # any value, the solve sets them to 0
+    eu[3, 3, 3] = -np.inf
+    u = np.empty(eu.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _solve_padded(fs, eu, None, u, 2, {})
+    for b, f in enumerate(fs):
+        r = sm.solve(f, block(eu, b, f.shape_u))
+        assert np.array_equal(block(u, b, f.shape_u), r.u)
+    assert (u[0, 1:4, 2] == 0).all()
+
+
+def test_padded_errors_name_the_element():
+    rng = np.random.default_rng(43)
+    fs = [sm.TreeFactor(n) for n in (3, 4, 2, 4)]
+
+    def run(eu, factors=fs):
+        return _solve_padded(factors, eu, None, np.empty(eu.shape), 2, {})
+
+    eu = padded_batch(rng, fs)
+    eu[2, 1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"etas_u\[2\]: .*non-finite"):
+        run(eu)
+    eu = padded_batch(rng, fs)
+    eu[1, :, 3] = -np.inf                       # word 3 of element 1 has no allowed head
+    with pytest.raises(ValueError, match=r"etas_u\[1\]: .*forbidden"):
+        run(eu)
+    eu[3, 2, 1] = np.inf                        # validation first, as in solve_batch
+    with pytest.raises(ValueError, match=r"etas_u\[3\]"):
+        run(eu)
+    with pytest.raises(ValueError, match=r"etas_u\[1\]: .*does not fit"):
+        run(padded_batch(rng, fs), [fs[0], sm.TreeFactor(6), fs[2], fs[3]])
+    eu = padded_batch(rng, fs)
+    handles = run(eu)
+    du = padded_batch(rng, fs)
+    du[3, 0, 1] = np.inf
+    with pytest.raises(ValueError, match=r"dus\[3\]: .*non-finite"):
+        _backward_padded(handles, du, None, True, 1, np.empty(eu.shape))
+
+
+def test_padded_general_path_and_convergence_warning():
+    # other solvers go through solve_batch on the blocks; results match it
+    rng = np.random.default_rng(44)
+    fs = [sm.TreeFactor(n) for n in (3, 5)]
+    eu = padded_batch(rng, fs)
+    u = np.empty(eu.shape)
+    handles = _solve_padded(fs, eu, None, u, 1, dict(method="pairwise_cg", tol=1e-9))
+    want = sm.solve_batch(fs, [block(eu, b, f.shape_u) for b, f in enumerate(fs)],
+                          method="pairwise_cg", tol=1e-9)
+    for b, (f, r) in enumerate(zip(fs, want)):
+        assert np.array_equal(block(u, b, f.shape_u), r.u)
+    g = np.empty(eu.shape)
+    _backward_padded(handles, eu * 0 + 1, None, True, 1, g)
+    assert np.array_equal(block(g, 1, fs[1].shape_u), want[1].vjp(np.ones(fs[1].shape_u))[0])
+    with pytest.warns(sm.ConvergenceWarning) as record:
+        _solve_padded(fs, eu, None, u, 1, dict(max_iter=1))
+    assert [str(w.message)[:9] for w in record] == ["problem 0", "problem 1"]

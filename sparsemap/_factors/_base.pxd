@@ -44,3 +44,13 @@ cdef class Factor:
     cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil
     # u += w m_s ; v += w n_s  (v may be NULL when n_v == 0)
     cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil
+
+
+# Value classes found by _scan (declared here for the batch runner, which scans
+# the blocks it copies out of padded score arrays).
+cdef enum:
+    HAS_NEGINF = 1   # -inf somewhere: a forbidden part
+    HAS_BAD = 2      # nan or +inf somewhere
+
+# HAS_NEGINF | HAS_BAD flags of x[:n], in one vectorisable pass.
+cdef int _scan(const double* x, Py_ssize_t n) noexcept nogil

@@ -11,12 +11,6 @@ import numpy as np
 
 from libc.math cimport INFINITY
 
-# Value classes found by _scan.
-cdef enum:
-    HAS_NEGINF = 1   # -inf somewhere: a forbidden part
-    HAS_BAD = 2      # nan or +inf somewhere
-
-
 class _NoAllowedStructure(ValueError):
     """Every structure uses a forbidden part (MAP on masked scores)."""
 
