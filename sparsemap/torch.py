@@ -37,7 +37,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _check_n_jobs, _thread_pool
+from sparsemap._solve import _backward_padded, _check_n_jobs, _solve_padded, _thread_pool
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -72,11 +72,32 @@ _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.flo
 
 
 def _to_host(x):
-    """A float64 NumPy copy of a tensor (a copy, so later in-place edits cannot leak in)."""
+    """A C-contiguous float64 NumPy copy of a tensor (a copy, so later in-place edits
+    cannot leak in)."""
     t = x.detach()
     if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
-        return np.array(t.numpy(), dtype=np.float64)
-    return t.to(device="cpu", dtype=torch.float64).numpy()
+        return np.array(t.numpy(), dtype=np.float64, order="C")
+    return np.ascontiguousarray(t.to(device="cpu", dtype=torch.float64).numpy())
+
+
+# dtypes the padded solver reads and writes itself, converting in its threads
+_DIRECT = (torch.float32, torch.float64)
+
+
+def _output(shape, like):
+    """``(tensor, array)``: where the padded solver writes a result for ``like = (dtype,
+    device)``: a new CPU tensor's memory, or a float64 array (tensor None) to convert."""
+    dtype, device = like
+    if device.type == "cpu" and dtype in _DIRECT:
+        t = torch.empty(shape, dtype=dtype)
+        return t, t.numpy()
+    return None, np.empty(shape)
+
+
+def _finish(out, shape, like):
+    """The tensor of an :func:`_output` pair, shaped ``shape``."""
+    t, arr = out
+    return (t if t is not None else _like(arr, like)).reshape(shape)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -89,10 +110,13 @@ class _Layout:
 
     ``factors`` is one shared factor (``ragged=False``) or one factor per batch
     element; ``batch_shape`` are the leading dims; ``pad_u`` / ``pad_v`` the
-    trailing ones.
+    trailing ones. Whether each element's block fits in the padded shape is
+    checked by the padded solver (the layer's path) or by :meth:`split_u` /
+    :meth:`split_v`; ``trusted`` factor lists (built by the family wrappers)
+    skip the per-element type check.
     """
 
-    def __init__(self, factor, eta_u, eta_v):
+    def __init__(self, factor, eta_u, eta_v, trusted=False):
         _check_tensor(eta_u, "eta_u")
         if eta_v is not None:
             _check_tensor(eta_v, "eta_v")
@@ -115,36 +139,56 @@ class _Layout:
             self.factors = None
         else:
             self.ragged = True
-            self.factors = _factor_list(factor)
+            self.factors = factor if trusted else _factor_list(factor)
             B = len(self.factors)
             k = len(self.factors[0].shape_u)
             if eta_u.dim() != 1 + k or eta_u.shape[0] != B:
                 raise ValueError(f"eta_u: with a list of {B} factors, expected shape (B={B}, ...) "
                                  f"with {k} padded dims, got {tuple(eta_u.shape)}")
             self.pad_u = tuple(eta_u.shape[1:])
-            self.shapes_u = [f.shape_u for f in self.factors]
-            i = _first_misfit(self.shapes_u, self.pad_u)
-            if i >= 0:
-                raise ValueError(f"eta_u: factor[{i}].shape_u = {self.shapes_u[i]} does not fit "
-                                 f"in the padded shape {self.pad_u}")
             self.batch_shape = (B,)
-            self.shapes_v = [f.shape_v if _has_v(f) else None for f in self.factors]
             self.pad_v = (0,)
             if eta_v is not None:
-                if all(sv is None for sv in self.shapes_v):
+                if not any(_has_v(f) for f in self.factors):
                     raise ValueError("eta_v: the factors have no eta_v; pass None")
                 self.pad_v = tuple(eta_v.shape[1:])
                 if eta_v.shape[0] != B:
                     raise ValueError(f"eta_v: expected {B} batch elements (one per factor), "
                                      f"got shape {tuple(eta_v.shape)}")
-                i = _first_misfit(self.shapes_v, self.pad_v)
-                if i >= 0:
-                    raise ValueError(f"eta_v: factor[{i}].shape_v = {self.shapes_v[i]} does not "
-                                     f"fit in the padded shape {self.pad_v}")
+            self._shapes = None
         self.B = int(np.prod(self.batch_shape, dtype=np.int64))
+
+    def _blocks(self):
+        """Per-element block shapes ``(shapes_u, shapes_v)`` of a ragged batch (None for an
+        element without eta_v), checked against the padded shapes on first use."""
+        if self._shapes is None:
+            shapes_u = [f.shape_u for f in self.factors]
+            shapes_v = [f.shape_v if _has_v(f) else None for f in self.factors]
+            for which, shapes, pad in (("u", shapes_u, self.pad_u), ("v", shapes_v, self.pad_v)):
+                if which == "v" and pad == (0,):
+                    continue
+                i = _first_misfit(shapes, pad)
+                if i >= 0:
+                    raise ValueError(f"eta_{which}: the factor's shape_{which} {shapes[i]} does "
+                                     f"not fit in the padded shape {pad} (batch element {i})")
+            self._shapes = shapes_u, shapes_v
+        return self._shapes
 
     def factor_of(self, b):
         return self.factors[b] if self.ragged else self.factor
+
+    def host(self, x, which):
+        """A tensor shaped ``(*batch, *pad)`` as the C-contiguous ``(B, *pad)`` host array
+        the padded solver reads: the tensor's own memory when it is a contiguous float32
+        or float64 CPU tensor (the solver converts in its threads), else a float64 copy;
+        zeros for None."""
+        shape = (self.B,) + (self.pad_u if which == "u" else self.pad_v)
+        if x is None:
+            return np.zeros(shape)
+        t = x.detach()
+        if t.device.type == "cpu" and t.dtype in _DIRECT:
+            return np.ascontiguousarray(t.numpy().reshape(shape))
+        return _to_host(t).reshape(shape)
 
     # host arrays <-> per-problem arrays
     def split_u(self, arr):
@@ -152,7 +196,7 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_u)
         if not self.ragged:
             return arr
-        return [arr[(b,) + _block(s)] for b, s in enumerate(self.shapes_u)]
+        return [arr[(b,) + _block(s)] for b, s in enumerate(self._blocks()[0])]
 
     def split_v(self, arr):
         if arr is None:
@@ -160,7 +204,8 @@ class _Layout:
         arr = arr.reshape((self.B,) + self.pad_v)
         if not self.ragged:
             return arr
-        return [None if s is None else arr[(b,) + _block(s)] for b, s in enumerate(self.shapes_v)]
+        return [None if s is None else arr[(b,) + _block(s)]
+                for b, s in enumerate(self._blocks()[1])]
 
     def join(self, arrays, which):
         """Per-problem arrays -> one zero-padded (*batch, *pad) float64 array."""
@@ -169,7 +214,7 @@ class _Layout:
             out = np.stack(arrays) if arrays else np.zeros((0,) + pad)
             return out.reshape(self.batch_shape + pad)
         out = np.zeros((self.B,) + pad)
-        for b, (s, a) in enumerate(zip(self.shapes_u if which == "u" else self.shapes_v, arrays)):
+        for b, (s, a) in enumerate(zip(self._blocks()[which == "v"], arrays)):
             if s is not None:
                 out[(b,) + _block(s)] = a.reshape(s)
         return out
@@ -205,12 +250,17 @@ def _factor_list(factor):
     return factors
 
 
+# What the batch layer calls a problem's arrays, and what they are to the layer's user.
+_BATCH_NAMES = {"etas_u": "eta_u", "etas_v": "eta_v", "dus": "the gradient of u",
+                "d_etas_u": "the tangent of eta_u", "d_etas_v": "the tangent of eta_v"}
+
+
 def _batch_error(exc, layout):
-    """solve_batch names a problem ``etas_u[i]``; say ``eta_u`` and the batch element."""
-    m = re.match(r"etas_([uv])\[(\d+)\]", str(exc))
+    """The batch layer names a problem ``etas_u[i]``; say ``eta_u`` and the batch element."""
+    m = re.match(r"(etas_u|etas_v|dus|d_etas_u|d_etas_v)\[(\d+)\]", str(exc))
     if m is None:
         return exc
-    return ValueError(f"eta_{m[1]}{str(exc)[m.end():]}{_where(layout, int(m[2]))}")
+    return ValueError(f"{_BATCH_NAMES[m[1]]}{str(exc)[m.end():]}{_where(layout, int(m[2]))}")
 
 
 def _where(layout, b):
@@ -222,7 +272,22 @@ def _where(layout, b):
     return f" (batch element {tuple(int(i) for i in np.unravel_index(b, layout.batch_shape))})"
 
 
+def _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw):
+    """``u`` (a tensor like ``eta_u``) and the handles of the backward pass."""
+    eu = layout.host(eta_u, "u")
+    ev = None if eta_v is None else layout.host(eta_v, "v")
+    like = _spec(eta_u)
+    out = _output(eu.shape, like)
+    try:
+        handles = _solve_padded(layout.factors if layout.ragged else layout.factor, eu, ev,
+                                out[1], n_jobs, solve_kw)
+    except ValueError as exc:
+        raise _batch_error(exc, layout) from None
+    return _finish(out, layout.batch_shape + layout.pad_u, like), handles
+
+
 def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
+    """One SparseMAPResult per problem (for the distribution)."""
     if layout.B == 0:
         return []
     eu = layout.split_u(_to_host(eta_u))
@@ -272,26 +337,31 @@ class _Linear(torch.autograd.Function):
 class _LayerJacobian:
     """Prop. 1 for a solved batch: ``J = M D A^T`` per problem, padded."""
 
-    def __init__(self, layout, results, n_jobs, eta_u, eta_v):
-        self.layout, self.results, self.n_jobs = layout, results, n_jobs
+    def __init__(self, layout, handles, n_jobs, eta_u, eta_v):
+        self.layout, self.handles, self.n_jobs = layout, handles, n_jobs
         self.like_u, self.like_v = _spec(eta_u), _spec(eta_v)
 
     def apply(self, xs, transpose):
         lay = self.layout
-        if not transpose:   # (d_eta_u, d_eta_v) -> du
-            du = _zeros_if_none(xs[0], lay, "u")
-            dv = xs[1] if len(xs) > 1 else None
-            dv = None if self.like_v is None or dv is None else lay.split_v(_to_host(dv))
-            out = sm.jvp_batch(self.results, lay.split_u(_to_host(du)), dv, n_jobs=self.n_jobs) \
-                if self.results else []
-            return (_like(lay.join(out, "u"), self.like_u),)
-        gu = _zeros_if_none(xs[0], lay, "u")      # du -> (g_eta_u, g_eta_v)
-        out = sm.vjp_batch(self.results, lay.split_u(_to_host(gu)), n_jobs=self.n_jobs) \
-            if self.results else []
-        g_u = _like(lay.join([o[0] for o in out], "u"), self.like_u)
-        if self.like_v is None:
+        g = lay.host(xs[0], "u")
+        out_u = _output(g.shape, self.like_u)
+        out_v = None
+        try:
+            if not transpose:   # (d_eta_u, d_eta_v) -> du
+                dv = xs[1] if len(xs) > 1 and self.like_v is not None else None
+                _backward_padded(self.handles, g, None if dv is None else lay.host(dv, "v"),
+                                 False, self.n_jobs, out_u[1])
+            else:               # du -> (g_eta_u, g_eta_v)
+                if self.like_v is not None:
+                    out_v = _output((lay.B,) + lay.pad_v, self.like_v)
+                _backward_padded(self.handles, g, None, True, self.n_jobs, out_u[1],
+                                 None if out_v is None else out_v[1])
+        except ValueError as exc:
+            raise _batch_error(exc, lay) from None
+        g_u = _finish(out_u, lay.batch_shape + lay.pad_u, self.like_u)
+        if out_v is None:
             return (g_u,)
-        return g_u, _like(lay.join([o[1] for o in out], "v"), self.like_v)
+        return g_u, _finish(out_v, lay.batch_shape + lay.pad_v, self.like_v)
 
 
 def _zeros_if_none(x, layout, which):
@@ -304,14 +374,15 @@ def _zeros_if_none(x, layout, which):
 class _SparseMAPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
-        results = _solve(layout, eta_u, eta_v, n_jobs, solve_kw)
-        ctx.jac = _LayerJacobian(layout, results, n_jobs, eta_u, eta_v)
-        u = layout.join([r.u for r in results], "u")
-        return _like(u, _spec(eta_u))
+        u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
+        return u
 
     @staticmethod
     def backward(ctx, gu):
-        gs = _Linear.apply(ctx.jac, True, gu)
+        # through _Linear only when the backward pass is itself differentiated
+        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
+            ctx.jac.apply((gu,), True)
         return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
 
     @staticmethod
@@ -557,15 +628,18 @@ def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
     nb = len(batch_shape)
     flat_u = eta_u.reshape((-1,) + tuple(eta_u.shape[nb:]))
     flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
-    u = sparsemap(factors, flat_u, flat_v, n_jobs=n_jobs, **solve_kw)
+    layout = _Layout(factors, flat_u, flat_v, trusted=True)
+    u = _SparseMAPFunction.apply(flat_u, flat_v, layout, n_jobs, solve_kw)
     return u.reshape(eta_u.shape)
 
 
 def _ragged_factors(cls, sizes, full, rest):
-    """One shared factor when every element has the full size, else a cached list."""
+    """One shared factor when every element has the full size, else a list of cached
+    factors (one per element)."""
     if all(s == full for s in sizes):
         return _cached_factor(cls, *full, *rest)
-    return [_cached_factor(cls, *s, *rest) for s in sizes]
+    made = {s: _cached_factor(cls, *s, *rest) for s in set(sizes)}
+    return [made[s] for s in sizes]
 
 
 def _check_scores_tensor(x, name, min_dim, what):

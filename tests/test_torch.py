@@ -138,19 +138,63 @@ def test_batch_elements_equal_solve(name):
 
 
 def test_backward_equals_numpy_vjp_and_is_zero_in_padding():
+    # bitwise; the incoming gradient's padding (NaN here) is never read
     factors = FAMILIES["sequence"]
     eu, ev = padded(factors, "u", 9), padded(factors, "v", 10)
     g = torch.randn(eu.shape, generator=gen(11), dtype=torch.float64)
-    gu, gv = torch.autograd.grad(smt.sparsemap(factors, eu, ev), (eu, ev), g)
+    g_nan = torch.full_like(g, float("nan"))
+    for b, f in enumerate(factors):
+        block(g_nan[b], f.shape_u)[...] = block(g[b], f.shape_u)
+    gu, gv = torch.autograd.grad(smt.sparsemap(factors, eu, ev), (eu, ev), g_nan)
     for b, f in enumerate(factors):
         evb = None if f.shape_v == (0,) else block(ev[b], f.shape_v).detach().numpy()
         r = sm.solve(f, block(eu[b], f.shape_u).detach().numpy(), evb)
         want_u, want_v = r.vjp(block(g[b], f.shape_u).numpy())
-        np.testing.assert_allclose(block(gu[b], f.shape_u).numpy(), want_u, atol=1e-14)
+        np.testing.assert_array_equal(block(gu[b], f.shape_u).numpy(), want_u)
         assert gu[b].abs().sum() == pytest.approx(np.abs(want_u).sum(), abs=1e-13)
         if f.shape_v != (0,):
-            np.testing.assert_allclose(block(gv[b], f.shape_v).numpy(), want_v, atol=1e-14)
+            np.testing.assert_array_equal(block(gv[b], f.shape_v).numpy(), want_v)
         assert gv[b].abs().sum() == pytest.approx(np.abs(want_v).sum(), abs=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ragged_tree_layer_reads_only_the_blocks(dtype):
+    # each sentence equals sm.solve on its block (rounded like .to(dtype)), its gradient
+    # equals r.vjp on its block of the incoming gradient; NaN in the padding of both is
+    # never read, and u and the gradient are 0 there
+    lengths = torch.tensor([4, 1, 6, 3, 6])
+    n1 = int(lengths.max()) + 1
+    scores = torch.full((5, n1, n1), float("nan"), dtype=torch.float64)
+    g = torch.full((5, n1, n1), float("nan"), dtype=torch.float64)
+    for b, n in enumerate(lengths.tolist()):
+        scores[b, :n + 1, :n + 1] = 3 * torch.randn(n + 1, n + 1, generator=gen(60 + b),
+                                                    dtype=torch.float64)
+        g[b, :n + 1, :n + 1] = torch.randn(n + 1, n + 1, generator=gen(70 + b),
+                                           dtype=torch.float64)
+    scores[2, 3, 3] = float("nan")        # the diagonal and column 0 are ignored
+    scores[2, 4, 0] = float("inf")
+    scores, g = scores.to(dtype), g.to(dtype)
+    x = scores.clone().requires_grad_()
+    u = smt.tree(x, lengths, n_jobs=2)
+    (gx,) = torch.autograd.grad(u, x, g)
+    assert u.dtype == gx.dtype == dtype
+    np_dtype = np.float32 if dtype == torch.float32 else np.float64
+    for b, n in enumerate(lengths.tolist()):
+        r = sm.solve(sm.TreeFactor(n), scores[b, :n + 1, :n + 1].double().numpy())
+        np.testing.assert_array_equal(u[b, :n + 1, :n + 1].detach().numpy(), r.u.astype(np_dtype))
+        want = r.vjp(g[b, :n + 1, :n + 1].double().numpy())[0].astype(np_dtype)
+        np.testing.assert_array_equal(gx[b, :n + 1, :n + 1].numpy(), want)
+        assert float(u[b].detach().abs().sum()) == pytest.approx(float(np.abs(r.u).sum()),
+                                                                 rel=1e-6)
+        assert float(gx[b].abs().sum()) == pytest.approx(float(np.abs(want).sum()), rel=1e-6)
+    # a NaN the layer reads: a ValueError naming the batch element, forward and backward
+    bad = scores.clone()
+    bad[3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"eta_u: .*non-finite.*\(batch element 3\)"):
+        smt.tree(bad, lengths)
+    g[1, 0, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"gradient of u: .*non-finite.*\(batch element 1\)"):
+        torch.autograd.grad(smt.tree(x, lengths), x, g)
 
 
 def test_oracle_layer_matches_pairwise_closed_form():
