@@ -34,7 +34,7 @@ from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThr
                                PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
 from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, hypot, INFINITY
-from libc.stdlib cimport calloc, malloc, realloc, free
+from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.string cimport memcpy, memmove, memset
 from scipy.linalg.cython_blas cimport dtrsv
 
@@ -866,16 +866,6 @@ cdef class _Solutions:
         _sol_copy(&sol.s, &self.items[i], sol.factor)
         return sol
 
-    def backward_costs(self):
-        """Per problem, the cost of a backward product, ``|I| (n_u + struct_size)``."""
-        cdef Py_ssize_t i
-        out = np.empty(self.n, dtype=np.intp)
-        cdef Py_ssize_t[::1] o = out
-        for i in range(self.n):
-            o[i] = self.items[i].n_support * ((<Factor> self.factors[i]).n_u
-                                              + (<Factor> self.factors[i]).struct_size)
-        return out
-
     def put(self, Py_ssize_t i, _Solution sol):
         """Problem i's outcome <- a copy of sol's (of the same factor)."""
         if sol.factor is not <object> self.factors[i]:
@@ -1219,6 +1209,18 @@ cdef void _scatter(const double* flat, char* slot, Py_ssize_t isz, const Py_ssiz
         _block_copy(slot, isz, pad, shape, ndim, <double*> flat, True)
 
 
+cdef bint _fits(tuple shape, const Py_ssize_t* pad, int ndim, Py_ssize_t* out):
+    """Whether a block shape fits in a padded shape (then copied to out)."""
+    cdef int d
+    if len(shape) != ndim:
+        return False
+    for d in range(ndim):
+        out[d] = shape[d]
+        if out[d] > pad[d]:
+            return False
+    return True
+
+
 cdef Py_ssize_t _check_padded(object arr, str name, Py_ssize_t n, object like=None) except -1:
     """The itemsize of a padded array; a ValueError unless it is one (shaped like ``like``)."""
     if (type(arr) is not np.ndarray or arr.dtype.kind != "f" or arr.itemsize not in (4, 8)
@@ -1356,7 +1358,7 @@ cdef class _Batch:
 
     cdef int _set_shapes(self, names) except -1:
         """Each slot's block shapes, checked against the padded shapes (after the slots)."""
-        cdef Py_ssize_t s, d, i
+        cdef Py_ssize_t s
         cdef Py_ssize_t* sh
         cdef Factor f
         self.shapes = <Py_ssize_t*> calloc(max(self.n_slots, 1) * 2 * MAX_DIMS,
@@ -1370,19 +1372,19 @@ cdef class _Batch:
             sh = self.shapes + s * 2 * MAX_DIMS
             self.max_nu = max(self.max_nu, f.n_u)
             self.max_nv = max(self.max_nv, f.n_v)
-            for which, shape, pad, ndim, out in (
-                    ("u", f.shape_u, [self.pad_u[d] for d in range(self.ndim_u)], self.ndim_u, 0),
-                    ("v", f.shape_v, [self.pad_v[d] for d in range(self.ndim_v)], self.ndim_v,
-                     MAX_DIMS)):
-                if ndim == 0 or (which == "v" and f.n_v == 0):
-                    continue      # no padded v, or an empty block
-                if len(shape) != ndim or any(a > b for a, b in zip(shape, pad)):
-                    i = min(P_index for P_index in self._problems_of(s))
-                    raise ValueError(f"{names[which == 'v']}[{i}]: the factor's shape_{which} "
-                                     f"{shape} does not fit in the padded shape {tuple(pad)}")
-                for d in range(ndim):
-                    sh[out + d] = shape[d]
+            if not _fits(f.shape_u, self.pad_u, self.ndim_u, sh):
+                self._misfit(s, names[0], "u", f.shape_u, self.pad_u, self.ndim_u)
+            # no padded v, or an empty block: zeros
+            if self.ndim_v and f.n_v and not _fits(f.shape_v, self.pad_v, self.ndim_v,
+                                                   sh + MAX_DIMS):
+                self._misfit(s, names[1], "v", f.shape_v, self.pad_v, self.ndim_v)
         return 0
+
+    cdef int _misfit(self, Py_ssize_t s, name, which, tuple shape, const Py_ssize_t* pad,
+                     int ndim) except -1:
+        cdef Py_ssize_t i = min(self._problems_of(s))
+        raise ValueError(f"{name}[{i}]: the factor's shape_{which} {shape} does not fit in "
+                         f"the padded shape {tuple(pad[d] for d in range(ndim))}")
 
     def _problems_of(self, Py_ssize_t s):
         return [self.P[j].index for j in range(self.n) if self.P[j].slot == s]
@@ -1547,12 +1549,57 @@ cdef class _Batch:
         return out
 
 
+cdef struct _Key:
+    Py_ssize_t cost
+    Py_ssize_t index
+
+
+cdef int _by_cost(const void* a, const void* b) noexcept nogil:
+    """Decreasing cost, then increasing index (a stable order)."""
+    cdef const _Key* x = <const _Key*> a
+    cdef const _Key* y = <const _Key*> b
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+cdef class _Order:
+    """Problems 0..n-1 in the order threads claim them: most expensive first (ties in
+    index order), from the costs set in ``keys``."""
+    cdef _Key* keys
+    cdef Py_ssize_t n
+
+    def __cinit__(self, Py_ssize_t n):
+        cdef Py_ssize_t i
+        self.n = n
+        self.keys = <_Key*> malloc((n if n > 0 else 1) * sizeof(_Key))
+        if self.keys == NULL:
+            raise MemoryError()
+        for i in range(n):
+            self.keys[i].cost = 0
+            self.keys[i].index = i
+
+    def __dealloc__(self):
+        free(self.keys)
+
+    cdef object indices(self, bint sort):
+        """An intp array (input order unless sort)."""
+        cdef Py_ssize_t j
+        out = np.empty(self.n, dtype=np.intp)
+        cdef Py_ssize_t[::1] o = out
+        if sort and self.n > 1:
+            qsort(self.keys, self.n, sizeof(_Key), _by_cost)
+        for j in range(self.n):
+            o[j] = self.keys[j].index
+        return out
+
+
 def _add_note(exc, Py_ssize_t i):
     if hasattr(exc, "add_note"):   # Python >= 3.11
         exc.add_note(f"(while solving problem {i} of the batch)")
 
 
-def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
+def prepare_solve(factors, etas_u, etas_v, order, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
                   callback=None, out_u=None):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
@@ -1572,9 +1619,10 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     etas_v : None, ndarray or list
         As ``etas_u`` (padded with ``out_u``, leading blocks of shape
         ``factor.shape_v``); None (or None entries of a list): zeros.
-    order : int array
+    order : int array or None
         Every problem index once, in the order threads should claim them
-        (largest first).
+        (largest first); None: by decreasing ``n_u + n_v`` (ties, and one
+        thread, in input order).
     inits : None or list
         Warm starts: None entries, or ``(k, struct_size)`` intc arrays.
     max_iter, tol, return_history
@@ -1600,10 +1648,12 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     ``STATUS_INFEASIBLE``.
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = order.shape[0], j, i, max_nv = 0
+    cdef Py_ssize_t n = len(etas_u) if order is None else len(order), j, i, max_nv = 0
     cdef Factor f
     cdef _Solution sol
     cdef _Solutions sols
+    cdef _Order by_cost
+    cdef const Py_ssize_t[::1] claim
     cdef cnp.ndarray a
     cdef bint shared = isinstance(factors, Factor)
     cdef bint padded = out_u is not None
@@ -1645,8 +1695,16 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     else:
         b.outputs = [None] * n
     b.keep.extend((etas_u, etas_v, inits, callback, out_u))
+    if order is None:
+        by_cost = _Order(n)
+        if n_threads > 1 and not shared:
+            for i in range(n):
+                f = factors[i]
+                by_cost.keys[i].cost = f.n_u + f.n_v
+        order = by_cost.indices(n_threads > 1 and not shared)
+    claim = order
     for j in range(n):
-        i = order[j]
+        i = claim[j]
         p = &b.P[j]
         p.index = i
         f = factors if shared else factors[i]
@@ -1686,7 +1744,7 @@ def prepare_solve(factors, etas_u, etas_v, const Py_ssize_t[::1] order, inits,
     return b
 
 
-def prepare_backward(sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] order,
+def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
                      Py_ssize_t n_threads, out_u=None, out_v=None):
     """A :class:`_Batch` of Jacobian products; its ``outputs`` are the products.
 
@@ -1700,7 +1758,10 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] o
     ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
     transpose : bool
         False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
-    order, n_threads
+    order : int array or None
+        As for :func:`prepare_solve`; None: by decreasing cost of the product,
+        ``|I| (n_u + struct_size)``.
+    n_threads
         As for :func:`prepare_solve`.
     out_u, out_v : ndarray, optional
         Make the batch padded, as in :func:`prepare_solve`: ``out_u`` shaped
@@ -1716,9 +1777,11 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] o
     (vjp), shaped like the factors' scores (None when padded).
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = order.shape[0], j, i, max_support = 0
+    cdef Py_ssize_t n = len(sols) if order is None else len(order), j, i, max_support = 0
     cdef _Solution sol
     cdef _Solutions many = sols if isinstance(sols, _Solutions) else None
+    cdef _Order by_cost
+    cdef const Py_ssize_t[::1] claim
     cdef Factor f
     cdef _Problem* p
     cdef bint padded = out_u is not None
@@ -1749,8 +1812,21 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, const Py_ssize_t[::1] o
         in_v = _base(ins_v, &st_v)
         o_u = _base(out_u, &st_ou)
         o_v = _base(out_v, &st_ov)
+    if order is None:
+        by_cost = _Order(n)
+        if n_threads > 1:
+            for i in range(n):
+                if many is not None:
+                    f = <Factor> many.factors[i]
+                    by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
+                else:
+                    sol = sols[i]
+                    by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
+                                                              + sol.factor.struct_size)
+        order = by_cost.indices(n_threads > 1)
+    claim = order
     for j in range(n):
-        i = order[j]
+        i = claim[j]
         p = &b.P[j]
         p.index = i
         if many is not None:

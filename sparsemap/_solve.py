@@ -297,12 +297,11 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
 
     The active set runs on ``n_threads`` threads, claiming problems in
-    ``order``; the conditional-gradient solvers are pure Python, and run one
-    problem after the other.
+    ``order`` (None: largest first); the conditional-gradient solvers are pure
+    Python, and run one problem after the other.
     """
     n = len(etas_u)
     if method == "active_set":
-        order = np.arange(n, dtype=np.intp) if order is None else order
         n_threads = max(1, min(n_threads, n))
         return _run(_active_set.prepare_solve(factors, etas_u, etas_v, order, inits, max_iter,
                                               tol, return_history, n_threads, callback),
@@ -476,6 +475,8 @@ def _default_jobs():
 def _check_n_jobs(n_jobs):
     if n_jobs is None:
         return _default_jobs()
+    if type(n_jobs) is int and n_jobs >= 1:
+        return n_jobs
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs < 1:
         raise ValueError(f"n_jobs: expected None (all cores) or a positive integer, got {n_jobs!r}")
     return int(n_jobs)
@@ -718,11 +719,11 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         return []
 
     fs = [factors] * B if shared else factors
-    order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
     if executor is None:
         sols = _solve_problems(factors, eus, evs, inits, method, max_iter, tol, return_history,
-                               n_jobs, order)
+                               n_jobs)
     else:
+        order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
         chunks = _chunks(order, CHUNKS_PER_JOB * n_jobs)
         futures = [executor.submit(
             _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
@@ -774,9 +775,7 @@ def _check_results(results):
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     sols = [r._backward_solution() for r in rs]
     n_threads = max(1, min(n_jobs, len(sols)))
-    order = _order(len(sols), None if n_threads == 1 else
-                   [s.n_support * (s.factor.n_u + s.factor.struct_size) for s in sols])
-    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, order, n_threads),
+    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads),
                 n_threads)
 
 
@@ -897,7 +896,6 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
-    shared = isinstance(factors, Factor)
     if method != "active_set" or set(solve_kw) - {"method", "max_iter", "tol"}:
         # the general path: blocks through solve_batch (CG solvers, warm starts, ...), from
         # copies (CG's results keep their scores for the backward pass)
@@ -911,8 +909,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
             b[...] = r.u
         return results
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
-    order = _order(B, None if shared or n_threads == 1 else [f.n_u + f.n_v for f in factors])
-    batch = _active_set.prepare_solve(factors, etas_u, etas_v, order, None, max_iter, tol,
+    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, None, max_iter, tol,
                                       False, n_threads, None, out_u)
     sols = _run(batch, n_threads)
     report = batch.report()
@@ -982,15 +979,9 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
     """
     B = ins_u.shape[0]
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
-    if isinstance(handles, _Solutions):
-        sols = handles
-        costs = None if n_threads == 1 else sols.backward_costs()
-    else:
-        sols = [h._backward_solution() for h in handles]
-        costs = None if n_threads == 1 else \
-            [s.n_support * (s.factor.n_u + s.factor.struct_size) for s in sols]
-    order = _order(B, costs)
-    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, order, n_threads,
+    sols = handles if isinstance(handles, _Solutions) else \
+        [h._backward_solution() for h in handles]
+    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads,
                                          out_u, out_v)
     _run(batch, n_threads)
     report = batch.report()

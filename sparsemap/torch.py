@@ -29,6 +29,7 @@ expose.
 """
 import concurrent.futures
 import functools
+import math
 import numbers
 import re
 
@@ -156,7 +157,7 @@ class _Layout:
                     raise ValueError(f"eta_v: expected {B} batch elements (one per factor), "
                                      f"got shape {tuple(eta_v.shape)}")
             self._shapes = None
-        self.B = int(np.prod(self.batch_shape, dtype=np.int64))
+        self.B = math.prod(self.batch_shape)
 
     def _blocks(self):
         """Per-element block shapes ``(shapes_u, shapes_v)`` of a ragged batch (None for an
@@ -615,10 +616,11 @@ def _sizes(values, name, batch_shape, upper):
     if arr.shape != batch_shape:
         raise ValueError(f"{name}: expected shape {batch_shape} (the batch dims), "
                          f"got {arr.shape}")
-    if arr.size and (arr.min() < 1 or arr.max() > upper):
+    sizes = arr.reshape(-1).tolist()
+    if sizes and (min(sizes) < 1 or max(sizes) > upper):
         raise ValueError(f"{name}: expected values in [1, {upper}], got "
-                         f"min {arr.min()}, max {arr.max()}")
-    return arr.reshape(-1).tolist()
+                         f"min {min(sizes)}, max {max(sizes)}")
+    return sizes
 
 
 def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
@@ -696,7 +698,7 @@ def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=No
         raise ValueError(f"scores: expected shape (*batch, N + 1, N + 1) with N >= 1, "
                          f"got {tuple(scores.shape)}")
     batch_shape = tuple(scores.shape[:-2])
-    sizes = [n1 - 1] * int(np.prod(batch_shape, dtype=np.int64)) if lengths is None else \
+    sizes = [n1 - 1] * math.prod(batch_shape) if lengths is None else \
         _sizes(lengths, "lengths", batch_shape, n1 - 1)
     factors = _ragged_factors(sm.TreeFactor, [(s,) for s in sizes], (n1 - 1,),
                               (bool(projective), bool(single_root)))
@@ -754,7 +756,7 @@ def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
             except RuntimeError:
                 raise ValueError(f"eta_v: shape {tuple(eta_v.shape[:-2])} does not broadcast "
                                  f"to the batch shape {batch_shape}")
-    sizes = [n] * int(np.prod(batch_shape, dtype=np.int64)) if lengths is None else \
+    sizes = [n] * math.prod(batch_shape) if lengths is None else \
         _sizes(lengths, "lengths", batch_shape, n)
     factors = _ragged_factors(sm.SequenceFactor, [(s,) for s in sizes], (n,), (m,))
     return _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw)
@@ -790,7 +792,7 @@ def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
     _check_scores_tensor(scores, "scores", 2, "(*batch, R, C)")
     R, C = scores.shape[-2], scores.shape[-1]
     batch_shape = tuple(scores.shape[:-2])
-    B = int(np.prod(batch_shape, dtype=np.int64))
+    B = math.prod(batch_shape)
     rows = [R] * B if n_rows is None else _sizes(n_rows, "n_rows", batch_shape, R)
     cols = [C] * B if n_cols is None else _sizes(n_cols, "n_cols", batch_shape, C)
     factors = _ragged_factors(sm.MatchingFactor, list(zip(rows, cols)), (R, C), ())
