@@ -1089,8 +1089,8 @@ cdef extern from *:
     double sm_thread_cpu() noexcept nogil
 
 
-# Benchmarks only: when on, batches add the CPU time their threads spend on problems
-# without the GIL (in nanoseconds) to _no_gil_ns.
+# Benchmarks only: when on, batches add the CPU time their threads spend in their
+# claim loops without the GIL (in nanoseconds) to _no_gil_ns.
 cdef bint _timing = False
 cdef Py_ssize_t _no_gil_ns = 0
 
@@ -1099,8 +1099,9 @@ def no_gil_seconds(on=None):
     """CPU seconds batches have spent on problems without the GIL (benchmarks only).
 
     Counted only while switched on: ``no_gil_seconds(True)`` switches it on
-    (and ``False`` off); every call returns the total so far. The time a
-    thread holds the GIL inside a run (creating a workspace) is not counted.
+    (and ``False`` off); every call returns the total so far. Each thread's
+    claim loop counts up to its last problem (one clock read per problem),
+    except the time it holds the GIL in it (creating a workspace).
     """
     global _timing
     if on is not None:
@@ -1423,12 +1424,13 @@ cdef class _Batch:
         cdef const Py_ssize_t* shape_v = NULL
         cdef int flags = 0
         cdef Py_ssize_t n_v = (<Factor> p.factor).n_v
-        cdef double t0 = 0.0
+        cdef double t0
         if self.kind == SOLVE and ws[p.slot] == NULL:
+            t0 = sm_thread_cpu() if _timing else 0.0
             with gil:
                 self._new_workspace(t, p.slot)
-        if _timing:
-            t0 = sm_thread_cpu()
+            if _timing:     # held the GIL: not counted by run
+                sm_fetch_add(&_no_gil_ns, -<Py_ssize_t> (1e9 * (sm_thread_cpu() - t0)))
         if self.padded:
             # the blocks go through this thread's buffers: in_u, in_v, out_u, out_v, then x
             shape_u = self.shapes + p.slot * 2 * MAX_DIMS
@@ -1464,8 +1466,6 @@ cdef class _Batch:
                 if p.out_v != NULL:
                     _scatter(out_v if flags == 0 else NULL, <char*> p.out_v, self.isz_out_v,
                              self.pad_v, shape_v, self.ndim_v)
-        if _timing:
-            sm_fetch_add(&_no_gil_ns, <Py_ssize_t> (1e9 * (sm_thread_cpu() - t0)))
         return 0
 
     def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
@@ -1476,11 +1476,13 @@ cdef class _Batch:
         that many seconds have passed (checked between problems).
         """
         cdef Py_ssize_t j = -1
-        cdef double t0 = _now()
+        cdef double t0 = _now(), cpu0 = 0.0, cpu1
         if t < 0 or t >= self.n_threads:
             raise ValueError(f"t: expected a thread number in [0, {self.n_threads}), got {t}")
         try:
             with nogil:
+                if _timing:
+                    cpu0 = sm_thread_cpu()
                 while sm_load(&self.stop) == 0:
                     if budget > 0 and _now() - t0 > budget:
                         break
@@ -1488,6 +1490,10 @@ cdef class _Batch:
                     if j < 0:
                         break
                     self._work(t, j)
+                    if _timing:     # counted before the problem counts as done
+                        cpu1 = sm_thread_cpu()
+                        sm_fetch_add(&_no_gil_ns, <Py_ssize_t> (1e9 * (cpu1 - cpu0)))
+                        cpu0 = cpu1
                     if sm_fetch_add(&self.n_done, 1) == self.n - 1:
                         self._signal()
         except BaseException as exc:

@@ -9,7 +9,6 @@ the GIL, leaving each outcome in C buffers (a ``_Solution``).
 ``vjp_batch`` and ``jvp_batch`` run ``_active_set.prepare_backward`` the same
 way.
 """
-import concurrent.futures
 import math
 import numbers
 import os
@@ -482,20 +481,77 @@ def _check_n_jobs(n_jobs):
     return int(n_jobs)
 
 
-_pool_lock = threading.Lock()
-_pool = None            # (pid, size, ThreadPoolExecutor), shared by every batch call
+class _Crew:
+    """Persistent helper threads that each run one call per task, the caller joining in.
+
+    A helper sleeps on its own lock; :meth:`start` releases it and :meth:`join`
+    waits on another. An executor's futures and work queue cost tens of
+    microseconds of interpreter work per batch, which the small batches of a
+    training step cannot hide. One task at a time: a caller that finds the
+    crew busy (another thread's batch) gets no helpers and works alone.
+    """
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.busy = threading.Lock()
+        self.go, self.done, self.fn = [], [], None
+
+    def _grow(self, n):
+        while len(self.go) < n:
+            go, done = threading.Lock(), threading.Lock()
+            go.acquire()
+            done.acquire()
+            self.go.append(go)
+            self.done.append(done)
+            threading.Thread(target=self._helper, args=(len(self.go),), daemon=True,
+                             name=f"sparsemap-{len(self.go)}").start()
+
+    def _helper(self, k):
+        go, done = self.go[k - 1], self.done[k - 1]
+        while True:
+            go.acquire()
+            try:
+                self.fn(k)
+            except BaseException:   # the task records its own errors
+                pass
+            done.release()
+
+    def start(self, fn, n):
+        """Have up to n helpers call ``fn(1)``, ..., ``fn(n)``; how many started (0 if busy).
+
+        Every start that returns k > 0 must be followed by ``join(k)``.
+        """
+        if not self.busy.acquire(False):
+            return 0
+        try:
+            self._grow(n)
+        except RuntimeError:    # interpreter shutting down: no new threads
+            self.busy.release()
+            return 0
+        self.fn = fn
+        for go in self.go[:n]:
+            go.release()
+        return n
+
+    def join(self, k):
+        """Wait for the k helpers started to return."""
+        for done in self.done[:k]:
+            done.acquire()
+        self.fn = None
+        self.busy.release()
 
 
-def _thread_pool(n_threads):
-    """A process-wide pool of at least n_threads threads (rebuilt after a fork)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] < n_threads:
-            if _pool is not None and _pool[0] == os.getpid():
-                _pool[2].shutdown(wait=False)
-            _pool = (os.getpid(), n_threads, concurrent.futures.ThreadPoolExecutor(
-                max_workers=n_threads, thread_name_prefix="sparsemap"))
-        return _pool[2]
+_crew_lock = threading.Lock()
+_crew = None
+
+
+def _helpers():
+    """The process's crew (a new one after a fork: threads do not survive it)."""
+    global _crew
+    with _crew_lock:
+        if _crew is None or _crew.pid != os.getpid():
+            _crew = _Crew()
+        return _crew
 
 
 def _order(n, costs=None):
@@ -514,24 +570,23 @@ def _run(batch, n_threads):
     """Run a prepared ``_active_set._Batch`` on n_threads threads, the caller's included.
 
     The caller starts alone, from the cheap end of the order; if problems
-    are left after ``SOLO_BUDGET``, it wakes the pool's threads and, like
+    are left after ``SOLO_BUDGET``, it wakes the crew's helpers and, like
     them, carries on from the expensive end, so that the batch ends on the
     cheapest problems left. A thread that finds no problem left returns at
     once, so the caller waits only for problems in progress.
     """
+    k = 0
     if n_threads > 1:
         batch.run(0, True, SOLO_BUDGET)
         if batch.remaining() > 0:
-            pool = _thread_pool(n_threads - 1)
-            try:
-                for t in range(1, n_threads):
-                    pool.submit(batch.run, t)
-            except RuntimeError:   # interpreter shutting down: the caller does it all
-                pass
-            batch.run(0)
-    else:
+            crew = _helpers()
+            k = crew.start(batch.run, n_threads - 1)
+    try:
         batch.run(0)
-    batch.wait()
+        batch.wait()
+    finally:
+        if k:
+            crew.join(k)
     return batch.outputs
 
 

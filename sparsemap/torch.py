@@ -27,7 +27,6 @@ losses are differentiable once (their backward raises on double backward):
 their Hessian would need the Jacobian of ``v``, which the solver does not
 expose.
 """
-import concurrent.futures
 import functools
 import math
 import numbers
@@ -38,7 +37,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _backward_padded, _check_n_jobs, _solve_padded, _thread_pool
+from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _solve_padded
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -858,8 +857,8 @@ class Sparsemax(torch.nn.Module):
 
 # -- losses ---------------------------------------------------------------------------
 def _parallel(fn, layout, n_jobs):
-    """``[fn(b) for b in range(B)]`` on n_jobs threads of the batch layer's pool (the
-    caller's included), largest problems first: each call solves without the GIL."""
+    """``[fn(b) for b in range(B)]`` on n_jobs threads, the batch layer's helpers and the
+    caller, largest problems first: each call solves without the GIL."""
     n_threads = min(_check_n_jobs(n_jobs), layout.B)
     if n_threads <= 1:
         return [fn(b) for b in range(layout.B)]
@@ -868,7 +867,7 @@ def _parallel(fn, layout, n_jobs):
     costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
     pending = iter(np.argsort(costs, kind="stable")[::-1].tolist())   # next() holds the GIL
 
-    def work():
+    def work(_=0):
         for b in pending:
             try:
                 out[b] = fn(b)
@@ -876,9 +875,13 @@ def _parallel(fn, layout, n_jobs):
                 errors[b] = exc
                 return
 
-    futures = [_thread_pool(n_threads - 1).submit(work) for _ in range(n_threads - 1)]
-    work()
-    concurrent.futures.wait(futures)
+    crew = _helpers()
+    k = crew.start(work, n_threads - 1)
+    try:
+        work()
+    finally:
+        if k:
+            crew.join(k)
     if errors:
         raise errors[min(errors)]
     return out

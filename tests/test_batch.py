@@ -297,7 +297,8 @@ def test_ties_keep_the_solver_order():
 
 
 def test_concurrent_batches_from_several_threads():
-    """Callers share the process-wide pool; each gets its own, correct results."""
+    """Callers share the process's helper threads (one batch at a time; a caller that
+    finds them busy works alone); each gets its own, correct results."""
     rng = np.random.default_rng(10)
     jobs = []
     for k in range(6):
@@ -317,6 +318,26 @@ def test_concurrent_batches_from_several_threads():
 
     with ThreadPoolExecutor(4) as ex:
         assert all(ex.map(work, jobs))
+
+
+def test_helpers_are_free_again_after_a_failing_batch():
+    from sparsemap._solve import _helpers
+
+    def oracle(eu, ev):
+        if eu[0] > 50:
+            raise KeyError("oracle failed")
+        return int(np.argmax(eu))
+
+    f = sm.OracleFactor(oracle, lambda s: np.eye(3)[s], shape_u=3)
+    etas = np.random.default_rng(12).standard_normal((40, 3))
+    etas[25, 0] = 100.0
+    with pytest.raises(KeyError, match="oracle failed"):
+        sm.solve_batch(f, etas, n_jobs=2)
+    assert not _helpers().busy.locked()
+    etas[25, 0] = 0.0
+    for r, e in zip(sm.solve_batch(f, etas, n_jobs=2), etas):
+        same_result(r, sm.solve(f, e))
+    assert not _helpers().busy.locked()
 
 
 @pytest.mark.parametrize("n_jobs", [2, 3])
