@@ -74,7 +74,7 @@ _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.flo
 def _to_host(x):
     """A C-contiguous float64 NumPy copy of a tensor (a copy, so later in-place edits
     cannot leak in)."""
-    t = x.detach()
+    t = x.detach().resolve_neg()
     if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
         return np.array(t.numpy(), dtype=np.float64, order="C")
     return np.ascontiguousarray(t.to(device="cpu", dtype=torch.float64).numpy())
@@ -187,7 +187,7 @@ class _Layout:
             return np.zeros(shape)
         t = x.detach()
         if t.device.type == "cpu" and t.dtype in _DIRECT:
-            return np.ascontiguousarray(t.numpy().reshape(shape))
+            return np.ascontiguousarray(t.resolve_neg().numpy().reshape(shape))
         return _to_host(t).reshape(shape)
 
     # host arrays <-> per-problem arrays

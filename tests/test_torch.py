@@ -239,6 +239,11 @@ def test_dtypes_and_n_jobs():
                                   smt.sparsemap(f, x32.double()).float().numpy())
     for n_jobs in (1, 2):
         np.testing.assert_array_equal(smt.sparsemap(f, x64, n_jobs=n_jobs).numpy(), u64.numpy())
+    # views the layer reads in place: strided, and with torch's lazy negation bit
+    np.testing.assert_array_equal(smt.sparsemap(f, x64.transpose(1, 2)).numpy(),
+                                  smt.sparsemap(f, x64.transpose(1, 2).contiguous()).numpy())
+    np.testing.assert_array_equal(smt.sparsemap(f, torch._neg_view(x64)).numpy(),
+                                  smt.sparsemap(f, -x64).numpy())
     # solve keywords pass through
     u_cg = smt.sparsemap(f, x64, method="pairwise_cg", max_iter=5000, tol=1e-10)
     np.testing.assert_allclose(u_cg.numpy(), u64.numpy(), atol=1e-4)
