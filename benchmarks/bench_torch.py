@@ -18,12 +18,17 @@ sampled in turn so that drifting machine conditions hit all alike), the ratio
 SparseMAP / alternative, and the speedup from 1 to 2 threads. The machine's own
 ceiling for that speedup is measured first, as in ``bench_batch.py``.
 
-A second table splits a serial SparseMAP tree pass by CPU time (insensitive to
-other processes): ``sm.solve_batch`` and its GIL-free solver loops,
-``sm.vjp_batch``, and what the torch layer adds; the share that threads can run
-in parallel bounds the 2-thread speedup (Amdahl).
+A second table splits a serial SparseMAP tree pass (``n_jobs=1``, torch on one
+thread) by CPU time, which other processes' load disturbs far less than wall-clock
+time: the time the batch runner's threads spend on problems without the GIL (the
+solves and the backward products, as the runner itself counts it with
+``_active_set.no_gil_seconds``), and the rest, with the GIL held. The rest is split
+again into the downstream loss (the same pass with a stand-in layer that costs
+nothing: cloning the scores, the loss, autograd) and what the layer itself adds.
+The share that threads can run in parallel bounds the 2-thread speedup (Amdahl).
 
 Usage: python benchmarks/bench_torch.py [--repeats 15] [--batch 32] [--seed 0]
+       [--breakdown-only]
 """
 import argparse
 import statistics
@@ -36,7 +41,6 @@ import sparsemap as sm
 import sparsemap.torch as smt
 from bench_batch import median_times, reference_speedup
 from sparsemap import _active_set
-from sparsemap._solve import DEFAULT_MAX_ITER, DEFAULT_TOL, _check_batch
 
 THREADS = (1, 2)
 SCALES = (1, 5)
@@ -92,50 +96,78 @@ def cpu_ms(fn, repeats):
     return 1e3 * statistics.median(times)
 
 
-def loop_cpu_ms(factors, eus, repeats):
-    """CPU ms of the part of solve_batch that runs without the GIL: a prepared batch's
-    run (batch-layer internals, for this measurement only)."""
-    _, fs, _, checked, _ = _check_batch(factors, eus, None)
-    order = np.arange(len(fs), dtype=np.intp)
-    times = []
-    for _ in range(repeats + 1):
-        batch = _active_set.prepare_solve(fs, checked, None, order, None, DEFAULT_MAX_ITER,
-                                          DEFAULT_TOL, False, 1)
-        t0 = time.process_time()
-        batch.run(0)
-        batch.wait()
-        times.append(time.process_time() - t0)
-    return 1e3 * statistics.median(times[1:])
+class _StandIn(torch.autograd.Function):
+    """A layer that costs nothing: the downstream loss's share of a pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, gu):
+        return torch.empty_like(gu)
 
 
 def tree_breakdown(scores, lengths, g, repeats):
-    """CPU ms of one serial tree pass and of its parts (n_jobs=1, torch on 1 thread)."""
-    factors = [sm.TreeFactor(int(n)) for n in lengths]
-    eus = [scores[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
-    gs = [g[b, :n + 1, :n + 1].double().numpy().copy() for b, n in enumerate(lengths.tolist())]
-    rs = sm.solve_batch(factors, eus, n_jobs=1)
+    """CPU ms of one serial tree pass (n_jobs=1, torch on 1 thread) and of its parts.
 
-    def whole():
+    Each repeat runs a pass, reading the CPU time the batch runner's threads spent on
+    problems without the GIL, then the same pass with the stand-in layer (right after,
+    so that it meets the caches the solves leave), then a pass with 2 solver threads
+    (the CPU time of both); medians over the repeats.
+    """
+    def ours(n_jobs):
         x = scores.clone().requires_grad_()
-        (smt.tree(x, lengths, n_jobs=1) * g).sum().backward()
+        (smt.tree(x, lengths, n_jobs=n_jobs) * g).sum().backward()
 
-    t = dict(
-        whole=cpu_ms(whole, repeats),
-        solve=cpu_ms(lambda: sm.solve_batch(factors, eus, n_jobs=1), repeats),
-        loops=loop_cpu_ms(factors, eus, repeats),
-        vjp=cpu_ms(lambda: sm.vjp_batch(rs, gs, n_jobs=1), repeats))
+    def stand_in():
+        x = scores.clone().requires_grad_()
+        (_StandIn.apply(x) * g).sum().backward()
+
+    rows = {k: [] for k in ("whole", "no_gil", "downstream", "whole2", "no_gil2")}
+    ours(1)
+    ours(2)
+    stand_in()
+    _active_set.no_gil_seconds(True)
+    try:
+        for _ in range(repeats):
+            for n_jobs, suffix in ((1, ""), (2, "2")):
+                n0, t0 = _active_set.no_gil_seconds(), time.process_time()
+                ours(n_jobs)
+                rows["whole" + suffix].append(time.process_time() - t0)
+                rows["no_gil" + suffix].append(_active_set.no_gil_seconds() - n0)
+                if n_jobs == 1:
+                    t0 = time.process_time()
+                    stand_in()
+                    rows["downstream"].append(time.process_time() - t0)
+    finally:
+        _active_set.no_gil_seconds(False)
+    rows["serial"] = [w - n for w, n in zip(rows["whole"], rows["no_gil"])]
+    rows["serial2"] = [w - n for w, n in zip(rows["whole2"], rows["no_gil2"])]
+    t = {k: 1e3 * statistics.median(v) for k, v in rows.items()}
+    t["layer"] = t["serial"] - t["downstream"]
     t["crf"] = cpu_ms(pass_fn(lambda x, _: crf_tree_marginals(x, lengths), scores, g, 1), repeats)
+    factors = [sm.TreeFactor(int(n)) for n in lengths]
+    eus = [scores[b, :n + 1, :n + 1].double().numpy() for b, n in enumerate(lengths.tolist())]
+    rs = sm.solve_batch(factors, eus, n_jobs=1)
     t["iters"] = np.mean([r.n_iter for r in rs])
     t["support"] = np.mean([len(r.weights) for r in rs])
     return t
 
 
 NOTES = """
-'(no GIL)': the active-set loops inside solve_batch, the part threads share out.
-'torch+rest': the pass minus solve_batch and vjp_batch (the torch layer, autograd,
-  the downstream loss).
-'parallel': the share of the pass that can run in parallel (no-GIL loops and
-  vjp_batch); '2-thr bound': Amdahl's limit on the 1 to 2 thread speedup it implies.
+'no GIL': CPU ms the batch runner's threads spend on problems without the GIL: the
+  solves and the backward products, with the copies of each sentence's block out of
+  the padded scores and into the padded outputs; threads share it out.
+'serial': the rest of the pass, with the GIL held; 'downstream': its part that any
+  layer pays (the same pass with a stand-in layer of no cost: cloning the scores, the
+  loss, autograd); 'layer': what the SparseMAP layer itself adds (validation, setup,
+  results).
+'parallel': the share of the pass threads can run in parallel (no GIL / pass);
+  '2-thr bound': Amdahl's limit on the 1 to 2 thread speedup it implies.
+'serial 2s': the serial CPU ms of the same pass with 2 solver threads (what waking
+  and joining the helper thread adds); 'bound 2s': the speedup the 2-thread pass's
+  own split allows, pass / (serial 2s + no GIL 2s / 2).
 'CRF pass': CPU ms of the CRF layer's pass on one thread; 'ratio': the SparseMAP / CRF
   throughput these CPU times give, free of other processes' load."""
 
@@ -145,7 +177,17 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown-only", action="store_true",
+                   help="only the CPU-time breakdown (the second table)")
     args = p.parse_args(argv)
+    if not args.breakdown_only:
+        throughput(args)
+    breakdown(args)
+
+
+def throughput(args):
+    """The first table: wall-clock problems per second, 1 and 2 threads, against the
+    alternative; the machine's sha256 ceiling first."""
     B = args.batch
     print(f"sparsemap.torch forward+backward, batches of {B}, float32 scores, "
           f"median of {args.repeats} passes (configurations sampled in turn); problems/s\n")
@@ -197,24 +239,29 @@ def main(argv=None):
             print(f"{kind:<10}{scale:>6}{a2 / a1:>11.2f}x{a2s / a1:>7.2f}x{b2 / b1:>12.2f}x")
     a, b = rows["tree", 5, 1]
     print(f"\ntree layer at scale 5, 1 thread: SparseMAP / CRF throughput = {a / b:.2f} "
-          f"(target >= 0.5)")
+          f"(target >= 0.5)\n")
 
-    print("\nwhere a serial SparseMAP tree pass goes: CPU ms (process time, so other "
-          "processes' load does not count)")
-    print(f"{'scale':>6}{'pass':>8}{'solve_batch':>13}{'(no GIL)':>10}{'vjp_batch':>11}"
-          f"{'torch+rest':>12}{'parallel':>10}{'2-thr bound':>13}{'iters':>7}{'support':>9}"
-          f"{'CRF pass':>10}{'ratio':>7}")
+
+def breakdown(args):
+    """The second table: where a serial tree pass goes, in CPU time."""
+    print(f"where a serial SparseMAP tree pass goes (batches of {args.batch}, median of "
+          f"{args.repeats}): CPU ms (process time, so other processes' load counts little)")
+    print(f"{'scale':>6}{'pass':>8}{'no GIL':>8}{'serial':>8}{'downstream':>12}{'layer':>7}"
+          f"{'parallel':>10}{'2-thr bound':>13}{'serial 2s':>11}{'bound 2s':>10}{'iters':>7}"
+          f"{'support':>9}{'CRF pass':>10}{'ratio':>7}")
     torch.set_num_threads(1)
     for scale in SCALES:
         rng = np.random.default_rng(args.seed)
-        scores, lengths = tree_batch(rng, B, scale)
+        scores, lengths = tree_batch(rng, args.batch, scale)
         g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
         t = tree_breakdown(scores, lengths, g, args.repeats)
-        p = min(1.0, (t["loops"] + t["vjp"]) / t["whole"])
-        print(f"{scale:>6g}{t['whole']:>8.2f}{t['solve']:>13.2f}{t['loops']:>10.2f}"
-              f"{t['vjp']:>11.2f}{t['whole'] - t['solve'] - t['vjp']:>12.2f}{p:>10.2f}"
-              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['iters']:>7.1f}{t['support']:>9.1f}"
-              f"{t['crf']:>10.2f}{t['crf'] / t['whole']:>7.2f}")
+        p = min(1.0, t["no_gil"] / t["whole"])
+        bound2 = t["whole"] / (t["serial2"] + t["no_gil2"] / 2)
+        print(f"{scale:>6g}{t['whole']:>8.2f}{t['no_gil']:>8.2f}{t['serial']:>8.2f}"
+              f"{t['downstream']:>12.2f}{t['layer']:>7.2f}{p:>10.2f}"
+              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['serial2']:>11.2f}{bound2:>9.2f}x"
+              f"{t['iters']:>7.1f}{t['support']:>9.1f}{t['crf']:>10.2f}"
+              f"{t['crf'] / t['whole']:>7.2f}", flush=True)
     print(NOTES)
 
 

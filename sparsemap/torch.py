@@ -1,11 +1,14 @@
 """PyTorch layers and losses on top of SparseMAP (optional; imports torch).
 
-Everything here is a thin autograd wrapper around the NumPy package: scores go
-to the host in float64, a batch of problems is solved by
-:func:`sparsemap.solve_batch` in a thread pool (the active set runs without the
-GIL), and the backward pass is the exact Jacobian product of Proposition 1,
-computed by :func:`sparsemap.vjp_batch` in the same pool. Results come back on
-the device and in the dtype of the input.
+Everything here is a thin autograd wrapper around the NumPy package. The layer
+hands the batch's padded scores to the active set's batch runner as one host
+array (a float32 or float64 CPU tensor's own memory, else a float64 copy), and
+threads (the batch layer's helpers and the caller) solve the problems without
+the GIL, each copying its block out in float64, checking it, and writing its
+``u`` into one output tensor; the backward pass, the exact Jacobian product of
+Proposition 1, runs the same way. Results are those of :func:`sparsemap.solve`
+on each element (bitwise in float64) and come back on the device and in the
+dtype of the input.
 
 Batches. Leading dimensions of ``eta_u`` beyond ``factor.shape_u`` are batch
 dimensions. For batches of different sizes (sentences of different lengths)
