@@ -637,13 +637,26 @@ def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
     return u.reshape(eta_u.shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _factor_table(cls, rest):
+    # size -> factor, for one family and options: a list of them is one lookup each
+    return {}
+
+
 def _ragged_factors(cls, sizes, full, rest):
     """One shared factor when every element has the full size, else a list of cached
     factors (one per element)."""
-    if all(s == full for s in sizes):
+    if sizes.count(full) == len(sizes):
         return _cached_factor(cls, *full, *rest)
-    made = {s: _cached_factor(cls, *s, *rest) for s in set(sizes)}
-    return [made[s] for s in sizes]
+    table = _factor_table(cls, rest)
+    try:
+        return [table[s] for s in sizes]
+    except KeyError:
+        if len(table) > 4096:
+            table.clear()
+        for s in set(sizes) - table.keys():
+            table[s] = _cached_factor(cls, *s, *rest)
+        return [table[s] for s in sizes]
 
 
 def _check_scores_tensor(x, name, min_dim, what):
