@@ -1479,9 +1479,10 @@ def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     factor stays on the face of its final support, where ``u`` is an affine
     projection of the scores. The backward pass applies the exact Jacobian (an
     orthogonal projector, by conjugate gradient; see :doc:`/factor_graphs`),
-    needs no new solve and runs in the thread pool. As for :func:`sparsemap`,
-    it is itself a differentiable linear map: double backward and forward-mode
-    AD work, and the second derivative with respect to the scores is zero.
+    needs no new solve and runs on the ``n_jobs`` threads. As for
+    :func:`sparsemap`, it is itself a differentiable linear map: double backward
+    and forward-mode AD work, and the second derivative with respect to the
+    scores is zero.
 
     Examples
     --------
