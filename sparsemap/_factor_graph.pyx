@@ -962,6 +962,15 @@ class FactorGraph:
             were reached within ``max_iter``; the last iterate is returned with
             ``converged=False``.
         """
+        result = self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish)
+        if not result.converged:
+            _warn_not_converged(result, "", 1)
+        return result
+
+    def _solve_quiet(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
+                     polish=True):
+        """:meth:`solve` without its warning: callers that solve in threads (the torch
+        layer) warn from their own thread, naming the problem."""
         eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
         ev = self._check_eta_v(eta_v, "eta_v")
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
@@ -972,12 +981,16 @@ class FactorGraph:
                          self.n_variables, eu, ev, rho, polish)
         engine.run(max_iter, tol)
         result = FactorGraphResult(self, engine, eu, ev)
-        if not result.converged:
-            warnings.warn(f"FactorGraph.solve stopped after {result.n_iter} iterations with "
-                          f"residuals {result.primal_residual:.3g} (primal), "
-                          f"{result.dual_residual:.3g} (dual) above tol={tol:g}; raise max_iter "
-                          f"or tol.", ConvergenceWarning, stacklevel=2)
+        result._tol = tol
         return result
+
+
+def _warn_not_converged(result, where, stacklevel):
+    # stacklevel counts Python frames only: compiled functions (solve, this one) have none
+    warnings.warn(f"{where}FactorGraph.solve stopped after {result.n_iter} iterations with "
+                  f"residuals {result.primal_residual:.3g} (primal), "
+                  f"{result.dual_residual:.3g} (dual) above tol={result._tol:g}; raise "
+                  f"max_iter or tol.", ConvergenceWarning, stacklevel=stacklevel)
 
 
 class FactorGraphResult:

@@ -21,6 +21,11 @@ factors from ``lengths``.
 
 Masks. ``-inf`` in the scores forbids a part, as in :func:`sparsemap.solve`.
 
+Factor graphs. :func:`factor_graph` is the layer of an LP-SparseMAP
+:class:`sparsemap.FactorGraph`, with the same conventions: leading batch dims of
+``eta_u`` for one graph, or a list of graphs with ``eta_u`` padded to the largest
+``n_variables``.
+
 Higher derivatives. ``u`` is piecewise linear in the scores (its Jacobian
 depends only on the support), so the layer's backward pass is itself a
 differentiable linear map: double backward (Hessian-vector products of a
@@ -46,6 +51,7 @@ __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
     "sparsemap_loss", "structured_svm_loss", "perceptron_loss",
     "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
+    "factor_graph",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -1168,3 +1174,337 @@ class PerceptronLoss(_LossModule):
     n_jobs : int, optional
     """
     _fn = staticmethod(perceptron_loss)
+
+
+# -- factor graphs (LP-SparseMAP) -------------------------------------------------------
+_GRAPH_SOLVE_KW = ("max_iter", "tol", "rho", "polish")
+
+
+def _graph_list(graph):
+    if not isinstance(graph, (list, tuple)):
+        raise ValueError(f"graph: expected a sparsemap.FactorGraph or a list of them, "
+                         f"got {type(graph).__name__}")
+    graphs = list(graph)
+    if not graphs:
+        raise ValueError("graph: expected at least one FactorGraph, got an empty list")
+    for i, g in enumerate(graphs):
+        if not isinstance(g, sm.FactorGraph):
+            raise ValueError(f"graph[{i}]: expected a sparsemap.FactorGraph, "
+                             f"got {type(g).__name__}")
+    return graphs
+
+
+def _graph_eta_v(entries, factors, name, batch_shape):
+    """``[(f, tensor)]`` for the non-None entries of one graph's ``eta_v`` list; a
+    shared graph's tensors get the batch dims (a tensor of ``factor.shape_v`` alone is
+    expanded: autograd then sums its gradient over the batch)."""
+    F = len(factors)
+    if isinstance(entries, torch.Tensor) or not isinstance(entries, (list, tuple)):
+        raise ValueError(f"{name}: expected a list with one entry per factor of the graph "
+                         f"({F}), each a tensor or None; got {type(entries).__name__}")
+    if len(entries) != F:
+        raise ValueError(f"{name}: expected a list with one entry per factor of the graph "
+                         f"({F}), got length {len(entries)}")
+    out = []
+    for f, (factor, e) in enumerate(zip(factors, entries)):
+        if e is None:
+            continue
+        _check_tensor(e, f"{name}[{f}]")
+        if factor.n_v == 0:
+            raise ValueError(f"{name}[{f}]: factor {f} ({factor!r}) has no additional scores; "
+                             f"pass None")
+        sv = factor.shape_v
+        if batch_shape and tuple(e.shape) == sv:
+            e = e.expand(batch_shape + sv)
+        elif tuple(e.shape) != batch_shape + sv:
+            also = f" or {sv} (shared by the batch)" if batch_shape else ""
+            raise ValueError(f"{name}[{f}]: expected shape {batch_shape + sv} (the batch dims "
+                             f"of eta_u, then factor.shape_v){also}, got {tuple(e.shape)}")
+        out.append((f, e))
+    return out
+
+
+class _GraphLayout:
+    """Where the problems of a factor-graph batch sit.
+
+    One shared graph over the batch dims of ``eta_u`` (``ragged=False``), or one
+    graph per element of ``eta_u``'s single batch dim, whose variables are the
+    leading ``n_variables`` entries of its row (``ragged=True``). Each graph's
+    factors are read once, here. ``tensors`` are the ``eta_v`` tensors the
+    autograd function takes, ``slots`` their ``(b, f)``: element ``b`` (None: every
+    element of a shared graph, the tensor has the batch dims) and factor ``f``.
+    """
+
+    def __init__(self, graph, eta_u, eta_v):
+        _check_tensor(eta_u, "eta_u")
+        self.tensors, self.slots = [], []
+        if isinstance(graph, sm.FactorGraph):
+            self.ragged = False
+            V = graph.n_variables
+            if eta_u.dim() < 1 or eta_u.shape[-1] != V:
+                raise ValueError(f"eta_u: expected shape (*batch, {V}) (batch dims, then "
+                                 f"graph.n_variables), got {tuple(eta_u.shape)}")
+            self.batch_shape = tuple(eta_u.shape[:-1])
+            self.B = int(np.prod(self.batch_shape, dtype=np.int64))
+            self.graphs = [graph]
+            self.factors = [tuple(graph.factors)]
+            if eta_v is not None:
+                for f, t in _graph_eta_v(eta_v, self.factors[0], "eta_v", self.batch_shape):
+                    self.tensors.append(t)
+                    self.slots.append((None, f))
+        else:
+            self.ragged = True
+            self.graphs = _graph_list(graph)
+            B = len(self.graphs)
+            if eta_u.dim() != 2 or eta_u.shape[0] != B:
+                raise ValueError(f"eta_u: with a list of {B} graphs, expected shape "
+                                 f"(B={B}, padded n_variables), got {tuple(eta_u.shape)}")
+            for b, g in enumerate(self.graphs):
+                if g.n_variables > eta_u.shape[1]:
+                    raise ValueError(f"eta_u: graph[{b}] has {g.n_variables} variables, more "
+                                     f"than the padded size {eta_u.shape[1]}")
+            self.batch_shape, self.B = (B,), B
+            self.factors = [tuple(g.factors) for g in self.graphs]
+            if eta_v is not None:
+                if isinstance(eta_v, torch.Tensor) or not isinstance(eta_v, (list, tuple)) \
+                        or len(eta_v) != B:
+                    raise ValueError(f"eta_v: with a list of {B} graphs, expected a list of {B} "
+                                     f"entries, each None or a list with one entry per factor "
+                                     f"of its graph")
+                for b, entries in enumerate(eta_v):
+                    if entries is None:
+                        continue
+                    for f, t in _graph_eta_v(entries, self.factors[b], f"eta_v[{b}]", ()):
+                        self.tensors.append(t)
+                        self.slots.append((b, f))
+        self.pad = eta_u.shape[-1]
+        self.sizes = [g.n_variables for g in self.graphs]
+        # threads take the largest graphs first: variables plus factor parts
+        self.costs = [V + sum(f.n_u + f.n_v for f in fs)
+                      for V, fs in zip(self.sizes, self.factors)]
+
+    def which(self, b):
+        """Index of problem b's graph in ``graphs`` / ``factors`` / ``sizes``."""
+        return b if self.ragged else 0
+
+    def host_u(self, x):
+        """``(B, pad)`` float64 host copy of a tensor shaped like ``eta_u`` (None: zeros)."""
+        if x is None:
+            return np.zeros((self.B, self.pad))
+        return _to_host(x).reshape(self.B, self.pad)
+
+    def host_v(self, xs):
+        """Per problem, the ``eta_v`` list for FactorGraph.solve / jvp (None when no slot
+        has a value), from one tensor (or None) per slot."""
+        out = [None] * self.B
+        for (b0, f), x in zip(self.slots, xs):
+            if x is None:
+                continue
+            h = _to_host(x)
+            for b in (range(self.B) if b0 is None else (b0,)):
+                fs = self.factors[self.which(b)]
+                if out[b] is None:
+                    out[b] = [None] * len(fs)
+                out[b][f] = (h.reshape((self.B,) + fs[f].shape_v)[b] if b0 is None
+                             else h.reshape(fs[f].shape_v))
+        return out
+
+    def join_u(self, arrays):
+        """Per-problem u-shaped arrays -> ``(*batch, pad)``, zero-padded."""
+        out = np.zeros((self.B, self.pad))
+        for b, a in enumerate(arrays):
+            out[b, :len(a)] = a
+        return out.reshape(self.batch_shape + (self.pad,))
+
+    def join_v(self, gvs):
+        """Per problem, per factor eta_v gradients -> one array per slot."""
+        out = []
+        for b0, f in self.slots:
+            sv = self.factors[0 if b0 is None else b0][f].shape_v
+            if b0 is not None:
+                out.append(gvs[b0][f].reshape(sv))
+            else:
+                g = np.zeros((self.B,) + sv)
+                for b in range(self.B):
+                    g[b] = gvs[b][f]
+                out.append(g.reshape(self.batch_shape + sv))
+        return out
+
+
+class _Sized:
+    __slots__ = ("n_u", "n_v")
+
+    def __init__(self, size):
+        self.n_u, self.n_v = size, 0
+
+
+class _ByCost:
+    """A factor-graph batch as :func:`_parallel` reads a layout: ``B``, and per problem
+    an object whose ``n_u + n_v`` orders the work (largest graphs first)."""
+
+    def __init__(self, layout):
+        self.B, self._which = layout.B, layout.which
+        self._sized = [_Sized(c) for c in layout.costs]
+
+    def factor_of(self, b):
+        return self._sized[self._which(b)]
+
+
+def _in_threads(fn, layout, n_jobs):
+    """``[fn(b) for b in range(B)]`` in the layer's threads (a solve, and the CG of a
+    jvp / vjp, run without the GIL)."""
+    return _parallel(fn, _ByCost(layout), n_jobs)
+
+
+def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
+    from sparsemap._factor_graph import _warn_not_converged
+    eu = layout.host_u(eta_u)
+    evs = layout.host_v(tensors)
+
+    def one(b):
+        k = layout.which(b)
+        try:
+            return layout.graphs[k]._solve_quiet(eu[b, :layout.sizes[k]], evs[b], **solve_kw)
+        except ValueError as exc:
+            if str(exc).startswith("eta_"):
+                raise ValueError(f"{exc}{_where(layout, b)}") from None
+            raise
+
+    results = _in_threads(one, layout, n_jobs)
+    for b, r in enumerate(results):
+        if not r.converged:   # stacklevel: the caller of factor_graph
+            where = f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape else ""
+            _warn_not_converged(r, where, 5)
+    return results
+
+
+class _GraphJacobian:
+    """The exact Jacobian of ``u`` for a solved factor-graph batch (FactorGraphResult's
+    jvp / vjp per problem, in threads), padded; inputs ``(eta_u, *eta_v tensors)``."""
+
+    def __init__(self, layout, results, n_jobs, eta_u, tensors):
+        self.layout, self.results, self.n_jobs = layout, results, n_jobs
+        self.like_u = _spec(eta_u)
+        self.like_v = [_spec(t) for t in tensors]
+
+    def apply(self, xs, transpose):
+        lay = self.layout
+
+        def size(b):
+            return lay.sizes[lay.which(b)]
+
+        g = lay.host_u(xs[0])
+        if not transpose:    # (d_eta_u, *d_eta_v) -> du
+            dvs = lay.host_v(list(xs[1:]) + [None] * (len(lay.slots) - len(xs) + 1))
+            out = _in_threads(lambda b: self.results[b].jvp(g[b, :size(b)], dvs[b]), lay,
+                              self.n_jobs)
+            return (_like(lay.join_u(out), self.like_u),)
+        out = _in_threads(lambda b: self.results[b].vjp(g[b, :size(b)]), lay,
+                          self.n_jobs)     # du -> (g_eta_u, *g_eta_v)
+        g_u = _like(lay.join_u([o[0] for o in out]), self.like_u)
+        g_v = lay.join_v([o[1] for o in out])
+        return (g_u,) + tuple(_like(a, like) for a, like in zip(g_v, self.like_v))
+
+
+class _FactorGraphFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout, n_jobs, solve_kw, eta_u, *tensors):
+        results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
+        ctx.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
+        return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
+
+    @staticmethod
+    def backward(ctx, gu):
+        # through _Linear only when the backward pass is itself differentiated
+        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
+            ctx.jac.apply((gu,), True)
+        return (None, None, None) + tuple(gs)
+
+    @staticmethod
+    def jvp(ctx, _layout, _n_jobs, _solve_kw, d_eta_u, *d_tensors):
+        return ctx.jac.apply((d_eta_u,) + d_tensors, False)[0]
+
+
+def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
+    """LP-SparseMAP marginals of a factor graph's variables, as a differentiable operation.
+
+    The PyTorch form of :meth:`sparsemap.FactorGraph.solve`: ``u`` with the exact
+    backward pass of :meth:`sparsemap.FactorGraphResult.vjp`, for ``eta_u`` and
+    every factor's ``eta_v``.
+
+    Parameters
+    ----------
+    graph : FactorGraph or list of FactorGraph
+        One graph for every problem of the batch, or one per batch element
+        (ragged batches; ``eta_u`` then has exactly one batch dimension). The
+        graph's factors are read when the function is called.
+    eta_u : Tensor, shape ``(*batch, graph.n_variables)``
+        Scores of the variables, any float dtype and device. With a list of
+        graphs: shape ``(B, V)``, element ``b`` using the leading
+        ``graphs[b].n_variables`` entries of its row (the rest is never read).
+    eta_v : list, optional
+        Additional scores, as in :meth:`~sparsemap.FactorGraph.solve`: one entry
+        per factor of the graph, in the order of ``add``, each None (zeros) or
+        a tensor of shape ``(*batch, *factor.shape_v)``, or ``factor.shape_v``
+        alone for scores shared by the batch. With a list of graphs: one entry
+        per graph, each None or such a list for its graph (tensors of shape
+        ``factor.shape_v``).
+    n_jobs : int, optional
+        Threads for the solves and the backward products (default: all cores).
+    **solve_kw
+        Passed to :meth:`~sparsemap.FactorGraph.solve`: ``max_iter``, ``tol``,
+        ``rho``, ``polish``.
+
+    Returns
+    -------
+    u : Tensor, shaped, typed and placed like ``eta_u``
+        Zero past each graph's variables in a ragged batch.
+
+    Raises
+    ------
+    ValueError
+        On a ``graph`` that is not a FactorGraph (or a list of them), shapes
+        that do not match the graphs, a wrong-length ``eta_v`` list, ``eta_v``
+        for a factor without additional scores, non-tensor or integer scores,
+        NaN or infinite scores (naming the batch element), an unknown keyword.
+
+    Warns
+    -----
+    ConvergenceWarning
+        For each problem that did not converge (naming the batch element).
+
+    Notes
+    -----
+    ``u`` is piecewise linear in ``(eta_u, eta_v)``: near a solution every
+    factor stays on the face of its final support, where ``u`` is an affine
+    projection of the scores. The backward pass applies the exact Jacobian (an
+    orthogonal projector, by conjugate gradient; see :doc:`/factor_graphs`),
+    needs no new solve and runs on the ``n_jobs`` threads. As for
+    :func:`sparsemap`, it is itself a differentiable linear map: double backward
+    and forward-mode AD work, and the second derivative with respect to the
+    scores is zero.
+
+    Examples
+    --------
+    Exactly one of variables 0 and 1 on, at most one of 1 and 2:
+
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> fg = sm.FactorGraph(3)
+    >>> fg.add(sm.XorFactor(2), [0, 1])
+    0
+    >>> fg.add(sm.AtMostOneFactor(2), [1, 2])
+    1
+    >>> eta_u = torch.tensor([0.2, 0.5, 0.9], requires_grad=True)
+    >>> u = smt.factor_graph(fg, eta_u)
+    >>> u
+    tensor([0.5333, 0.4667, 0.5333], grad_fn=<_FactorGraphFunctionBackward>)
+    >>> u[2].backward()
+    >>> eta_u.grad
+    tensor([ 0.3333, -0.3333,  0.3333])
+    """
+    for k in solve_kw:
+        if k not in _GRAPH_SOLVE_KW:
+            raise ValueError(f"{k}: not an option of FactorGraph.solve (expected one of "
+                             f"{', '.join(_GRAPH_SOLVE_KW)})")
+    layout = _GraphLayout(graph, eta_u, eta_v)
+    return _FactorGraphFunction.apply(layout, n_jobs, solve_kw, eta_u, *layout.tensors)

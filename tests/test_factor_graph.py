@@ -345,8 +345,9 @@ def test_oracle_errors_propagate():
 
 def test_max_iter_warns():
     fg, cols, eta_u, eta_v, _ = make("tree_budgets", 0)
-    with pytest.warns(sm.ConvergenceWarning):
+    with pytest.warns(sm.ConvergenceWarning) as record:
         r = fg.solve(eta_u, eta_v, max_iter=2, polish=False)
+    assert [w.filename for w in record] == [__file__]     # points at the caller
     assert not r.converged and not r.polished and r.n_iter == 2
     assert r.primal_residual > 1e-10 or r.dual_residual > 1e-10
 
