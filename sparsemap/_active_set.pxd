@@ -3,6 +3,15 @@
 from sparsemap._factors._base cimport Factor
 
 
+# Shared by the active set and the factor graph.
+cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double acc = 0
+    for i in range(n):
+        acc += a[i] * b[i]
+    return acc
+
+
 cdef class _Workspace:
     cdef Factor f
     cdef Py_ssize_t k, n_u, n_v

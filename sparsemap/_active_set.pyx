@@ -94,14 +94,6 @@ cdef inline double _now() noexcept nogil:
     return sm_now()
 
 
-cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double acc = 0
-    for i in range(n):
-        acc += a[i] * b[i]
-    return acc
-
-
 cdef inline double _sum(const double* a, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
     cdef double acc = 0

@@ -42,7 +42,7 @@ from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memset
 
-from sparsemap._active_set cimport _Workspace, _run
+from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
@@ -85,14 +85,6 @@ cdef enum:
     MAX_ITER = 2
 
 cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
-
-
-cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double acc = 0
-    for i in range(n):
-        acc += a[i] * b[i]
-    return acc
 
 
 cdef inline double _amax(const double* a, Py_ssize_t n) noexcept nogil:
