@@ -66,6 +66,16 @@ cdef class _BinaryFactor(Factor):
     """
     cdef readonly int n
 
+    def __init__(self, n):
+        self._set_n(n)
+
+    def _set_n(self, n, minimum=1, need=None):
+        """Check ``n`` (>= ``minimum``, ``need`` says why) and set unary-only shapes."""
+        self.n = check_positive_int(n, "n")
+        if self.n < minimum:
+            raise ValueError(f"n: expected an integer >= {minimum} ({need}), got {n!r}")
+        self._set_shapes((self.n,), (0,), self.n, 0)
+
     def _init_args(self):
         return (self.n,)
 
@@ -166,10 +176,6 @@ cdef class XorFactor(_BinaryFactor):
     array([0.75, 0.25, 0.  ])
     """
 
-    def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        self._set_shapes((self.n,), (0,), self.n, 0)
-
     def _constraint_error(self, s):
         if s.sum() != 1:
             return f"expected exactly one variable on, {int(s.sum())} are"
@@ -213,10 +219,6 @@ cdef class AtMostOneFactor(_BinaryFactor):
     array([0.3, 0. , 0.1])
     """
 
-    def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        self._set_shapes((self.n,), (0,), self.n, 0)
-
     def _constraint_error(self, s):
         if s.sum() > 1:
             return f"expected at most one variable on, {int(s.sum())} are"
@@ -257,10 +259,6 @@ cdef class OrFactor(_BinaryFactor):
     >>> sm.OrFactor(3).map(np.array([-0.2, -0.5, -1.0]))
     array([1, 0, 0])
     """
-
-    def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        self._set_shapes((self.n,), (0,), self.n, 0)
 
     def _constraint_error(self, s):
         if s.sum() < 1:
@@ -562,11 +560,7 @@ cdef class OrOutFactor(_BinaryFactor):
     """
 
     def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        if self.n < 3:
-            raise ValueError(f"n: expected an integer >= 3 (at least two inputs and the "
-                             f"output), got {n!r}")
-        self._set_shapes((self.n,), (0,), self.n, 0)
+        self._set_n(n, 3, "at least two inputs and the output")
 
     def _constraint_error(self, s):
         K = self.n - 1
@@ -623,11 +617,7 @@ cdef class AndOutFactor(_BinaryFactor):
     """
 
     def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        if self.n < 3:
-            raise ValueError(f"n: expected an integer >= 3 (at least two inputs and the "
-                             f"output), got {n!r}")
-        self._set_shapes((self.n,), (0,), self.n, 0)
+        self._set_n(n, 3, "at least two inputs and the output")
 
     def _constraint_error(self, s):
         K = self.n - 1
@@ -690,11 +680,7 @@ cdef class XorOutFactor(_BinaryFactor):
     """
 
     def __init__(self, n):
-        self.n = check_positive_int(n, "n")
-        if self.n < 2:
-            raise ValueError(f"n: expected an integer >= 2 (at least one input and the "
-                             f"output), got {n!r}")
-        self._set_shapes((self.n,), (0,), self.n, 0)
+        self._set_n(n, 2, "at least one input and the output")
 
     def _constraint_error(self, s):
         K = self.n - 1
