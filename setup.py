@@ -3,13 +3,16 @@
 Every ``.pyx`` file under ``sparsemap/`` becomes one extension module, so a new
 factor or solver module needs no change here.
 
-One build serves every install of a checkout. An editable install
+One build serves every install of a checkout in place. An editable install
 (``pip install -e .``) leaves the compiled modules next to their sources; a
-later install (another ``pip install -e ".[extra]"``, or a wheel) reuses each
-module that is newer than its ``.pyx``, every ``.pxd`` of the package and this
-file, instead of translating and compiling it again in pip's fresh build
-environment. ``python setup.py build_ext --inplace --force`` (or deleting the
-compiled files) rebuilds everything.
+later editable install (another ``pip install -e ".[extra]"``) or in-place
+build reuses each module that is newer than its ``.pyx``, every ``.pxd`` of the
+package and this file, instead of translating and compiling it again in pip's
+fresh build environment. A stale module is translated afresh, so that a change
+of the compiler directives here reaches its C. A wheel (``pip install .``,
+``pip wheel .``) compiles everything, with its own flags and build environment.
+``python setup.py build_ext --inplace --force`` (or deleting the compiled
+files) rebuilds everything.
 """
 import sysconfig
 from pathlib import Path
@@ -54,23 +57,27 @@ def _up_to_date(ext):
 class BuildExt(build_ext):
     """Translate and compile the stale modules only; copy the up-to-date ones."""
 
+    def run(self):
+        # Read before setuptools clears `inplace` for the build proper.
+        self._may_reuse = not self.force and (self.inplace or self.editable_mode)
+        super().run()
+
     def build_extensions(self):
         # Cythonize here, once and serially, before the (possibly parallel) compilation.
         self._reused = set()
         for ext in self.extensions:
-            if not self.force and _up_to_date(ext):
+            if self._may_reuse and _up_to_date(ext):
                 self._reused.add(ext.name)
             else:
-                ext.sources = cythonize([ext], force=self.force, **CYTHON_OPTIONS)[0].sources
+                ext.sources = cythonize([ext], force=True, **CYTHON_OPTIONS)[0].sources
         super().build_extensions()
 
     def build_extension(self, ext):
         if ext.name not in self._reused:
             return super().build_extension(ext)
-        target = Path(self.get_ext_fullpath(ext.name))
-        if target.resolve() != _inplace_path(ext).resolve():
-            self.mkpath(str(target.parent))
-            self.copy_file(str(_inplace_path(ext)), str(target))
+        target = Path(self.get_ext_fullpath(ext.name))   # in the build folder
+        self.mkpath(str(target.parent))
+        self.copy_file(str(_inplace_path(ext)), str(target))
 
 
 def _extensions():
