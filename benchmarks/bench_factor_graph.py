@@ -60,13 +60,19 @@ def tree_arcs(n):
     return var
 
 
-def tree_budget(rng, n, budget=2):
+def valency_graph(n, budget=2):
+    """A tree over n words in which every word takes at most ``budget`` modifiers."""
     var = tree_arcs(n)
     fg = sm.FactorGraph(int(var.max()) + 1)
     fg.add(sm.TreeFactor(n), var)
     for h in range(1, n + 1):
         mods = var[h][var[h] >= 0]
         fg.add(sm.BudgetFactor(mods.size, budget), mods)
+    return fg
+
+
+def tree_budget(rng, n, budget=2):
+    fg = valency_graph(n, budget)
     return fg, rng.standard_normal(fg.n_variables), None, dict(kind="tree", n=n, budget=budget)
 
 

@@ -19,13 +19,14 @@ Usage: python benchmarks/bench_solvers.py [--instances 5] [--repeats 3] [--only 
 """
 import argparse
 import statistics
-import time
 import warnings
 
 import numpy as np
 
 import sparsemap as sm
 from sparsemap._active_set import _time_map
+from bench_batch import median_times
+
 
 def families():
     for n in (20, 50, 100):
@@ -58,13 +59,10 @@ def bench(f, scale, n_instances, repeats, seed):
     rows, fresh, adjusted = [], [], []
     for _ in range(n_instances):
         eu, ev = draw_scores(f, scale, rng)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            r = sm.solve(f, eu, ev)
-            times.append(time.perf_counter() - t0)
+        r = sm.solve(f, eu, ev)
         assert r.converged, r
-        rows.append((statistics.median(times), r.n_iter, r.n_map, len(r.structures), r.gap))
+        t, = median_times([lambda: sm.solve(f, eu, ev)], repeats)
+        rows.append((t, r.n_iter, r.n_map, len(r.structures), r.gap))
         fresh.append((eu, ev))
         adjusted.append((eu - r.u, ev))
     t_fresh = map_time(f, fresh)
@@ -144,15 +142,6 @@ def logic_cases(n):
     yield "and-out", sm.AndOutFactor(n), 0.0, lambda a: 1.0 - np_or_out(1.0 - a)
 
 
-def median_seconds(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_logic(n_instances, repeats, seed):
     head = (f"{'factor':<18}{'n':>6}{'solve':>11}{'iters':>7}{'support':>8}{'closed f.':>11}"
             f"{'ratio':>9}{'max |du|':>10}")
@@ -165,8 +154,8 @@ def bench_logic(n_instances, repeats, seed):
             for _ in range(n_instances):
                 eu = rng.standard_normal(n) + shift
                 r = sm.solve(f, eu)
-                t_solve = median_seconds(lambda: sm.solve(f, eu), repeats)
-                t_cf = median_seconds(lambda: cf(eu), max(repeats, 11))
+                t_solve, = median_times([lambda: sm.solve(f, eu)], repeats)
+                t_cf, = median_times([lambda: cf(eu)], max(repeats, 11))
                 rows.append((t_solve, r.n_iter, len(r.structures), t_cf,
                              float(np.abs(r.u - cf(eu)).max())))
             t, it, supp, tcf, _ = [statistics.median(col) for col in zip(*rows)]

@@ -25,19 +25,7 @@ import torch
 import sparsemap as sm
 import sparsemap.torch as smt
 from bench_batch import median_times, reference_speedup
-
-
-def valency_graph(n, budget=2):
-    """A tree over n words in which every word takes at most ``budget`` modifiers."""
-    used = ~np.eye(n + 1, dtype=bool)
-    used[:, 0] = False
-    arc = -np.ones((n + 1, n + 1), dtype=int)
-    arc[used] = np.arange(used.sum())
-    fg = sm.FactorGraph(int(used.sum()))
-    fg.add(sm.TreeFactor(n), arc)
-    for h in range(1, n + 1):
-        fg.add(sm.BudgetFactor(n - 1, budget), arc[h][arc[h] >= 0])
-    return fg
+from bench_factor_graph import valency_graph
 
 
 def main(argv=None):
@@ -51,7 +39,7 @@ def main(argv=None):
     V = max(g.n_variables for g in graphs)
     print(f"batch of {args.batch} valency-constrained trees of 8 to 16 words "
           f"({min(g.n_variables for g in graphs)} to {V} arcs), budget 2")
-    print(f"machine's 2-thread ceiling (GIL-free hashing): {reference_speedup(2, 5):.2f}x")
+    print(f"machine's 2-thread ceiling (GIL-free hashing): {reference_speedup(2, args.repeats):.2f}x")
     print(f"{'scale':>5} {'numpy loop':>11} {'layer 1 thr':>12} {'overhead':>9} "
           f"{'layer 2 thr':>12} {'speedup':>8} {'admm it':>8} {'cg it':>6}")
     for scale in (1, 5):

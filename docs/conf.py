@@ -17,7 +17,6 @@ import importlib
 import importlib.util
 import inspect
 import io
-import os
 import pkgutil
 import sys
 from contextlib import redirect_stderr, redirect_stdout
