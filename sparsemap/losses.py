@@ -187,7 +187,12 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         it; read by :meth:`Factor.from_vertex`), or a distribution over
         structures (``y_t``) given as a pair ``(structures, weights)``, a dict
         ``{structure: weight}`` (structures as ints or tuples), or a
-        :class:`SparseMAPResult` (its support and weights). Weights must be
+        :class:`SparseMAPResult` (its support and weights). Where the compact
+        form has the shape of ``eta_u`` (``shape_u == (struct_size,)``: the
+        logic factors, whose compact form is their 0/1 column anyway, and a
+        :class:`GenericFactor` with one row, whose compact form is an index),
+        an array of that shape is read as compact; convert a dense target with
+        :meth:`Factor.from_vertex` first. Weights must be
         non-negative and sum to one. A soft target enters only through
         ``m_t = sum_k w_k m_k`` and ``n_t = sum_k w_k n_k``, with
         ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming cost;

@@ -910,8 +910,10 @@ def _parallel(fn, layout, n_jobs):
 
 
 def _targets(target, layout):
-    """Per-problem targets: compact structures from a (padded) integer tensor, or dense
-    0/1 columns from a float tensor shaped like ``eta_u``."""
+    """``(targets, dense)``: per-problem compact structures from a (padded) integer
+    tensor (``dense=False``), or dense 0/1 columns from a float tensor shaped like
+    ``eta_u`` (``dense=True``; the loss converts them with :meth:`Factor.from_vertex`,
+    as the NumPy losses cannot always tell the two forms apart by shape)."""
     if isinstance(target, torch.Tensor):
         arr = target.detach().cpu()
         arr = (arr.double() if arr.is_floating_point() else arr).numpy()
@@ -926,8 +928,8 @@ def _targets(target, layout):
         if arr.shape != want:
             raise ValueError(f"target: a float target is dense (0/1 parts shaped like eta_u): "
                              f"expected shape {want}, got {arr.shape}")
-        return layout.split_u(arr) if layout.ragged else \
-            list(arr.reshape((layout.B,) + layout.pad_u))
+        return (layout.split_u(arr) if layout.ragged else
+                list(arr.reshape((layout.B,) + layout.pad_u))), True
     if arr.dtype.kind not in "iu":
         raise ValueError(f"target: expected integers (compact structures) or floats (dense "
                          f"0/1 parts), got dtype {arr.dtype}")
@@ -942,7 +944,7 @@ def _targets(target, layout):
             out.append(int(t))
         else:   # padded: a ragged element reads its leading struct_size entries
             out.append(t[:layout.factor_of(b).struct_size] if layout.ragged else t)
-    return out
+    return out, False
 
 
 class _LossFunction(torch.autograd.Function):
@@ -968,14 +970,15 @@ class _LossFunction(torch.autograd.Function):
 def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     _check_reduction(reduction)
     layout = _Layout(factor, eta_u, eta_v)
-    targets = _targets(target, layout)
+    targets, dense = _targets(target, layout)
     eus = layout.split_u(_to_host(eta_u))
     evs = None if eta_v is None else layout.split_v(_to_host(eta_v))
 
     def one(b):
+        f = layout.factor_of(b)
         try:
-            return numpy_loss(layout.factor_of(b), eus[b], targets[b],
-                              None if evs is None else evs[b], **kw)
+            t = f.from_vertex(targets[b], names=("target", "target")) if dense else targets[b]
+            return numpy_loss(f, eus[b], t, None if evs is None else evs[b], **kw)
         except ValueError as exc:
             if not layout.batch_shape:
                 raise

@@ -625,6 +625,44 @@ def test_dense_targets_equal_compact_targets():
         smt.sparsemap_loss(factors, eu, dense[:, :3])
 
 
+def test_dense_target_of_a_one_row_generic_factor_is_dense():
+    # GenericFactor([[1, 0]]): one part, structure 0 has m = 1, structure 1 has m = 0, so
+    # shape_u == (struct_size,) and a float target [m_t] must not be read as the index m_t.
+    # Closed form: eta' = eta + margin (1 - m_t); SparseMAP u* = clip(eta', 0, 1), loss
+    # (eta' u* - u*^2 / 2) - (eta' m_t - m_t^2 / 2), gradient u* - m_t; MAP m_s = [eta' > 0],
+    # loss eta' (m_s - m_t), subgradient m_s - m_t.
+    f = sm.GenericFactor(np.array([[1.0, 0.0]]))
+    etas = [0.2, -0.3, 0.7, 1.6]
+    eu = torch.tensor(etas, dtype=torch.float64).reshape(4, 1).requires_grad_()
+    for kind, margin in LOSSES:
+        for mt in (1.0, 0.0):
+            want_loss, want_grad = [], []
+            for eta in etas:
+                e = eta + margin * (1 - mt)
+                if kind == "sparsemap":
+                    u = min(max(e, 0.0), 1.0)
+                    want_loss.append((e * u - u * u / 2) - (e * mt - mt * mt / 2))
+                    want_grad.append(u - mt)
+                else:
+                    ms = float(e > 0)
+                    want_loss.append(e * (ms - mt))
+                    want_grad.append(ms - mt)
+            index = torch.full((4,), 0 if mt else 1)
+            for target in (torch.full((4, 1), mt, dtype=torch.float64), index):
+                per = torch_loss(kind, f, eu, target, None, margin, "none")
+                (g,) = torch.autograd.grad(per.sum(), eu)
+                np.testing.assert_allclose(per.detach().numpy(), want_loss, atol=1e-12)
+                np.testing.assert_allclose(g.numpy().ravel(), want_grad, atol=1e-12)
+    # the example of the bug report, and a ragged batch reads the float target densely too
+    x = torch.tensor([[0.2]], dtype=torch.float64)
+    assert smt.sparsemap_loss(f, x, torch.tensor([[1.0]], dtype=torch.float64)).item() == \
+        pytest.approx(0.32, abs=1e-12)
+    assert smt.sparsemap_loss([f, f], x.expand(2, 1), torch.tensor([[1.0], [0.0]]),
+                              reduction="none").tolist() == pytest.approx([0.32, 0.02], abs=1e-7)
+    with pytest.raises(ValueError, match=r"^target: .*\(batch element 1\)$"):
+        smt.sparsemap_loss(f, x.expand(2, 1), torch.tensor([[1.0], [0.5]]))
+
+
 def test_loss_modules_and_dtype():
     f = sm.TreeFactor(3)
     x = torch.randn(2, 4, 4, generator=gen(40)).requires_grad_()
