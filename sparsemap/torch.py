@@ -380,23 +380,35 @@ def _zeros_if_none(x, layout, which):
     return torch.zeros(layout.batch_shape + pad, dtype=torch.float64)
 
 
-class _SparseMAPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
-        u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
-        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
-        return u
+def _vjp(jac, g):
+    """``J^T g`` for a Jacobian ``jac`` (one tensor per score input): through
+    :class:`_Linear` only when the backward pass is itself differentiated."""
+    return _Linear.apply(jac, True, g) if torch.is_grad_enabled() else jac.apply((g,), True)
+
+
+class _JacobianFunction(torch.autograd.Function):
+    """A layer ``forward(ctx, layout, n_jobs, solve_kw, *scores)`` that solves and keeps in
+    ``ctx.jac`` the Jacobian of its output ``u`` with respect to the score tensors (an
+    ``apply(xs, transpose)`` as :class:`_Linear` reads it): backward applies ``J^T``, jvp
+    ``J``. A score input that is None gets no gradient."""
 
     @staticmethod
     def backward(ctx, gu):
-        # through _Linear only when the backward pass is itself differentiated
-        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
-            ctx.jac.apply((gu,), True)
-        return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
+        gs = tuple(_vjp(ctx.jac, gu))
+        n_scores = len(ctx.needs_input_grad) - 3
+        return (None, None, None) + gs + (None,) * (n_scores - len(gs))
 
     @staticmethod
-    def jvp(ctx, d_eta_u, d_eta_v, *_):
-        return ctx.jac.apply((d_eta_u, d_eta_v), False)[0]
+    def jvp(ctx, _layout, _n_jobs, _solve_kw, *d_scores):
+        return ctx.jac.apply(d_scores, False)[0]
+
+
+class _SparseMAPFunction(_JacobianFunction):
+    @staticmethod
+    def forward(ctx, layout, n_jobs, solve_kw, eta_u, eta_v):
+        u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
+        return u
 
 
 def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
@@ -451,7 +463,7 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.5000, -0.5000])
     """
     layout = _Layout(factor, eta_u, eta_v)
-    return _SparseMAPFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)
+    return _SparseMAPFunction.apply(layout, n_jobs, solve_kw, eta_u, eta_v)
 
 
 # -- the distribution: support and differentiable weights ----------------------------
@@ -544,7 +556,7 @@ class _DistributionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gw, _):
-        gs = _Linear.apply(ctx.jac, True, gw)
+        gs = _vjp(ctx.jac, gw)
         return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
 
 
@@ -639,7 +651,7 @@ def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
     flat_u = eta_u.reshape((-1,) + tuple(eta_u.shape[nb:]))
     flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
     layout = _Layout(factors, flat_u, flat_v, trusted=True)
-    u = _SparseMAPFunction.apply(flat_u, flat_v, layout, n_jobs, solve_kw)
+    u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, flat_u, flat_v)
     return u.reshape(eta_u.shape)
 
 
@@ -1409,23 +1421,12 @@ class _GraphJacobian:
         return (g_u,) + tuple(_like(a, like) for a, like in zip(g_v, self.like_v))
 
 
-class _FactorGraphFunction(torch.autograd.Function):
+class _FactorGraphFunction(_JacobianFunction):
     @staticmethod
     def forward(ctx, layout, n_jobs, solve_kw, eta_u, *tensors):
         results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
         ctx.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
         return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
-
-    @staticmethod
-    def backward(ctx, gu):
-        # through _Linear only when the backward pass is itself differentiated
-        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
-            ctx.jac.apply((gu,), True)
-        return (None, None, None) + tuple(gs)
-
-    @staticmethod
-    def jvp(ctx, _layout, _n_jobs, _solve_kw, d_eta_u, *d_tensors):
-        return ctx.jac.apply((d_eta_u,) + d_tensors, False)[0]
 
 
 def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
