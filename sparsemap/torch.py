@@ -45,7 +45,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _solve_padded
+from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _order, _solve_padded
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -890,16 +890,16 @@ class Sparsemax(torch.nn.Module):
 
 
 # -- losses ---------------------------------------------------------------------------
-def _parallel(fn, layout, n_jobs):
+def _parallel(fn, B, costs, n_jobs):
     """``[fn(b) for b in range(B)]`` on n_jobs threads, the batch layer's helpers and the
-    caller, largest problems first: each call solves without the GIL."""
-    n_threads = min(_check_n_jobs(n_jobs), layout.B)
+    caller, each call solving without the GIL; in the batch layer's order: by decreasing
+    ``costs[b]`` (ties in input order), or in input order when ``costs`` is None."""
+    n_threads = min(_check_n_jobs(n_jobs), B)
     if n_threads <= 1:
-        return [fn(b) for b in range(layout.B)]
-    out = [None] * layout.B
+        return [fn(b) for b in range(B)]
+    out = [None] * B
     errors = {}
-    costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
-    pending = iter(np.argsort(costs, kind="stable")[::-1].tolist())   # next() holds the GIL
+    pending = iter(_order(B, costs).tolist())   # next() holds the GIL
 
     def work(_=0):
         for b in pending:
@@ -996,7 +996,8 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
                 raise
             raise ValueError(f"{exc}{_where(layout, b)}") from None
 
-    out = _parallel(one, layout, n_jobs)
+    costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
+    out = _parallel(one, layout.B, costs, n_jobs)
     losses = np.array([o[0] for o in out], dtype=np.float64).reshape(layout.batch_shape)
     g_u = layout.join([o[1] for o in out], "u")
     g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
@@ -1294,9 +1295,10 @@ class _GraphLayout:
                         self.slots.append((b, f))
         self.pad = eta_u.shape[-1]
         self.sizes = [g.n_variables for g in self.graphs]
-        # threads take the largest graphs first: variables plus factor parts
+        # threads take the largest graphs of a ragged batch first: variables plus factor
+        # parts, per problem (None: one shared graph, problems in input order)
         self.costs = [V + sum(f.n_u + f.n_v for f in fs)
-                      for V, fs in zip(self.sizes, self.factors)]
+                      for V, fs in zip(self.sizes, self.factors)] if self.ragged else None
 
     def which(self, b):
         """Index of problem b's graph in ``graphs`` / ``factors`` / ``sizes``."""
@@ -1346,29 +1348,10 @@ class _GraphLayout:
         return out
 
 
-class _Sized:
-    __slots__ = ("n_u", "n_v")
-
-    def __init__(self, size):
-        self.n_u, self.n_v = size, 0
-
-
-class _ByCost:
-    """A factor-graph batch as :func:`_parallel` reads a layout: ``B``, and per problem
-    an object whose ``n_u + n_v`` orders the work (largest graphs first)."""
-
-    def __init__(self, layout):
-        self.B, self._which = layout.B, layout.which
-        self._sized = [_Sized(c) for c in layout.costs]
-
-    def factor_of(self, b):
-        return self._sized[self._which(b)]
-
-
 def _in_threads(fn, layout, n_jobs):
     """``[fn(b) for b in range(B)]`` in the layer's threads (a solve, and the CG of a
-    jvp / vjp, run without the GIL)."""
-    return _parallel(fn, _ByCost(layout), n_jobs)
+    jvp / vjp, run without the GIL), largest graphs first."""
+    return _parallel(fn, layout.B, layout.costs, n_jobs)
 
 
 def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
