@@ -373,13 +373,6 @@ class _LayerJacobian:
         return g_u, _finish(out_v, lay.batch_shape + lay.pad_v, self.like_v)
 
 
-def _zeros_if_none(x, layout, which):
-    if x is not None:
-        return x
-    pad = layout.pad_u if which == "u" else layout.pad_v
-    return torch.zeros(layout.batch_shape + pad, dtype=torch.float64)
-
-
 def _vjp(jac, g):
     """``J^T g`` for a Jacobian ``jac`` (one tensor per score input): through
     :class:`_Linear` only when the backward pass is itself differentiated."""
@@ -489,7 +482,7 @@ class _SupportJacobian:
     def apply(self, xs, transpose):
         lay, K = self.layout, self.K
         if not transpose:    # (d_eta_u, d_eta_v) -> dy
-            du = lay.split_u(_to_host(_zeros_if_none(xs[0], lay, "u")))
+            du = lay.split_u(_to_host(xs[0]))
             dv = xs[1] if len(xs) > 1 else None
             dv = None if dv is None or self.like_v is None else lay.split_v(_to_host(dv))
             out = np.zeros((lay.B, K))
