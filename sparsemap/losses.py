@@ -33,11 +33,19 @@ __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_lo
 # Soft-target weights must sum to one within this (then they are renormalised).
 _WEIGHT_SUM_TOL = 1e-6
 
+_REDUCTIONS = ("mean", "sum", "none")
+
 
 # -- validation ---------------------------------------------------------------------
 def _check_factor(factor):
     if not isinstance(factor, Factor):
         raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+
+
+def _check_reduction(reduction):
+    """Refuse a ``reduction`` other than those of :func:`batch_loss` (and the torch losses)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def _check_nonneg(value, name):
@@ -326,9 +334,6 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
 
 
 # -- batches ----------------------------------------------------------------------
-_REDUCTIONS = ("mean", "sum", "none")
-
-
 def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", **kwargs):
     """Apply a loss to a batch of examples, one after the other.
 
@@ -375,8 +380,7 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
     """
     if not callable(loss_fn):
         raise ValueError(f"loss_fn: expected a callable, got {loss_fn!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     try:
         B = len(etas_u)
     except TypeError:

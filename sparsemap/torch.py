@@ -46,6 +46,7 @@ import torch
 import sparsemap as sm
 from sparsemap import Factor
 from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _order, _solve_padded
+from sparsemap.losses import _check_reduction
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -53,8 +54,6 @@ __all__ = [
     "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
     "factor_graph",
 ]
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 # -- validation and layout ------------------------------------------------------------
@@ -64,11 +63,6 @@ def _check_tensor(x, name):
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     return x
-
-
-def _check_reduction(reduction):
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def _has_v(factor):
