@@ -684,8 +684,11 @@ def test_loss_modules_and_dtype():
 def test_loss_is_once_differentiable():
     x = randn(4, 4, seed=41)
     loss = smt.sparsemap_loss(sm.TreeFactor(3), x, torch.tensor([-1, 0, 1, 2]))
-    (g,) = torch.autograd.grad(loss, x, create_graph=True)
-    with pytest.raises(RuntimeError):
+    # a grad_output that requires grad, so the gradient is a function of it and the
+    # double backward reaches the loss's backward pass
+    v = torch.ones((), dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(loss, x, v, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
         g.sum().backward()
 
 
