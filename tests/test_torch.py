@@ -4,6 +4,7 @@ Derivatives are checked by finite differences (torch.autograd.gradcheck) in floa
 values against sm.solve element by element, the NumPy losses, and closed forms.
 """
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -259,7 +260,7 @@ def test_bad_input_raises_value_error_naming_the_argument():
         (lambda: smt.sparsemap(f, x, torch.zeros(1)), "eta_v"),
         (lambda: smt.sparsemap(f, torch.full((4, 4), float("nan"))), "eta_u"),
         (lambda: smt.sparsemap(f, torch.full((4, 4), float("inf"))), "eta_u"),
-        (lambda: smt.sparsemap("tree", x), "factor"),
+        (lambda: smt.sparsemap("tree", x), "factor[0]"),   # a str is a list of its chars
         (lambda: smt.sparsemap([f, "tree"], torch.zeros(2, 4, 4)), "factor[1]"),
         (lambda: smt.sparsemap([], torch.zeros(0, 4, 4)), "factor"),
         (lambda: smt.sparsemap([f, f], torch.zeros(3, 4, 4)), "eta_u"),
@@ -285,9 +286,8 @@ def test_bad_input_raises_value_error_naming_the_argument():
                                      n_jobs=0), "n_jobs"),
     ]
     for call, name in cases:
-        with pytest.raises(ValueError) as exc:
+        with pytest.raises(ValueError, match="^" + re.escape(name) + ":"):
             call()
-        assert name in str(exc.value), (name, str(exc.value))
     with pytest.raises(ValueError, match="batch element 1"):
         smt.perceptron_loss(f, torch.zeros(2, 4, 4), torch.tensor([[-1, 0, 1, 2], [-1, 2, 3, 1]]))
 
