@@ -33,11 +33,19 @@ __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_lo
 # Soft-target weights must sum to one within this (then they are renormalised).
 _WEIGHT_SUM_TOL = 1e-6
 
+_REDUCTIONS = ("mean", "sum", "none")
+
 
 # -- validation ---------------------------------------------------------------------
 def _check_factor(factor):
     if not isinstance(factor, Factor):
         raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+
+
+def _check_reduction(reduction):
+    """Refuse a ``reduction`` other than those of :func:`batch_loss` (and the torch losses)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def _check_nonneg(value, name):
@@ -187,7 +195,12 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         it; read by :meth:`Factor.from_vertex`), or a distribution over
         structures (``y_t``) given as a pair ``(structures, weights)``, a dict
         ``{structure: weight}`` (structures as ints or tuples), or a
-        :class:`SparseMAPResult` (its support and weights). Weights must be
+        :class:`SparseMAPResult` (its support and weights). Where the compact
+        form has the shape of ``eta_u`` (``shape_u == (struct_size,)``: the
+        logic factors, whose compact form is their 0/1 column anyway, and a
+        :class:`GenericFactor` with one row, whose compact form is an index),
+        an array of that shape is read as compact; convert a dense target with
+        :meth:`Factor.from_vertex` first. Weights must be
         non-negative and sum to one. A soft target enters only through
         ``m_t = sum_k w_k m_k`` and ``n_t = sum_k w_k n_k``, with
         ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming cost;
@@ -321,9 +334,6 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
 
 
 # -- batches ----------------------------------------------------------------------
-_REDUCTIONS = ("mean", "sum", "none")
-
-
 def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", **kwargs):
     """Apply a loss to a batch of examples, one after the other.
 
@@ -370,8 +380,7 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
     """
     if not callable(loss_fn):
         raise ValueError(f"loss_fn: expected a callable, got {loss_fn!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     try:
         B = len(etas_u)
     except TypeError:

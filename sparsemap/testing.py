@@ -243,13 +243,14 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
                          f"arguments are check_kkt(factor, result, eta_u, eta_v=None)")
     eu, ev = factor.check_scores(eta_u, eta_v)
     if structures is None:
-        if _candidate_values(factor) is None:
-            raise ValueError(f"structures: check_kkt cannot list the structures of {factor!r} "
-                             f"by itself; pass them, e.g. structures=enumerate_structures("
-                             f"factor, values=...) with the integers each entry may take")
         try:
             structures = enumerate_structures(factor)
-        except ValueError:   # too many candidates
+        except ValueError as exc:
+            if str(exc).startswith("values:"):   # not a family it knows
+                raise ValueError(f"structures: check_kkt cannot list the structures of "
+                                 f"{factor!r} by itself; pass them, e.g. structures="
+                                 f"enumerate_structures(factor, values=...) with the integers "
+                                 f"each entry may take") from None
             raise ValueError(f"structures: {factor!r} has too many structures to enumerate "
                              f"here; pass the structures to compare with, or use a smaller "
                              f"factor") from None
@@ -257,7 +258,8 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
         raise ValueError("structures: expected at least one structure")
     M, N = dense_columns(factor, structures)
     forbid_u, forbid_v = np.isneginf(eu), np.isneginf(ev)
-    if forbid_u.any() or forbid_v.any():
+    masked = bool(forbid_u.any() or forbid_v.any())
+    if masked:
         # masks: the problem is the one over the allowed structures, whose
         # columns are 0 on the forbidden parts (scored 0 there, not -inf)
         allowed = ~((M[forbid_u] != 0).any(axis=0) | (N[forbid_v] != 0).any(axis=0))
@@ -266,9 +268,6 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
         structures = [s for s, a in zip(structures, allowed) if a]
         M, N = M[:, allowed], N[:, allowed]
         eu, ev = np.where(forbid_u, 0.0, eu), np.where(forbid_v, 0.0, ev)
-        MS, NS = dense_columns(factor, list(result.structures))
-        if (MS[forbid_u] != 0).any() or (NS[forbid_v] != 0).any():
-            raise AssertionError("support: a structure uses a forbidden part (-inf score)")
     S = list(result.structures)
     w = np.asarray(result.weights, dtype=np.float64)
     u = np.asarray(result.u, dtype=np.float64).reshape(-1)
@@ -279,6 +278,8 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
         raise AssertionError(f"weights: expected positive weights summing to 1, got {w!r} "
                              f"(sum {w.sum()!r})")
     MS, NS = dense_columns(factor, S)
+    if masked and ((MS[forbid_u] != 0).any() or (NS[forbid_v] != 0).any()):
+        raise AssertionError("support: a structure uses a forbidden part (-inf score)")
     col_scale = max(1.0, float(np.abs(M).sum(axis=0).max(initial=0.0)))
     u_error = float(np.abs(MS @ w - u).max(initial=0.0))
     v_error = float(np.abs(NS @ w - v).max(initial=0.0))

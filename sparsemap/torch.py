@@ -45,7 +45,8 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _solve_padded
+from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _order, _solve_padded
+from sparsemap.losses import _check_reduction
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -53,8 +54,6 @@ __all__ = [
     "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
     "factor_graph",
 ]
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 # -- validation and layout ------------------------------------------------------------
@@ -64,11 +63,6 @@ def _check_tensor(x, name):
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     return x
-
-
-def _check_reduction(reduction):
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def _has_v(factor):
@@ -373,30 +367,35 @@ class _LayerJacobian:
         return g_u, _finish(out_v, lay.batch_shape + lay.pad_v, self.like_v)
 
 
-def _zeros_if_none(x, layout, which):
-    if x is not None:
-        return x
-    pad = layout.pad_u if which == "u" else layout.pad_v
-    return torch.zeros(layout.batch_shape + pad, dtype=torch.float64)
+def _vjp(jac, g):
+    """``J^T g`` for a Jacobian ``jac`` (one tensor per score input): through
+    :class:`_Linear` only when the backward pass is itself differentiated."""
+    return _Linear.apply(jac, True, g) if torch.is_grad_enabled() else jac.apply((g,), True)
 
 
-class _SparseMAPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
-        u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
-        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
-        return u
+class _JacobianFunction(torch.autograd.Function):
+    """A layer ``forward(ctx, layout, n_jobs, solve_kw, *scores)`` that solves and keeps in
+    ``ctx.jac`` the Jacobian of its output ``u`` with respect to the score tensors (an
+    ``apply(xs, transpose)`` as :class:`_Linear` reads it): backward applies ``J^T``, jvp
+    ``J``. A score input that is None gets no gradient."""
 
     @staticmethod
     def backward(ctx, gu):
-        # through _Linear only when the backward pass is itself differentiated
-        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
-            ctx.jac.apply((gu,), True)
-        return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
+        gs = tuple(_vjp(ctx.jac, gu))
+        n_scores = len(ctx.needs_input_grad) - 3
+        return (None, None, None) + gs + (None,) * (n_scores - len(gs))
 
     @staticmethod
-    def jvp(ctx, d_eta_u, d_eta_v, *_):
-        return ctx.jac.apply((d_eta_u, d_eta_v), False)[0]
+    def jvp(ctx, _layout, _n_jobs, _solve_kw, *d_scores):
+        return ctx.jac.apply(d_scores, False)[0]
+
+
+class _SparseMAPFunction(_JacobianFunction):
+    @staticmethod
+    def forward(ctx, layout, n_jobs, solve_kw, eta_u, eta_v):
+        u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
+        return u
 
 
 def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
@@ -451,7 +450,7 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.5000, -0.5000])
     """
     layout = _Layout(factor, eta_u, eta_v)
-    return _SparseMAPFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)
+    return _SparseMAPFunction.apply(layout, n_jobs, solve_kw, eta_u, eta_v)
 
 
 # -- the distribution: support and differentiable weights ----------------------------
@@ -477,7 +476,7 @@ class _SupportJacobian:
     def apply(self, xs, transpose):
         lay, K = self.layout, self.K
         if not transpose:    # (d_eta_u, d_eta_v) -> dy
-            du = lay.split_u(_to_host(_zeros_if_none(xs[0], lay, "u")))
+            du = lay.split_u(_to_host(xs[0]))
             dv = xs[1] if len(xs) > 1 else None
             dv = None if dv is None or self.like_v is None else lay.split_v(_to_host(dv))
             out = np.zeros((lay.B, K))
@@ -544,7 +543,7 @@ class _DistributionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gw, _):
-        gs = _Linear.apply(ctx.jac, True, gw)
+        gs = _vjp(ctx.jac, gw)
         return gs[0], (gs[1] if len(gs) > 1 else None), None, None, None
 
 
@@ -639,7 +638,7 @@ def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
     flat_u = eta_u.reshape((-1,) + tuple(eta_u.shape[nb:]))
     flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
     layout = _Layout(factors, flat_u, flat_v, trusted=True)
-    u = _SparseMAPFunction.apply(flat_u, flat_v, layout, n_jobs, solve_kw)
+    u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, flat_u, flat_v)
     return u.reshape(eta_u.shape)
 
 
@@ -878,16 +877,16 @@ class Sparsemax(torch.nn.Module):
 
 
 # -- losses ---------------------------------------------------------------------------
-def _parallel(fn, layout, n_jobs):
+def _parallel(fn, B, costs, n_jobs):
     """``[fn(b) for b in range(B)]`` on n_jobs threads, the batch layer's helpers and the
-    caller, largest problems first: each call solves without the GIL."""
-    n_threads = min(_check_n_jobs(n_jobs), layout.B)
+    caller, each call solving without the GIL; in the batch layer's order: by decreasing
+    ``costs[b]`` (ties in input order), or in input order when ``costs`` is None."""
+    n_threads = min(_check_n_jobs(n_jobs), B)
     if n_threads <= 1:
-        return [fn(b) for b in range(layout.B)]
-    out = [None] * layout.B
+        return [fn(b) for b in range(B)]
+    out = [None] * B
     errors = {}
-    costs = [layout.factor_of(b).n_u + layout.factor_of(b).n_v for b in range(layout.B)]
-    pending = iter(np.argsort(costs, kind="stable")[::-1].tolist())   # next() holds the GIL
+    pending = iter(_order(B, costs).tolist())   # next() holds the GIL
 
     def work(_=0):
         for b in pending:
@@ -910,8 +909,10 @@ def _parallel(fn, layout, n_jobs):
 
 
 def _targets(target, layout):
-    """Per-problem targets: compact structures from a (padded) integer tensor, or dense
-    0/1 columns from a float tensor shaped like ``eta_u``."""
+    """``(targets, dense)``: per-problem compact structures from a (padded) integer
+    tensor (``dense=False``), or dense 0/1 columns from a float tensor shaped like
+    ``eta_u`` (``dense=True``; the loss converts them with :meth:`Factor.from_vertex`,
+    as the NumPy losses cannot always tell the two forms apart by shape)."""
     if isinstance(target, torch.Tensor):
         arr = target.detach().cpu()
         arr = (arr.double() if arr.is_floating_point() else arr).numpy()
@@ -926,8 +927,8 @@ def _targets(target, layout):
         if arr.shape != want:
             raise ValueError(f"target: a float target is dense (0/1 parts shaped like eta_u): "
                              f"expected shape {want}, got {arr.shape}")
-        return layout.split_u(arr) if layout.ragged else \
-            list(arr.reshape((layout.B,) + layout.pad_u))
+        return (layout.split_u(arr) if layout.ragged else
+                list(arr.reshape((layout.B,) + layout.pad_u))), True
     if arr.dtype.kind not in "iu":
         raise ValueError(f"target: expected integers (compact structures) or floats (dense "
                          f"0/1 parts), got dtype {arr.dtype}")
@@ -942,7 +943,7 @@ def _targets(target, layout):
             out.append(int(t))
         else:   # padded: a ragged element reads its leading struct_size entries
             out.append(t[:layout.factor_of(b).struct_size] if layout.ragged else t)
-    return out
+    return out, False
 
 
 class _LossFunction(torch.autograd.Function):
@@ -968,20 +969,22 @@ class _LossFunction(torch.autograd.Function):
 def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     _check_reduction(reduction)
     layout = _Layout(factor, eta_u, eta_v)
-    targets = _targets(target, layout)
+    targets, dense = _targets(target, layout)
     eus = layout.split_u(_to_host(eta_u))
     evs = None if eta_v is None else layout.split_v(_to_host(eta_v))
 
     def one(b):
+        f = layout.factor_of(b)
         try:
-            return numpy_loss(layout.factor_of(b), eus[b], targets[b],
-                              None if evs is None else evs[b], **kw)
+            t = f.from_vertex(targets[b], names=("target", "target")) if dense else targets[b]
+            return numpy_loss(f, eus[b], t, None if evs is None else evs[b], **kw)
         except ValueError as exc:
             if not layout.batch_shape:
                 raise
             raise ValueError(f"{exc}{_where(layout, b)}") from None
 
-    out = _parallel(one, layout, n_jobs)
+    costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
+    out = _parallel(one, layout.B, costs, n_jobs)
     losses = np.array([o[0] for o in out], dtype=np.float64).reshape(layout.batch_shape)
     g_u = layout.join([o[1] for o in out], "u")
     g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
@@ -1279,9 +1282,10 @@ class _GraphLayout:
                         self.slots.append((b, f))
         self.pad = eta_u.shape[-1]
         self.sizes = [g.n_variables for g in self.graphs]
-        # threads take the largest graphs first: variables plus factor parts
+        # threads take the largest graphs of a ragged batch first: variables plus factor
+        # parts, per problem (None: one shared graph, problems in input order)
         self.costs = [V + sum(f.n_u + f.n_v for f in fs)
-                      for V, fs in zip(self.sizes, self.factors)]
+                      for V, fs in zip(self.sizes, self.factors)] if self.ragged else None
 
     def which(self, b):
         """Index of problem b's graph in ``graphs`` / ``factors`` / ``sizes``."""
@@ -1331,29 +1335,10 @@ class _GraphLayout:
         return out
 
 
-class _Sized:
-    __slots__ = ("n_u", "n_v")
-
-    def __init__(self, size):
-        self.n_u, self.n_v = size, 0
-
-
-class _ByCost:
-    """A factor-graph batch as :func:`_parallel` reads a layout: ``B``, and per problem
-    an object whose ``n_u + n_v`` orders the work (largest graphs first)."""
-
-    def __init__(self, layout):
-        self.B, self._which = layout.B, layout.which
-        self._sized = [_Sized(c) for c in layout.costs]
-
-    def factor_of(self, b):
-        return self._sized[self._which(b)]
-
-
 def _in_threads(fn, layout, n_jobs):
     """``[fn(b) for b in range(B)]`` in the layer's threads (a solve, and the CG of a
-    jvp / vjp, run without the GIL)."""
-    return _parallel(fn, _ByCost(layout), n_jobs)
+    jvp / vjp, run without the GIL), largest graphs first."""
+    return _parallel(fn, layout.B, layout.costs, n_jobs)
 
 
 def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
@@ -1406,23 +1391,12 @@ class _GraphJacobian:
         return (g_u,) + tuple(_like(a, like) for a, like in zip(g_v, self.like_v))
 
 
-class _FactorGraphFunction(torch.autograd.Function):
+class _FactorGraphFunction(_JacobianFunction):
     @staticmethod
     def forward(ctx, layout, n_jobs, solve_kw, eta_u, *tensors):
         results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
         ctx.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
         return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
-
-    @staticmethod
-    def backward(ctx, gu):
-        # through _Linear only when the backward pass is itself differentiated
-        gs = _Linear.apply(ctx.jac, True, gu) if torch.is_grad_enabled() else \
-            ctx.jac.apply((gu,), True)
-        return (None, None, None) + tuple(gs)
-
-    @staticmethod
-    def jvp(ctx, _layout, _n_jobs, _solve_kw, d_eta_u, *d_tensors):
-        return ctx.jac.apply((d_eta_u,) + d_tensors, False)[0]
 
 
 def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):

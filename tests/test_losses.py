@@ -509,6 +509,20 @@ def test_dense_target_of_a_factor_without_a_reader():
         sparsemap_loss(f, np.zeros(3), np.array([1.0, 0.0, 0.0]))
 
 
+def test_one_row_generic_factor_reads_an_array_target_as_compact():
+    """GenericFactor([[1, 0]]): shape_u == (struct_size,), so [1.0] could be structure 1
+    (compact) or the column m = 1 of structure 0 (dense); it is read as compact, and
+    from_vertex gives the dense reading. Closed form: u* = clip(eta, 0, 1), loss
+    (eta u* - u*^2 / 2) - (eta m_t - m_t^2 / 2)."""
+    f = sm.GenericFactor(np.array([[1.0, 0.0]]))
+    eu = np.array([0.2])
+    for target, mt in ((np.array([1.0]), 0.0), ([1], 0.0), (1, 0.0),
+                       (f.from_vertex(np.array([1.0])), 1.0), (0, 1.0)):
+        loss, gu, _ = sparsemap_loss(f, eu, target)
+        assert loss == pytest.approx(0.02 - (0.2 * mt - mt * mt / 2), abs=1e-12)
+        np.testing.assert_allclose(gu, [0.2 - mt], atol=1e-12)
+
+
 def test_old_argument_order_is_refused():
     """(factor, eta_u, eta_v, target), the order before eta_v became optional, fails loudly."""
     f = sm.SequenceFactor(3, 2)
