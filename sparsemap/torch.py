@@ -241,6 +241,8 @@ def _fmt(shape):
 
 def _factor_list(factor):
     try:
+        if isinstance(factor, (str, bytes)):
+            raise TypeError   # iterable, but not a list of factors
         factors = list(factor)
     except TypeError:
         raise ValueError(f"factor: expected a sparsemap Factor or a list of them, "

@@ -250,7 +250,7 @@ def test_bad_input_raises_value_error_naming_the_argument():
         (lambda: smt.sparsemap(f, x, torch.zeros(1)), "eta_v"),
         (lambda: smt.sparsemap(f, torch.full((4, 4), float("nan"))), "eta_u"),
         (lambda: smt.sparsemap(f, torch.full((4, 4), float("inf"))), "eta_u"),
-        (lambda: smt.sparsemap("tree", x), "factor[0]"),   # a str is a list of its chars
+        (lambda: smt.sparsemap("tree", x), "factor"),
         (lambda: smt.sparsemap([f, "tree"], torch.zeros(2, 4, 4)), "factor[1]"),
         (lambda: smt.sparsemap([], torch.zeros(0, 4, 4)), "factor"),
         (lambda: smt.sparsemap([f, f], torch.zeros(3, 4, 4)), "eta_u"),
