@@ -277,17 +277,15 @@ def test_tree_ignored_entries_accept_anything(bad):
         eta = rng.standard_normal((6, 6))
         eta[rng.random((6, 6)) < 0.2] = -np.inf      # masks elsewhere too
         for h in range(6):
-            eta[h, 1 + h % 5] = 0.0                   # ... keeping every word a head
+            eta[h, 1 + h % 5] = 0.0                   # the chain 0->1->...->5 stays allowed:
+                                                      # every problem is feasible
         clean = eta.copy()
         clean[:, 0] = 0.0
         np.fill_diagonal(clean, 0.0)
         dirty = clean.copy()
         dirty[:, 0] = bad
         np.fill_diagonal(dirty, bad)
-        try:
-            ref = sm.solve(f, clean)
-        except ValueError:   # the random mask happens to forbid every tree
-            continue
+        ref = sm.solve(f, clean)
         r = sm.solve(f, dirty)
         assert np.array_equal(r.u, ref.u) and np.array_equal(f.map(dirty), f.map(clean))
         stacked = sm.solve_batch(f, np.stack([dirty, clean]))
