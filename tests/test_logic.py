@@ -572,5 +572,6 @@ def test_masks(f):
      np.full((2, 2, 2), -np.inf)),                  # every transition forbidden
 ])
 def test_masks_infeasible(f, eu, ev):
-    with pytest.raises(ValueError):
+    msg = rf"^eta_u(, eta_v)?: every structure of {type(f).__name__} uses a forbidden part"
+    with pytest.raises(ValueError, match=msg):
         sm.solve(f, np.array(eu), ev)

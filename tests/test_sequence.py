@@ -115,5 +115,5 @@ def test_bad_scores_and_structures():
     with pytest.raises(ValueError, match="eta_u"):
         f.map("not an array")
     for bad in ([0, 1], [0, 1, 2], [0, -1, 0], [[0, 1, 0]], [0.5, 1, 0], ["a", "b", "c"]):
-        with pytest.raises(ValueError, match="s"):
+        with pytest.raises(ValueError, match=r"^s: "):
             f.vertex(bad)

@@ -112,8 +112,11 @@ def _arcs(heads, n):
     return m
 
 
-def test_script_rejects_bad_options(tmp_path):
+def test_script_rejects_bad_options(tmp_path, capsys):
     mod = load_script()
-    for argv in (["--seeds", "0"], ["--scale", "-1"], ["--n-nodes", "x"]):
-        with pytest.raises(SystemExit):
+    for argv, msg in ((["--seeds", "0"], "--seeds: expected a positive integer"),
+                      (["--scale", "-1"], "--scale: expected a positive finite float"),
+                      (["--n-nodes", "x"], "--n-nodes: invalid int value")):
+        with pytest.raises(SystemExit) as exc:
             mod.main(argv + ["--out", str(tmp_path)])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
