@@ -1,5 +1,7 @@
 """examples/parsing.py: the CRF pieces against brute force, the CoNLL-U reader, and the
 command-line contract run end to end on the treebank excerpt."""
+import contextlib
+import copy
 import importlib.util
 import json
 import pathlib
@@ -176,20 +178,57 @@ def test_excerpt_is_small_and_single_rooted():
     assert total <= 200
 
 
+def cli_args(out, loss, epochs, seed=0):
+    return ["--train", f"{EXCERPT}-train.conllu", "--dev", f"{EXCERPT}-dev.conllu",
+            "--test", f"{EXCERPT}-test.conllu", "--loss", loss, "--epochs", str(epochs),
+            "--out", str(out), "--seed", str(seed), "--threads", "1"]
+
+
 def run_cli(tmp_path, loss, epochs, seed=0):
+    """The documented command line, in a subprocess: (results.json, stdout)."""
     out = tmp_path / loss
-    cmd = [sys.executable, str(SCRIPT), "--train", f"{EXCERPT}-train.conllu",
-           "--dev", f"{EXCERPT}-dev.conllu", "--test", f"{EXCERPT}-test.conllu",
-           "--loss", loss, "--epochs", str(epochs), "--out", str(out), "--seed", str(seed),
-           "--threads", "1"]
+    cmd = [sys.executable, str(SCRIPT)] + cli_args(out, loss, epochs, seed)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr
     return json.loads((out / "results.json").read_text()), proc.stdout
 
 
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """run_cli(loss, epochs=2, seed=0), once per loss for the module."""
+    done = {}
+
+    def get(loss):
+        if loss not in done:
+            done[loss] = run_cli(tmp_path_factory.mktemp("cli"), loss, epochs=2)
+        return done[loss]
+    return get
+
+
+@contextlib.contextmanager
+def torch_state_restored():
+    """main() sets torch's threads, deterministic mode and seed: give them back after."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_rng_state(rng)
+
+
+def without_timings(res):
+    res = copy.deepcopy(res)
+    for e in res["epochs"]:
+        del e["seconds"], e["cpu_seconds"], e["eval_seconds"]
+    return res
+
+
 @pytest.mark.parametrize("loss", parsing.LOSSES)
-def test_cli_contract(tmp_path, loss):
-    res, stdout = run_cli(tmp_path, loss, epochs=2)
+def test_cli_contract(cli_run, loss):
+    res, stdout = cli_run(loss)
     assert stdout.count("epoch") >= 2                       # progress per epoch
     assert res["loss"] == loss
     assert 0 <= res["test_uas"] <= 100
@@ -212,17 +251,24 @@ def test_cli_contract(tmp_path, loss):
             sum(n * n for n in lengths) / sum(lengths))
 
 
-def test_cli_is_deterministic_given_the_seed(tmp_path):
-    a, _ = run_cli(tmp_path / "a", "sparsemap", epochs=1, seed=3)
-    b, _ = run_cli(tmp_path / "b", "sparsemap", epochs=1, seed=3)
-    for r in (a, b):
-        for e in r["epochs"]:
-            del e["seconds"], e["cpu_seconds"], e["eval_seconds"]
-    assert a == b
+def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
+    """Two runs of main() in this process and the command line's run in a fresh one
+    (another str hash seed, no state left by earlier tests) give the same results."""
+    with torch_state_restored():
+        for name in "ab":
+            parsing.main(cli_args(tmp_path / name, "sparsemap", epochs=2, seed=0))
+    a, b = (json.loads((tmp_path / name / "results.json").read_text()) for name in "ab")
+    assert without_timings(a) == without_timings(b) == without_timings(cli_run("sparsemap")[0])
 
 
-def test_cli_rejects_bad_arguments(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--train", "x", "--dev", "x", "--test", "x",
-           "--loss", "hinge", "--epochs", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
-    assert proc.returncode != 0 and "--loss" in proc.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "hinge", "--epochs", "1"], "argument --loss: invalid choice: 'hinge'"),
+    (["--loss", "crf", "--epochs", "0"], "--epochs: expected a positive integer, got 0"),
+    (["--loss", "crf", "--epochs", "1", "--threads", "0"],
+     "--threads: expected a positive integer, got 0"),
+])
+def test_cli_rejects_bad_arguments(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        parsing.parse_args(["--train", "x", "--dev", "x", "--test", "x",
+                            "--out", str(tmp_path)] + argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
