@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import sparsemap as sm
 
+from _helpers import ArgmaxOracle
 from _reference import (PAIRWISE_M, PAIRWISE_N, pairwise_closed_form, sparsemax,
                         sparsemax_jacobian)
 
@@ -66,20 +67,6 @@ def test_generic_is_immutable_and_picklable():
         f.M[0, 0] = 2.0
     g = pickle.loads(pickle.dumps(f))
     assert g.map([0.0, 2.0, 1.0]) == 1
-
-
-class ArgmaxOracle(sm.OracleFactor):
-    """Sparsemax as a subclassed oracle: structures are the basis vectors."""
-
-    def __init__(self, d):
-        super().__init__(shape_u=d)
-        self.d = d
-
-    def oracle_map(self, eta_u, eta_v):
-        return int(np.argmax(eta_u))
-
-    def oracle_vertex(self, s):
-        return np.eye(self.d)[s]
 
 
 def test_oracle_factor_callables_and_subclass_are_sparsemax():

@@ -1,11 +1,7 @@
 """examples/parsing.py: the CRF pieces against brute force, the CoNLL-U reader, and the
 command-line contract run end to end on the treebank excerpt."""
-import contextlib
 import copy
-import importlib.util
 import json
-import pathlib
-import os
 import subprocess
 import sys
 
@@ -14,22 +10,12 @@ import pytest
 import torch
 from scipy.special import logsumexp
 
-import sparsemap
-
+from _helpers import ROOT_DIR, load_script, subprocess_env, torch_state_restored
 from _reference import all_trees, simplex_qp
 
-ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT_DIR / "examples" / "parsing.py"
 EXCERPT = ROOT_DIR / "examples" / "data" / "vi_vtb-excerpt"
-
-# The script's subprocesses import the same sparsemap as this test session.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
-    [str(pathlib.Path(sparsemap.__file__).parent.parent)]
-    + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-
-_spec = importlib.util.spec_from_file_location("parsing_example", SCRIPT)
-parsing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(parsing)
+parsing = load_script(SCRIPT, "parsing_example")
 
 
 def tree_logit(eta, heads):
@@ -188,7 +174,8 @@ def run_cli(tmp_path, loss, epochs, seed=0):
     """The documented command line, in a subprocess: (results.json, stdout)."""
     out = tmp_path / loss
     cmd = [sys.executable, str(SCRIPT)] + cli_args(out, loss, epochs, seed)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     return json.loads((out / "results.json").read_text()), proc.stdout
 
@@ -203,20 +190,6 @@ def cli_run(tmp_path_factory):
             done[loss] = run_cli(tmp_path_factory.mktemp("cli"), loss, epochs=2)
         return done[loss]
     return get
-
-
-@contextlib.contextmanager
-def torch_state_restored():
-    """main() sets torch's threads, deterministic mode and seed: give them back after."""
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    rng = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_rng_state(rng)
 
 
 def without_timings(res):

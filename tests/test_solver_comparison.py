@@ -1,6 +1,5 @@
 """The Figure 2 script runs end to end on a tiny configuration and writes sensible files."""
 import csv
-import importlib.util
 import os
 from collections import defaultdict
 
@@ -10,14 +9,11 @@ import pytest
 import sparsemap as sm
 from sparsemap.testing import check_kkt, enumerate_structures
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "solver_comparison.py")
+import _helpers
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("solver_comparison", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _helpers.load_script("benchmarks/solver_comparison.py", "solver_comparison")
 
 
 def optimal_objective(n_nodes, seed):
