@@ -1,9 +1,10 @@
 """SparseMAP, margin SparseMAP, perceptron and structured SVM losses.
 
 References are independent of ``sparsemap.solve`` and of the factors' columns:
-structures are enumerated and their columns built here, the QP over the simplex
-is solved with SciPy (SLSQP, certified by the KKT conditions), Hamming costs are
-counted from the compact forms, gradients are checked by finite differences.
+structures are enumerated and their columns built by tests/_reference.py, the QP
+over the simplex is solved with SciPy (SLSQP, certified by the KKT conditions),
+Hamming costs are counted from the compact forms, gradients are checked by finite
+differences.
 """
 import zlib
 
@@ -14,12 +15,13 @@ from hypothesis import assume, given, settings, strategies as st
 import sparsemap as sm
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
-from _reference import all_matchings, all_sequences, all_trees, simplex_qp
+from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
+                        sequence_column, simplex_qp)
 
 
 # -- brute force ------------------------------------------------------------------
 class Case:
-    """A factor with all its structures enumerated and their columns built here.
+    """A factor with all its structures enumerated and their columns built without it.
 
     ``M`` is (D, n_u), ``N`` is (D, n_v) (rows are columns a_s, flattened C-order),
     ``H[s, t]`` is the Hamming cost of predicting structure s for target t.
@@ -43,12 +45,8 @@ class Case:
 
 def sequence_case(n, m):
     S = all_sequences(n, m)
-    M = np.zeros((len(S), n, m))
-    N = np.zeros((len(S), max(n - 1, 0), m, m))
-    for k, t in enumerate(S):
-        M[k, np.arange(n), t] = 1
-        for i in range(n - 1):
-            N[k, i, t[i], t[i + 1]] = 1
+    cols = [sequence_column(t, m) for t in S]
+    M, N = np.array([c[0] for c in cols]), np.array([c[1] for c in cols])
     H = np.array([[np.sum(s != t) for t in S] for s in S])
     return Case(sm.SequenceFactor(n, m), S, M, N, H)
 
@@ -64,9 +62,7 @@ def generic_case(M, N=None):
 
 def tree_case(n, projective=False, single_root=False):
     S = all_trees(n, projective, single_root)
-    M = np.zeros((len(S), n + 1, n + 1))
-    for k, h in enumerate(S):
-        M[k, h[1:], np.arange(1, n + 1)] = 1
+    M = np.array([arc_matrix(h) for h in S])
     H = np.array([[np.sum(s[1:] != t[1:]) for t in S] for s in S])  # wrong heads
     f = sm.TreeFactor(n, projective=projective, single_root=single_root)
     return Case(f, S, M, np.zeros((len(S), 0)), H)
@@ -74,11 +70,7 @@ def tree_case(n, projective=False, single_root=False):
 
 def matching_case(r, c):
     S = all_matchings(r, c)
-    M = np.zeros((len(S), r, c))
-    for j, s in enumerate(S):
-        for i in range(r):
-            if s[i] >= 0:
-                M[j, i, s[i]] = 1
+    M = np.array([matching_matrix(s, c) for s in S])
     H = np.array([[np.sum((s >= 0) & (s != t)) for t in S] for s in S])  # wrong pairs
     return Case(sm.MatchingFactor(r, c), S, M, np.zeros((len(S), 0)), H)
 

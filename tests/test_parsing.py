@@ -11,7 +11,7 @@ import torch
 from scipy.special import logsumexp
 
 from _helpers import ROOT_DIR, load_script, subprocess_env, torch_state_restored
-from _reference import all_trees, simplex_qp
+from _reference import all_trees, arc_matrix, simplex_qp
 
 SCRIPT = ROOT_DIR / "examples" / "parsing.py"
 EXCERPT = ROOT_DIR / "examples" / "data" / "vi_vtb-excerpt"
@@ -69,11 +69,8 @@ def test_crf_loss_gradient_is_marginals_minus_gold():
         trees = all_trees(n, single_root=True)
         logits = np.array([tree_logit(eta, t) for t in trees])
         p = np.exp(logits - logsumexp(logits))
-        marg = np.zeros_like(eta)
-        for t, pt in zip(trees, p):
-            marg[t[1:], np.arange(1, n + 1)] += pt
-        gold_arcs = np.zeros_like(eta)
-        gold_arcs[gold[1:], np.arange(1, n + 1)] = 1.0
+        marg = sum(pt * arc_matrix(t) for t, pt in zip(trees, p))
+        gold_arcs = arc_matrix(gold)
         expected = np.zeros((5, 5))
         expected[:n + 1, :n + 1] = (marg - gold_arcs) / 2    # mean over the batch of 2
         np.testing.assert_allclose(scores.grad[b].numpy(), expected, atol=1e-12)
@@ -92,12 +89,9 @@ def brute_force_loss(loss, eta, gold):
     SparseMAP losses, the max over trees for the SVM; and its gradient in eta."""
     n = len(eta) - 1
     trees = all_trees(n, single_root=True)
-    cols = np.zeros((len(trees), n + 1, n + 1))
-    for k, t in enumerate(trees):
-        cols[k, t[1:], np.arange(1, n + 1)] = 1.0
+    cols = np.array([arc_matrix(t) for t in trees])
     M = cols.reshape(len(trees), -1).T
-    gold_col = np.zeros((n + 1, n + 1))
-    gold_col[gold[1:], np.arange(1, n + 1)] = 1.0
+    gold_col = arc_matrix(gold)
     cost = M.T @ (1.0 - gold_col.ravel())               # Hamming: wrong heads
     theta = M.T @ eta.ravel()
     if loss == "svm":

@@ -10,6 +10,7 @@ import sparsemap as sm
 from sparsemap.testing import check_kkt, enumerate_structures
 
 import _helpers
+from _reference import arc_matrix
 
 
 def load_script():
@@ -84,8 +85,8 @@ def test_steps_start_every_solver_at_the_map_structure():
     n = 6
     eta = np.random.default_rng(3).standard_normal((n + 1, n + 1))
     f = sm.TreeFactor(n)
-    m0 = _arcs(f.map(eta), n)
-    adjusted = np.array([np.sum((eta - m0) * _arcs(t, n)) for t in enumerate_structures(f)])
+    m0 = arc_matrix(f.map(eta))
+    adjusted = np.array([np.sum((eta - m0) * arc_matrix(t)) for t in enumerate_structures(f)])
     objective = 0.5 * np.sum(m0) - np.sum(eta * m0)   # m0 is 0/1
     gap = adjusted.max() - np.sum((eta - m0) * m0)
     assert mod.starting_point(f, eta) == pytest.approx((objective, gap), abs=1e-12)
@@ -100,12 +101,6 @@ def test_steps_start_every_solver_at_the_map_structure():
             float(r["objective"].min()) for r in runs.values()), abs=1e-12)
         assert steps["gap"][0] == pytest.approx(gap, abs=1e-12)
         np.testing.assert_array_equal(steps["support"][extra:], h["support_size"])
-
-
-def _arcs(heads, n):
-    m = np.zeros((n + 1, n + 1))
-    m[heads[1:], np.arange(1, n + 1)] = 1
-    return m
 
 
 def test_script_rejects_bad_options(tmp_path, capsys):
