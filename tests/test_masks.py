@@ -61,7 +61,7 @@ FACTORS = {
     "matching-tall": lambda: sm.MatchingFactor(4, 3),
     "generic": lambda: sm.GenericFactor(_M, _N),
     "oracle": _oracle_factor,
-}   # the logic factors' masks are tested in tests/test_logic.py
+}   # the logic factors' masks are tested in tests/test_logic.py, the losses' in test_losses.py
 
 
 def _random_mask(factor, rng, p):
@@ -374,24 +374,3 @@ def test_generic_score_ignores_unused_forbidden_parts():
     eu2 = np.zeros(6)
     eu2[used[_M[used, 4] < 0][:1] if np.any(_M[used, 4] < 0) else used[:1]] = -np.inf
     assert f.score(4, eu2, np.zeros(2)) == -np.inf     # -1 * -inf still forbids
-
-
-@pytest.mark.parametrize("name", ["sequence", "tree-single-root", "tree-projective", "matching-tall"])
-def test_losses_with_masks(name):
-    """Finite losses equal to the low-score problem's, gradients 0 on forbidden parts."""
-    rng = np.random.default_rng(21)
-    for factor, eu, ev, mu, mv, (S, cols, allowed) in masked_problems(name, n_draws=3):
-        ev_arg = ev if factor.n_v else None
-        low_u, low_v = np.where(mu, LOW, eu), (np.where(mv, LOW, ev) if factor.n_v else None)
-        target = S[allowed[rng.integers(len(allowed))]]
-        for loss_fn, kw in ((sm.sparsemap_loss, {}), (sm.sparsemap_loss, dict(margin=1.0)),
-                            (sm.perceptron_loss, {}), (sm.structured_svm_loss, {})):
-            loss, gu, gv = loss_fn(factor, eu, target, ev_arg, **kw)
-            ref, ru, rv = loss_fn(factor, low_u, target, low_v, **kw)
-            assert np.isfinite(loss) and abs(loss - ref) <= 1e-9 * (1 + abs(ref))
-            np.testing.assert_allclose(gu, ru, atol=1e-9)
-            assert np.all(gu[mu] == 0.0) and np.all(gv[mv] == 0.0)
-        forbidden = [s for k, s in enumerate(S) if k not in set(allowed)]
-        if forbidden:
-            with pytest.raises(ValueError, match="target: uses a part that eta_[uv] forbids"):
-                sm.sparsemap_loss(factor, eu, forbidden[0], ev_arg)
