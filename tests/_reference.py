@@ -1,5 +1,6 @@
 """Independent references shared by the tests: closed forms, a NumPy Viterbi, a SciPy QP,
-brute-force enumeration of structures.
+brute-force enumeration of structures, their dense columns, the logic factors'
+configurations.
 
 Nothing here imports sparsemap. Each function is a textbook formula or algorithm
 written separately from the package, so a test comparing against it compares the
@@ -340,6 +341,66 @@ def matching_matrix(s, n_cols):
         if c != -1:
             m[i, c] = 1.0
     return m
+
+
+# -- logic factors: their configurations, from the definitions in DESIGN.md ------------
+
+def _family(f):
+    """The logic family of factor f, by class name (no import of the package)."""
+    names = {c.__name__ for c in type(f).__mro__}
+    for family in ("XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor",
+                   "SequenceBudgetFactor", "PairFactor", "OrOutFactor", "AndOutFactor",
+                   "XorOutFactor"):
+        if family in names:
+            return family
+    raise AssertionError(f"not a logic factor: {f!r}")
+
+
+def logic_allowed(f):
+    """Predicate on a 0/1 vector: is it a configuration of the logic factor f?
+    (Reads only f's construction parameters ``budget`` and ``exact``.)"""
+    family = _family(f)
+    if family == "XorFactor":
+        return lambda z: z.sum() == 1
+    if family == "AtMostOneFactor":
+        return lambda z: z.sum() <= 1
+    if family == "OrFactor":
+        return lambda z: z.sum() >= 1
+    if family in ("BudgetFactor", "SequenceBudgetFactor"):
+        if f.exact:
+            return lambda z: z.sum() == f.budget
+        return lambda z: z.sum() <= f.budget
+    if family == "PairFactor":
+        return lambda z: True
+    if family == "OrOutFactor":
+        return lambda z: z[-1] == int(any(z[:-1]))
+    if family == "AndOutFactor":
+        return lambda z: z[-1] == int(all(z[:-1]))
+    return lambda z: z[:-1].sum() <= 1 and z[-1] == z[:-1].sum()     # XorOutFactor
+
+
+def logic_extra(f, z):
+    """The additional part n_s of configuration z of the logic factor f, flattened:
+    z1 z2 for the pair, the transitions of z for the sequence budget."""
+    family = _family(f)
+    if family == "PairFactor":
+        return np.array([float(z[0] * z[1])])
+    if family == "SequenceBudgetFactor":
+        return sequence_column(z, 2)[1].ravel()
+    return np.zeros(0)
+
+
+def logic_configurations(f):
+    """Every configuration of the logic factor f (0/1 int arrays, lexicographic order)."""
+    return binary_configurations(f.shape_u[0], logic_allowed(f))
+
+
+def logic_columns(f):
+    """(configurations, M, N) of the logic factor f, its columns built from the definitions."""
+    Z = logic_configurations(f)
+    M = np.array(Z, dtype=float).T
+    N = np.array([logic_extra(f, z) for z in Z]).T.reshape(-1, len(Z))
+    return Z, M, N
 
 
 # -- LP-SparseMAP: problem (P) of LP_SPARSEMAP.md, section 1, over enumerated columns ----------

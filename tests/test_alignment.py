@@ -1,10 +1,7 @@
 """examples/alignment.py: the paper's binned transition scores against a hand-computed case
 and against the formula of Section 5.2 on every tag sequence; the three alignments against
 sm.solve and sparsemax; the synthetic task's labels; the command line end to end."""
-import importlib.util
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -14,19 +11,11 @@ import torch
 
 import sparsemap as sm
 
+from _helpers import ROOT_DIR, load_script, subprocess_env, torch_state_restored
 from _reference import all_sequences, sequence_column, sparsemax
 
-ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT_DIR / "examples" / "alignment.py"
-
-# The script's subprocess imports the same sparsemap as this test session.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
-    [str(pathlib.Path(sm.__file__).parent.parent)]
-    + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-
-_spec = importlib.util.spec_from_file_location("alignment_example", SCRIPT)
-alignment = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(alignment)
+alignment = load_script(SCRIPT, "alignment_example")
 
 W_JUMP = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64)    # <=-2, -1, 0, 1, >=2
 W_START = torch.tensor([10.0, 20.0], dtype=torch.float64)              # first word, later
@@ -215,7 +204,8 @@ def test_order_blind_rules_by_hand():
 def run_cli(out, *extra):
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--epochs", "2", "--train-size",
            "300", "--test-size", "60", "--threads", "1", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     return json.loads((out / "results.json").read_text()), proc.stdout
 
@@ -246,13 +236,10 @@ def test_cli_contract(tmp_path):
 
 
 def test_main_is_deterministic_given_the_seed(tmp_path):
-    threads = torch.get_num_threads()
-    try:
+    with torch_state_restored():
         runs = [alignment.main(["--out", str(tmp_path / name), "--epochs", "2", "--train-size",
                                 "200", "--test-size", "40", "--seed", "3", "--no-figures"])
                 for name in "ab"]
-    finally:
-        torch.set_num_threads(threads)
     for r in runs:
         for a in r["alignments"].values():
             for e in a["epochs"]:

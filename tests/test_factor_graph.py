@@ -12,13 +12,12 @@ import pytest
 
 import sparsemap as sm
 from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, factor_graph_qp,
-                        matching_matrix, sequence_column)
-from test_logic import columns as logic_columns
+                        logic_columns, matching_matrix, sequence_column)
 
 
 # -- graphs: (n_variables, [((factor, M, N), variables, negated)], eta_u, eta_v) -----------------
 # M, N: every configuration of the factor as explicit columns, built without the package
-# (logic factors: from the definitions in test_logic.py).
+# (logic factors: from the definitions in tests/_reference.py).
 
 def logic(factor):
     _, M, N = logic_columns(factor)

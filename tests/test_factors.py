@@ -1,11 +1,10 @@
 """What every factor shares: how it was built (repr, equality, hashing, pickling) and
 reading a structure off its dense column (``from_vertex``).
 
-Dense columns are built here from the compact forms (tests/_reference.py enumerates
-the structures), not with ``factor.vertex``.
+Dense columns are built from the compact forms by tests/_reference.py (which also
+enumerates the structures), not with ``factor.vertex``.
 """
 import inspect
-import itertools
 import os
 import pathlib
 import pickle
@@ -18,7 +17,9 @@ import pytest
 
 import sparsemap as sm
 
-from _reference import all_matchings, all_sequences, all_trees
+from _helpers import ArgmaxOracle
+from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, logic_columns,
+                        matching_matrix, sequence_column)
 
 
 def _argmax(eu, ev):
@@ -27,18 +28,6 @@ def _argmax(eu, ev):
 
 def _onehot(s):
     return np.eye(3)[s]
-
-
-class SubclassedOracle(sm.OracleFactor):
-    def __init__(self, d):
-        super().__init__(shape_u=d)
-        self.d = d
-
-    def oracle_map(self, eta_u, eta_v):
-        return int(np.argmax(eta_u))
-
-    def oracle_vertex(self, s):
-        return np.eye(self.d)[s]
 
 
 # (make, the same construction spelled another way, a different construction)
@@ -59,8 +48,8 @@ CONSTRUCTIONS = {
     "oracle": (lambda: sm.OracleFactor(_argmax, _onehot, shape_u=3),
                lambda: sm.OracleFactor(_argmax, _onehot, shape_u=(3,), shape_v=0),
                lambda: sm.OracleFactor(_argmax, _onehot, shape_u=3, shape_v=2)),
-    "oracle_subclass": (lambda: SubclassedOracle(3), lambda: SubclassedOracle(np.int64(3)),
-                        lambda: SubclassedOracle(4)),
+    "oracle_subclass": (lambda: ArgmaxOracle(3), lambda: ArgmaxOracle(np.int64(3)),
+                        lambda: ArgmaxOracle(4)),
     "xor": (lambda: sm.XorFactor(3), lambda: sm.XorFactor(np.int64(3)),
             lambda: sm.AtMostOneFactor(3)),
     "budget": (lambda: sm.BudgetFactor(4, 2), lambda: sm.BudgetFactor(4, 2, exact=False),
@@ -92,9 +81,9 @@ def test_pickle_round_trip_keeps_equality(name):
 
 
 def test_pickled_subclass_keeps_its_state():
-    f = SubclassedOracle(3)
+    f = ArgmaxOracle(3)
     g = pickle.loads(pickle.dumps(f))
-    assert type(g) is SubclassedOracle and g.d == 3 and g == f
+    assert type(g) is ArgmaxOracle and g.d == 3 and g == f
     assert g.map([0.0, 2.0, 1.0]) == 1
 
 
@@ -105,7 +94,7 @@ def test_different_families_are_never_equal():
 
 
 def test_subclass_state_takes_part_in_equality():
-    f, g = SubclassedOracle(3), SubclassedOracle(3)
+    f, g = ArgmaxOracle(3), ArgmaxOracle(3)
     g.extra = 1
     assert f != g
 
@@ -140,7 +129,7 @@ def test_docstrings_start_with_the_constructor_signature():
         assert first.startswith(f"{name}(") and first.endswith(")"), first
     for make, _, _ in CONSTRUCTIONS.values():
         f = make()
-        if type(f) is SubclassedOracle:
+        if type(f) is ArgmaxOracle:
             continue
         first = type(f).__doc__.splitlines()[0]
         namespace = {}
@@ -149,47 +138,23 @@ def test_docstrings_start_with_the_constructor_signature():
 
 
 # -- from_vertex ----------------------------------------------------------------------
-def _sequence_column(n, m, tags):
-    u = np.zeros((n, m))
-    u[np.arange(n), tags] = 1
-    v = np.zeros((n - 1, m, m))
-    v[np.arange(n - 1), tags[:-1], tags[1:]] = 1
-    return u, v
-
-
-def _tree_column(n, heads):
-    u = np.zeros((n + 1, n + 1))
-    u[heads[1:], np.arange(1, n + 1)] = 1
-    return u
-
-
-def _matching_column(r, c, s):
-    u = np.zeros((r, c))
-    rows = np.flatnonzero(np.asarray(s) >= 0)
-    u[rows, np.asarray(s)[rows]] = 1
-    return u
-
-
 def _families():
     for n, m in ((1, 3), (3, 2)):
         f = sm.SequenceFactor(n, m)
-        yield f, [(s, *_sequence_column(n, m, np.asarray(s))) for s in all_sequences(n, m)]
+        yield f, [(s, *sequence_column(s, m)) for s in all_sequences(n, m)]
     for proj in (False, True):
         for single in (False, True):
             f = sm.TreeFactor(3, projective=proj, single_root=single)
-            yield f, [(h, _tree_column(3, h), None) for h in all_trees(3, proj, single)]
+            yield f, [(h, arc_matrix(h), None) for h in all_trees(3, proj, single)]
     for r, c in ((2, 3), (3, 2), (3, 3)):
-        yield sm.MatchingFactor(r, c), [(s, _matching_column(r, c, s), None)
+        yield sm.MatchingFactor(r, c), [(s, matching_matrix(s, c), None)
                                         for s in all_matchings(r, c)]
     M = np.array([[1, 0, 1, 0], [0, 1, 1, 0]], dtype=float)   # includes a zero column
     yield sm.GenericFactor(M), [(j, M[:, j], None) for j in range(4)]
     # logic factors: the compact form is the 0/1 column itself
-    for f, ok in ((sm.BudgetFactor(4, 2), lambda z: z.sum() <= 2),
-                  (sm.OrOutFactor(3), lambda z: z[-1] == max(z[:-1]))):
-        yield f, [(z, z.astype(float), None)
-                  for z in (np.array(c) for c in itertools.product((0, 1), repeat=f.n)) if ok(z)]
-    pair = [np.array(c) for c in itertools.product((0, 1), repeat=2)]
-    yield sm.PairFactor(), [(z, z.astype(float), np.array([float(z[0] * z[1])])) for z in pair]
+    for f in (sm.BudgetFactor(4, 2), sm.OrOutFactor(3), sm.PairFactor()):
+        Z, M, N = logic_columns(f)
+        yield f, [(z, M[:, k], N[:, k] if N.shape[0] else None) for k, z in enumerate(Z)]
 
 
 FAMILIES = list(_families())

@@ -2,7 +2,8 @@
 
 References, none of which goes through the factors' MAP or solver:
 - the allowed configurations of each factor, as a predicate on 0/1 vectors, and
-  their additional parts n_s, both written from the definitions in DESIGN.md;
+  their additional parts n_s, both written from the definitions in DESIGN.md
+  (tests/_reference.py: logic_allowed, logic_extra);
 - brute force over those configurations for MAP, including the tie rule;
 - the KKT-certified SciPy QP over the enumerated columns for SparseMAP;
 - the closed-form projections of tests/_reference.py (sparsemax, clip-then-project
@@ -22,60 +23,14 @@ from sparsemap._factors._logic import _top_k
 from sparsemap.testing import (check_jacobian, check_kkt, dense_columns, enumerate_structures,
                                factors, scores)
 
-from _reference import (and_out_projection, binary_configurations, box_sum_projection,
-                        budget_viterbi, or_out_projection, pairwise_closed_form, simplex_qp,
-                        sparsemax, viterbi, xor_out_projection)
+from _reference import (and_out_projection, box_sum_projection, budget_viterbi,
+                        or_out_projection, pairwise_closed_form, simplex_qp, sparsemax, viterbi,
+                        xor_out_projection)
+from _reference import (logic_allowed as allowed, logic_columns as columns,
+                        logic_configurations as configurations, logic_extra as extra)
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 LINEAR_CG = ("away_cg", "pairwise_cg", "bpcg")
-
-
-# -- the definitions, written without the package ------------------------------------------
-
-def allowed(f):
-    """Predicate on a 0/1 vector: is it a configuration of f?"""
-    if isinstance(f, sm.XorFactor):
-        return lambda z: z.sum() == 1
-    if isinstance(f, sm.AtMostOneFactor):
-        return lambda z: z.sum() <= 1
-    if isinstance(f, sm.OrFactor):
-        return lambda z: z.sum() >= 1
-    if isinstance(f, (sm.BudgetFactor, sm.SequenceBudgetFactor)):
-        if f.exact:
-            return lambda z: z.sum() == f.budget
-        return lambda z: z.sum() <= f.budget
-    if isinstance(f, sm.PairFactor):
-        return lambda z: True
-    if isinstance(f, sm.OrOutFactor):
-        return lambda z: z[-1] == int(any(z[:-1]))
-    if isinstance(f, sm.AndOutFactor):
-        return lambda z: z[-1] == int(all(z[:-1]))
-    if isinstance(f, sm.XorOutFactor):
-        return lambda z: z[:-1].sum() <= 1 and z[-1] == z[:-1].sum()
-    raise AssertionError(f)
-
-
-def extra(f, z):
-    """The additional part n_s of configuration z, flattened."""
-    if isinstance(f, sm.PairFactor):
-        return np.array([float(z[0] * z[1])])
-    if isinstance(f, sm.SequenceBudgetFactor):
-        v = np.zeros((len(z) - 1, 2, 2))
-        v[np.arange(len(z) - 1), z[:-1], z[1:]] = 1.0
-        return v.ravel()
-    return np.zeros(0)
-
-
-def configurations(f):
-    return binary_configurations(f.shape_u[0], allowed(f))
-
-
-def columns(f):
-    """(configurations, M, N) with columns built from the definitions."""
-    Z = configurations(f)
-    M = np.array(Z, dtype=float).T
-    N = np.array([extra(f, z) for z in Z]).T.reshape(-1, len(Z))
-    return Z, M, N
 
 
 def closed_form(f, eta_u, eta_v=None):
@@ -572,5 +527,6 @@ def test_masks(f):
      np.full((2, 2, 2), -np.inf)),                  # every transition forbidden
 ])
 def test_masks_infeasible(f, eu, ev):
-    with pytest.raises(ValueError):
+    msg = rf"^eta_u(, eta_v)?: every structure of {type(f).__name__} uses a forbidden part"
+    with pytest.raises(ValueError, match=msg):
         sm.solve(f, np.array(eu), ev)

@@ -1,9 +1,10 @@
 """SparseMAP, margin SparseMAP, perceptron and structured SVM losses.
 
 References are independent of ``sparsemap.solve`` and of the factors' columns:
-structures are enumerated and their columns built here, the QP over the simplex
-is solved with SciPy (SLSQP, certified by the KKT conditions), Hamming costs are
-counted from the compact forms, gradients are checked by finite differences.
+structures are enumerated and their columns built by tests/_reference.py, the QP
+over the simplex is solved with SciPy (SLSQP, certified by the KKT conditions),
+Hamming costs are counted from the compact forms, gradients are checked by finite
+differences.
 """
 import zlib
 
@@ -14,12 +15,13 @@ from hypothesis import assume, given, settings, strategies as st
 import sparsemap as sm
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
-from _reference import all_matchings, all_sequences, all_trees, simplex_qp
+from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
+                        sequence_column, simplex_qp)
 
 
 # -- brute force ------------------------------------------------------------------
 class Case:
-    """A factor with all its structures enumerated and their columns built here.
+    """A factor with all its structures enumerated and their columns built without it.
 
     ``M`` is (D, n_u), ``N`` is (D, n_v) (rows are columns a_s, flattened C-order),
     ``H[s, t]`` is the Hamming cost of predicting structure s for target t.
@@ -43,12 +45,8 @@ class Case:
 
 def sequence_case(n, m):
     S = all_sequences(n, m)
-    M = np.zeros((len(S), n, m))
-    N = np.zeros((len(S), max(n - 1, 0), m, m))
-    for k, t in enumerate(S):
-        M[k, np.arange(n), t] = 1
-        for i in range(n - 1):
-            N[k, i, t[i], t[i + 1]] = 1
+    cols = [sequence_column(t, m) for t in S]
+    M, N = np.array([c[0] for c in cols]), np.array([c[1] for c in cols])
     H = np.array([[np.sum(s != t) for t in S] for s in S])
     return Case(sm.SequenceFactor(n, m), S, M, N, H)
 
@@ -64,9 +62,7 @@ def generic_case(M, N=None):
 
 def tree_case(n, projective=False, single_root=False):
     S = all_trees(n, projective, single_root)
-    M = np.zeros((len(S), n + 1, n + 1))
-    for k, h in enumerate(S):
-        M[k, h[1:], np.arange(1, n + 1)] = 1
+    M = np.array([arc_matrix(h) for h in S])
     H = np.array([[np.sum(s[1:] != t[1:]) for t in S] for s in S])  # wrong heads
     f = sm.TreeFactor(n, projective=projective, single_root=single_root)
     return Case(f, S, M, np.zeros((len(S), 0)), H)
@@ -74,11 +70,7 @@ def tree_case(n, projective=False, single_root=False):
 
 def matching_case(r, c):
     S = all_matchings(r, c)
-    M = np.zeros((len(S), r, c))
-    for j, s in enumerate(S):
-        for i in range(r):
-            if s[i] >= 0:
-                M[j, i, s[i]] = 1
+    M = np.array([matching_matrix(s, c) for s in S])
     H = np.array([[np.sum((s >= 0) & (s != t)) for t in S] for s in S])  # wrong pairs
     return Case(sm.MatchingFactor(r, c), S, M, np.zeros((len(S), 0)), H)
 
@@ -546,24 +538,28 @@ def test_batch_loss_names_the_example():
 
 
 # -- masks ----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["seq3x3", "tree3", "tree3_proj_single", "match3x3", "match2x3",
+@pytest.mark.parametrize("name", ["seq3x3", "tree3", "tree3_proj", "tree3_single",
+                                  "tree3_proj_single", "match3x3", "match3x2", "match2x3",
                                   "generic01"])
 def test_masked_scores_give_the_loss_of_very_low_scores(name):
     """-inf forbids a part. Every loss then equals its value with the forbidden parts at a
-    very low finite score (which no solution uses), and the SparseMAP loss equals the brute-
-    force reference there; no nan from -inf * 0."""
+    very low finite score (which no solution uses), its gradient is exactly 0 there, and the
+    SparseMAP loss equals the brute-force reference; no nan from -inf * 0. A target using a
+    forbidden part is refused."""
     case = get_case(name)
     rng = np.random.default_rng(zlib.crc32(f"mask{name}".encode()))
-    for _ in range(3):
+    for draw in range(3):
         eu, ev = random_scores(case, rng)
         k = int(rng.integers(case.D))
         target, y_t = case.S[k], np.eye(case.D)[k]
-        # forbid two unary parts (and a transition) the target does not use
+        # forbid unary parts (two, then a third and a half of them) and a transition the
+        # target does not use (for the tree, maybe some it ignores: the diagonal, column 0)
         free = np.flatnonzero(case.M[k] == 0)
-        forbid = rng.choice(free, size=min(2, free.size), replace=False)
+        n_forbid = min(free.size, max(2, [0, free.size // 3, free.size // 2][draw]))
+        forbid = rng.choice(free, size=n_forbid, replace=False)
         masked_u, low_u = eu.copy().reshape(-1), eu.copy().reshape(-1)
         masked_u[forbid], low_u[forbid] = -np.inf, -1e3
-        masked_v, low_v = ev, ev
+        masked_v, low_v, j = ev, ev, None
         free_v = np.flatnonzero(case.N[k] == 0)
         if ev is not None and free_v.size:
             j = int(rng.choice(free_v))
@@ -579,8 +575,20 @@ def test_masked_scores_give_the_loss_of_very_low_scores(name):
             assert got[0] == pytest.approx(want[0], abs=1e-9)
             np.testing.assert_allclose(got[1], want[1], atol=1e-9)
             np.testing.assert_allclose(got[2], want[2], atol=1e-9)
+            assert np.all(got[1][np.isneginf(masked_u)] == 0.0)
+            if masked_v is not None:
+                assert np.all(got[2][np.isneginf(masked_v)] == 0.0)
         ref, _, _ = reference_loss(case, low_u, low_v, y_t)
         assert sparsemap_loss(case.f, masked_u, target, masked_v)[0] == pytest.approx(ref, abs=1e-8)
+        # a target on a forbidden unary part; on a forbidden transition only
+        on_u = [s for s, m in zip(case.S, case.M) if m[forbid].any()]
+        on_v = [s for s, m, n in zip(case.S, case.M, case.N)
+                if j is not None and n[j] != 0 and not m[forbid].any()]
+        for bad, part in ((on_u[:1], "eta_u"), (on_v[:1], "eta_v")):
+            for fn in (sparsemap_loss, perceptron_loss, structured_svm_loss):
+                for s in bad:
+                    with pytest.raises(ValueError, match=f"^target: uses a part that {part} "):
+                        fn(case.f, masked_u, s, masked_v)
 
 
 def test_a_target_on_a_forbidden_part_is_refused():

@@ -6,6 +6,7 @@ same u and Jacobian), and brute force over the allowed structures only (the
 SciPy QP of tests/_reference.py on their columns, built without the package).
 """
 import warnings
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -60,7 +61,7 @@ FACTORS = {
     "matching-tall": lambda: sm.MatchingFactor(4, 3),
     "generic": lambda: sm.GenericFactor(_M, _N),
     "oracle": _oracle_factor,
-}   # the logic factors' masks are tested in tests/test_logic.py
+}   # the logic factors' masks are tested in tests/test_logic.py, the losses' in test_losses.py
 
 
 def _random_mask(factor, rng, p):
@@ -79,7 +80,7 @@ def _allowed(columns, mu, mv):
 
 def masked_problems(name, n_draws=8, p=0.3):
     """Feasible masked problems: (factor, eta_u, eta_v, mask_u, mask_v, allowed indices)."""
-    rng = np.random.default_rng(abs(hash(name)) % 2 ** 32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
     factor = FACTORS[name]()
     S, cols = _columns(factor)
     out = []
@@ -277,17 +278,15 @@ def test_tree_ignored_entries_accept_anything(bad):
         eta = rng.standard_normal((6, 6))
         eta[rng.random((6, 6)) < 0.2] = -np.inf      # masks elsewhere too
         for h in range(6):
-            eta[h, 1 + h % 5] = 0.0                   # ... keeping every word a head
+            eta[h, 1 + h % 5] = 0.0                   # the chain 0->1->...->5 stays allowed:
+                                                      # every problem is feasible
         clean = eta.copy()
         clean[:, 0] = 0.0
         np.fill_diagonal(clean, 0.0)
         dirty = clean.copy()
         dirty[:, 0] = bad
         np.fill_diagonal(dirty, bad)
-        try:
-            ref = sm.solve(f, clean)
-        except ValueError:   # the random mask happens to forbid every tree
-            continue
+        ref = sm.solve(f, clean)
         r = sm.solve(f, dirty)
         assert np.array_equal(r.u, ref.u) and np.array_equal(f.map(dirty), f.map(clean))
         stacked = sm.solve_batch(f, np.stack([dirty, clean]))
@@ -375,24 +374,3 @@ def test_generic_score_ignores_unused_forbidden_parts():
     eu2 = np.zeros(6)
     eu2[used[_M[used, 4] < 0][:1] if np.any(_M[used, 4] < 0) else used[:1]] = -np.inf
     assert f.score(4, eu2, np.zeros(2)) == -np.inf     # -1 * -inf still forbids
-
-
-@pytest.mark.parametrize("name", ["sequence", "tree-single-root", "tree-projective", "matching-tall"])
-def test_losses_with_masks(name):
-    """Finite losses equal to the low-score problem's, gradients 0 on forbidden parts."""
-    rng = np.random.default_rng(21)
-    for factor, eu, ev, mu, mv, (S, cols, allowed) in masked_problems(name, n_draws=3):
-        ev_arg = ev if factor.n_v else None
-        low_u, low_v = np.where(mu, LOW, eu), (np.where(mv, LOW, ev) if factor.n_v else None)
-        target = S[allowed[rng.integers(len(allowed))]]
-        for loss_fn, kw in ((sm.sparsemap_loss, {}), (sm.sparsemap_loss, dict(margin=1.0)),
-                            (sm.perceptron_loss, {}), (sm.structured_svm_loss, {})):
-            loss, gu, gv = loss_fn(factor, eu, target, ev_arg, **kw)
-            ref, ru, rv = loss_fn(factor, low_u, target, low_v, **kw)
-            assert np.isfinite(loss) and abs(loss - ref) <= 1e-9 * (1 + abs(ref))
-            np.testing.assert_allclose(gu, ru, atol=1e-9)
-            assert np.all(gu[mu] == 0.0) and np.all(gv[mv] == 0.0)
-        forbidden = [s for k, s in enumerate(S) if k not in set(allowed)]
-        if forbidden:
-            with pytest.raises(ValueError, match="target: uses a part that eta_[uv] forbids"):
-                sm.sparsemap_loss(factor, eu, forbidden[0], ev_arg)

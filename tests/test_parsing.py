@@ -1,9 +1,7 @@
 """examples/parsing.py: the CRF pieces against brute force, the CoNLL-U reader, and the
 command-line contract run end to end on the treebank excerpt."""
-import importlib.util
+import copy
 import json
-import pathlib
-import os
 import subprocess
 import sys
 
@@ -12,22 +10,12 @@ import pytest
 import torch
 from scipy.special import logsumexp
 
-import sparsemap
+from _helpers import ROOT_DIR, load_script, subprocess_env, torch_state_restored
+from _reference import all_trees, arc_matrix, simplex_qp
 
-from _reference import all_trees, simplex_qp
-
-ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT_DIR / "examples" / "parsing.py"
 EXCERPT = ROOT_DIR / "examples" / "data" / "vi_vtb-excerpt"
-
-# The script's subprocesses import the same sparsemap as this test session.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
-    [str(pathlib.Path(sparsemap.__file__).parent.parent)]
-    + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-
-_spec = importlib.util.spec_from_file_location("parsing_example", SCRIPT)
-parsing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(parsing)
+parsing = load_script(SCRIPT, "parsing_example")
 
 
 def tree_logit(eta, heads):
@@ -81,11 +69,8 @@ def test_crf_loss_gradient_is_marginals_minus_gold():
         trees = all_trees(n, single_root=True)
         logits = np.array([tree_logit(eta, t) for t in trees])
         p = np.exp(logits - logsumexp(logits))
-        marg = np.zeros_like(eta)
-        for t, pt in zip(trees, p):
-            marg[t[1:], np.arange(1, n + 1)] += pt
-        gold_arcs = np.zeros_like(eta)
-        gold_arcs[gold[1:], np.arange(1, n + 1)] = 1.0
+        marg = sum(pt * arc_matrix(t) for t, pt in zip(trees, p))
+        gold_arcs = arc_matrix(gold)
         expected = np.zeros((5, 5))
         expected[:n + 1, :n + 1] = (marg - gold_arcs) / 2    # mean over the batch of 2
         np.testing.assert_allclose(scores.grad[b].numpy(), expected, atol=1e-12)
@@ -104,12 +89,9 @@ def brute_force_loss(loss, eta, gold):
     SparseMAP losses, the max over trees for the SVM; and its gradient in eta."""
     n = len(eta) - 1
     trees = all_trees(n, single_root=True)
-    cols = np.zeros((len(trees), n + 1, n + 1))
-    for k, t in enumerate(trees):
-        cols[k, t[1:], np.arange(1, n + 1)] = 1.0
+    cols = np.array([arc_matrix(t) for t in trees])
     M = cols.reshape(len(trees), -1).T
-    gold_col = np.zeros((n + 1, n + 1))
-    gold_col[gold[1:], np.arange(1, n + 1)] = 1.0
+    gold_col = arc_matrix(gold)
     cost = M.T @ (1.0 - gold_col.ravel())               # Hamming: wrong heads
     theta = M.T @ eta.ravel()
     if loss == "svm":
@@ -176,20 +158,44 @@ def test_excerpt_is_small_and_single_rooted():
     assert total <= 200
 
 
+def cli_args(out, loss, epochs, seed=0):
+    return ["--train", f"{EXCERPT}-train.conllu", "--dev", f"{EXCERPT}-dev.conllu",
+            "--test", f"{EXCERPT}-test.conllu", "--loss", loss, "--epochs", str(epochs),
+            "--out", str(out), "--seed", str(seed), "--threads", "1"]
+
+
 def run_cli(tmp_path, loss, epochs, seed=0):
+    """The documented command line, in a subprocess: (results.json, stdout)."""
     out = tmp_path / loss
-    cmd = [sys.executable, str(SCRIPT), "--train", f"{EXCERPT}-train.conllu",
-           "--dev", f"{EXCERPT}-dev.conllu", "--test", f"{EXCERPT}-test.conllu",
-           "--loss", loss, "--epochs", str(epochs), "--out", str(out), "--seed", str(seed),
-           "--threads", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    cmd = [sys.executable, str(SCRIPT)] + cli_args(out, loss, epochs, seed)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     return json.loads((out / "results.json").read_text()), proc.stdout
 
 
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """run_cli(loss, epochs=2, seed=0), once per loss for the module."""
+    done = {}
+
+    def get(loss):
+        if loss not in done:
+            done[loss] = run_cli(tmp_path_factory.mktemp("cli"), loss, epochs=2)
+        return done[loss]
+    return get
+
+
+def without_timings(res):
+    res = copy.deepcopy(res)
+    for e in res["epochs"]:
+        del e["seconds"], e["cpu_seconds"], e["eval_seconds"]
+    return res
+
+
 @pytest.mark.parametrize("loss", parsing.LOSSES)
-def test_cli_contract(tmp_path, loss):
-    res, stdout = run_cli(tmp_path, loss, epochs=2)
+def test_cli_contract(cli_run, loss):
+    res, stdout = cli_run(loss)
     assert stdout.count("epoch") >= 2                       # progress per epoch
     assert res["loss"] == loss
     assert 0 <= res["test_uas"] <= 100
@@ -212,17 +218,24 @@ def test_cli_contract(tmp_path, loss):
             sum(n * n for n in lengths) / sum(lengths))
 
 
-def test_cli_is_deterministic_given_the_seed(tmp_path):
-    a, _ = run_cli(tmp_path / "a", "sparsemap", epochs=1, seed=3)
-    b, _ = run_cli(tmp_path / "b", "sparsemap", epochs=1, seed=3)
-    for r in (a, b):
-        for e in r["epochs"]:
-            del e["seconds"], e["cpu_seconds"], e["eval_seconds"]
-    assert a == b
+def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
+    """Two runs of main() in this process and the command line's run in a fresh one
+    (another str hash seed, no state left by earlier tests) give the same results."""
+    with torch_state_restored():
+        for name in "ab":
+            parsing.main(cli_args(tmp_path / name, "sparsemap", epochs=2, seed=0))
+    a, b = (json.loads((tmp_path / name / "results.json").read_text()) for name in "ab")
+    assert without_timings(a) == without_timings(b) == without_timings(cli_run("sparsemap")[0])
 
 
-def test_cli_rejects_bad_arguments(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--train", "x", "--dev", "x", "--test", "x",
-           "--loss", "hinge", "--epochs", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
-    assert proc.returncode != 0 and "--loss" in proc.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "hinge", "--epochs", "1"], "argument --loss: invalid choice: 'hinge'"),
+    (["--loss", "crf", "--epochs", "0"], "--epochs: expected a positive integer, got 0"),
+    (["--loss", "crf", "--epochs", "1", "--threads", "0"],
+     "--threads: expected a positive integer, got 0"),
+])
+def test_cli_rejects_bad_arguments(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        parsing.parse_args(["--train", "x", "--dev", "x", "--test", "x",
+                            "--out", str(tmp_path)] + argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

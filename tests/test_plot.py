@@ -2,7 +2,6 @@
 read back from the figures and checked against the supports they come from."""
 import io
 import math
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 import sparsemap as sm
 import sparsemap.plot as smp
+
+from _helpers import subprocess_env
 
 
 @pytest.fixture(autouse=True)
@@ -62,12 +63,8 @@ def test_import_sparsemap_does_not_import_matplotlib():
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
             "import sparsemap.plot; assert 'matplotlib' in sys.modules; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    # The same sparsemap as this test imports, wherever pytest runs from.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))
-    path = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env)
+                          env=subprocess_env())
     assert done.returncode == 0, done.stderr
 
 

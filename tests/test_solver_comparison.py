@@ -1,6 +1,5 @@
 """The Figure 2 script runs end to end on a tiny configuration and writes sensible files."""
 import csv
-import importlib.util
 import os
 from collections import defaultdict
 
@@ -10,14 +9,12 @@ import pytest
 import sparsemap as sm
 from sparsemap.testing import check_kkt, enumerate_structures
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "solver_comparison.py")
+import _helpers
+from _reference import arc_matrix
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("solver_comparison", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _helpers.load_script("benchmarks/solver_comparison.py", "solver_comparison")
 
 
 def optimal_objective(n_nodes, seed):
@@ -88,8 +85,8 @@ def test_steps_start_every_solver_at_the_map_structure():
     n = 6
     eta = np.random.default_rng(3).standard_normal((n + 1, n + 1))
     f = sm.TreeFactor(n)
-    m0 = _arcs(f.map(eta), n)
-    adjusted = np.array([np.sum((eta - m0) * _arcs(t, n)) for t in enumerate_structures(f)])
+    m0 = arc_matrix(f.map(eta))
+    adjusted = np.array([np.sum((eta - m0) * arc_matrix(t)) for t in enumerate_structures(f)])
     objective = 0.5 * np.sum(m0) - np.sum(eta * m0)   # m0 is 0/1
     gap = adjusted.max() - np.sum((eta - m0) * m0)
     assert mod.starting_point(f, eta) == pytest.approx((objective, gap), abs=1e-12)
@@ -106,14 +103,11 @@ def test_steps_start_every_solver_at_the_map_structure():
         np.testing.assert_array_equal(steps["support"][extra:], h["support_size"])
 
 
-def _arcs(heads, n):
-    m = np.zeros((n + 1, n + 1))
-    m[heads[1:], np.arange(1, n + 1)] = 1
-    return m
-
-
-def test_script_rejects_bad_options(tmp_path):
+def test_script_rejects_bad_options(tmp_path, capsys):
     mod = load_script()
-    for argv in (["--seeds", "0"], ["--scale", "-1"], ["--n-nodes", "x"]):
-        with pytest.raises(SystemExit):
+    for argv, msg in ((["--seeds", "0"], "--seeds: expected a positive integer"),
+                      (["--scale", "-1"], "--scale: expected a positive finite float"),
+                      (["--n-nodes", "x"], "--n-nodes: invalid int value")):
+        with pytest.raises(SystemExit) as exc:
             mod.main(argv + ["--out", str(tmp_path)])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
