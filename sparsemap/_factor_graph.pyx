@@ -641,20 +641,16 @@ cdef class _Engine:
         return sum([(<_Workspace> ws).n_map for ws in self.workspaces])
 
     # -- backward --------------------------------------------------------------------------------
-    cdef object _buffers(self):
-        cdef Py_ssize_t max_s = 1
-        for ws in self.workspaces:
-            max_s = max(max_s, (<_Workspace> ws).nI)
-        return np.zeros(max_s), np.zeros(max(f.n_u for f in self.factors) if self.F else 1)
-
     def project(self, g):
         """Proj_S g (degree-0 entries: g * 1[0 < eta < 1]), CG iterations, relative residual."""
         cdef double[::1] w = np.array(g, dtype=np.float64)
         cdef double[::1] y = np.array(g, dtype=np.float64)
-        cdef Py_ssize_t L = self.L + 1, n_cg, i
+        cdef Py_ssize_t L = self.L + 1, n_cg, i, max_s = 1
         cdef double[::1] z = np.zeros(L), r = np.zeros(L), p = np.zeros(L), q = np.zeros(L)
         cdef double[::1] tmp = np.zeros(L), a = np.zeros(self.V + 1)
-        cdef double[::1] buf = self._buffers()[0]
+        for ws in self.workspaces:
+            max_s = max(max_s, (<_Workspace> ws).nI)
+        cdef double[::1] buf = np.empty(max_s)
         cdef double res = 0.0
         with nogil:
             n_cg = self._project(&w[0], NULL, &y[0], &z[0], &r[0], &p[0], &q[0], &tmp[0], &a[0],
@@ -664,12 +660,13 @@ cdef class _Engine:
                     y[i] = 0.0
         return np.asarray(y), n_cg, res
 
+    # The two products below run once per factor in a jvp / vjp, so their buffers are
+    # sized for factor f alone (and owned by the call: results may run in threads).
     def add_eta_v_direction(self, Py_ssize_t f, const double[::1] dv, double[::1] out):
         """out (V) += C~_f^T M_S D N_S^T dv: factor f's eta_v direction, mapped to the variables."""
         cdef _Workspace ws = self.workspaces[f]
-        buf, scr = self._buffers()
-        cdef double[::1] b = buf
-        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             self._prop1(ws, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
@@ -680,10 +677,10 @@ cdef class _Engine:
     def eta_v_gradient(self, Py_ssize_t f, const double[::1] y):
         """N_S D M_S^T C~_f y: the gradient of factor f's eta_v, given Proj_S g = y."""
         cdef _Workspace ws = self.workspaces[f]
-        buf, scr = self._buffers()
-        cdef double[::1] b = buf, s = scr
+        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] s = np.empty(max(ws.n_u, 1))
         cdef double[::1] gv = np.zeros(ws.n_v)
-        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             for j in range(a, self.uoff[f + 1]):
