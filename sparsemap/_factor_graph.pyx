@@ -720,6 +720,34 @@ def _describe(f, factor):
     return f"factor {f} ({factor!r})"
 
 
+def _check_per_factor(factors, values, name, bint zeros):
+    """``eta_v`` (or a direction on it): one flat float64 array per factor.
+
+    ``values`` is None or a list with one entry per factor, each shaped like
+    the factor's ``shape_v`` or None. Where it (or an entry) is None, and for
+    factors without additional scores: zeros if ``zeros``, else None.
+    """
+    F = len(factors)
+    if values is None:
+        values = [None] * F
+    elif isinstance(values, np.ndarray) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
+                         f"got {type(values).__name__}")
+    elif len(values) != F:
+        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
+                         f"got length {len(values)}")
+    out = []
+    for f, (factor, e) in enumerate(zip(factors, values)):
+        if e is not None and factor.n_v == 0 and np.size(e) != 0:
+            raise ValueError(f"{name}[{f}]: {_describe(f, factor)} has no additional "
+                             f"scores; pass None")
+        if e is None or factor.n_v == 0:
+            out.append(np.zeros(factor.n_v) if zeros else None)
+        else:
+            out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
+    return out
+
+
 class FactorGraph:
     """Binary variables tied together by factors: LP-SparseMAP (Niculae and Martins, 2020).
 
@@ -881,30 +909,6 @@ class FactorGraph:
         self.negated.append(neg)
         return len(self.factors) - 1
 
-    def _check_eta_v(self, eta_v, name):
-        """A list with one flat float64 array per factor (zeros where None)."""
-        F = len(self.factors)
-        if eta_v is None:
-            return [np.zeros(f.n_v) for f in self.factors]
-        if isinstance(eta_v, np.ndarray) or not isinstance(eta_v, (list, tuple)):
-            raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                             f"got {type(eta_v).__name__}")
-        if len(eta_v) != F:
-            raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                             f"got length {len(eta_v)}")
-        out = []
-        for f, (factor, e) in enumerate(zip(self.factors, eta_v)):
-            if e is None:
-                out.append(np.zeros(factor.n_v))
-            elif factor.n_v == 0:
-                if np.size(e) != 0:
-                    raise ValueError(f"{name}[{f}]: {_describe(f, factor)} has no additional "
-                                     f"scores; pass None")
-                out.append(np.zeros(0))
-            else:
-                out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
-        return out
-
     def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
               polish=True):
         """LP-SparseMAP marginals of the graph's variables.
@@ -961,7 +965,7 @@ class FactorGraph:
         """:meth:`solve` without its warning: callers that solve in threads (the torch
         layer) warn from their own thread, naming the problem."""
         eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
-        ev = self._check_eta_v(eta_v, "eta_v")
+        ev = _check_per_factor(self.factors, eta_v, "eta_v", zeros=True)
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
         tol = _check_real(tol, "tol", positive=False)
         rho = _check_real(rho, "rho", positive=True)
@@ -1070,29 +1074,6 @@ class FactorGraphResult:
                           ConvergenceWarning, stacklevel=3)
         return y
 
-    def _check_direction_v(self, d_eta_v):
-        out = []
-        F = len(self.factors)
-        if d_eta_v is None:
-            return [None] * F
-        if isinstance(d_eta_v, np.ndarray) or not isinstance(d_eta_v, (list, tuple)):
-            raise ValueError(f"d_eta_v: expected a list with one entry per factor ({F}), "
-                             f"got {type(d_eta_v).__name__}")
-        if len(d_eta_v) != F:
-            raise ValueError(f"d_eta_v: expected a list with one entry per factor ({F}), "
-                             f"got length {len(d_eta_v)}")
-        for f, (factor, e) in enumerate(zip(self.factors, d_eta_v)):
-            if e is None:
-                out.append(None)
-            elif factor.n_v == 0:
-                if np.size(e) != 0:
-                    raise ValueError(f"d_eta_v[{f}]: {_describe(f, factor)} has no additional "
-                                     f"scores; pass None")
-                out.append(None)
-            else:
-                out.append(_as_float_array(e, f"d_eta_v[{f}]", factor.shape_v).reshape(-1))
-        return out
-
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.
 
@@ -1115,7 +1096,7 @@ class FactorGraphResult:
         no factor get ``d_eta_u[i] * 1[0 < eta_u[i] < 1]``.
         """
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
-        dv = self._check_direction_v(d_eta_v)
+        dv = _check_per_factor(self.factors, d_eta_v, "d_eta_v", zeros=False)
         w = np.array(d, dtype=np.float64)
         for f, e in enumerate(dv):
             if e is not None:
