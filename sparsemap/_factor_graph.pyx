@@ -145,7 +145,7 @@ cdef class _Engine:
     cdef double* ckp
     cdef double* ckq
     cdef public double rho, res_primal, res_dual
-    cdef public Py_ssize_t n_iter, n_inner_fail, n_polish
+    cdef public Py_ssize_t n_iter, n_inner_fail
     cdef bint try_polish
     cdef public int status
     cdef public bint polished
@@ -206,7 +206,6 @@ cdef class _Engine:
             self.wsp[f] = <PyObject*> self.workspaces[f]
         self.n_iter = 0
         self.n_inner_fail = 0
-        self.n_polish = 0
         self.polished = False
         self.try_polish = polish
         self.status = RUNNING
@@ -348,7 +347,6 @@ cdef class _Engine:
         """
         cdef Py_ssize_t f, j, i
         cdef double res
-        self.n_polish += 1
         for i in range(self.V):
             self.cw[i] = self.eta[i]
         for f in range(self.F):
@@ -1035,16 +1033,13 @@ class FactorGraphResult:
 
     def __init__(self, graph, engine, eta_u, eta_v):
         self._engine = engine
-        self._eta_u = eta_u
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
         self.u = engine.u_array()
         self.v, self.structures, self.weights = [], [], []
-        self._S = []
         for f, factor in enumerate(self.factors):
             v, S, y = engine.factor_result(f)
             self.v.append(v.reshape(factor.shape_v))
-            self._S.append(S)
             self.structures.append([factor._to_public(s) for s in S])
             self.weights.append(y)
         self.converged = engine.status == CONVERGED
