@@ -32,8 +32,6 @@ directions of factor ``f``'s final face, applied by conjugate gradient over the
 per-factor projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
 final support, two triangular solves with the kept Cholesky factor).
 """
-import math
-import numbers
 import warnings
 
 import numpy as np
@@ -46,7 +44,7 @@ from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int
+from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int, check_real
 from sparsemap._factors._generic import GenericFactor
 
 DEFAULT_MAX_ITER = 10_000
@@ -703,17 +701,6 @@ _MESSAGES = {
 }
 
 
-def _check_real(value, name, positive):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
-                         f"float, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
-                         f"float, got {value!r}")
-    return value
-
-
 def _describe(f, factor):
     return f"factor {f} ({factor!r})"
 
@@ -965,8 +952,8 @@ class FactorGraph:
         eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
         ev = _check_per_factor(self.factors, eta_v, "eta_v", zeros=True)
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
-        tol = _check_real(tol, "tol", positive=False)
-        rho = _check_real(rho, "rho", positive=True)
+        tol = check_real(tol, "tol")
+        rho = check_real(rho, "rho", positive=True)
         polish = check_bool(polish, "polish")
         engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
                          self.n_variables, eu, ev, rho, polish)

@@ -6,6 +6,7 @@ here validate their input once and then call the C methods, so every family
 gets ``map``, ``vertex``, ``score``, ``overlap`` and ``add_column`` for free.
 """
 import math
+import numbers
 
 import numpy as np
 
@@ -615,6 +616,20 @@ def check_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def check_real(value, name, bint positive=False):
+    """Return ``value`` as a finite float, non-negative (positive if ``positive``), or raise
+    ValueError naming ``name``."""
+    if type(value) is not float:     # the common case skips the isinstance checks
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}: expected a finite "
+                             f"{'positive' if positive else 'non-negative'} float, got {value!r}")
+        value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
+                         f"float, got {value!r}")
+    return value
 
 
 def check_bool(value, name):
