@@ -44,7 +44,8 @@ from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int, check_real
+from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
+                                     check_positive_int, check_real)
 from sparsemap._factors._generic import GenericFactor
 
 DEFAULT_MAX_ITER = 10_000
@@ -836,15 +837,8 @@ class FactorGraph:
         if not isinstance(factor, Factor):
             raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
         shape = factor.shape_u
-        try:
-            var = np.asarray(variables)
-        except Exception as exc:
-            raise ValueError(f"variables: expected an int array of shape {shape}: {exc}")
-        if var.dtype == object or var.dtype.kind not in "iu":
-            raise ValueError(f"variables: expected integers, got dtype {var.dtype}")
-        if var.shape != shape:
-            raise ValueError(f"variables: expected shape {shape} (factor.shape_u of {factor!r}), "
-                             f"got {var.shape}")
+        where = lambda: f" (factor.shape_u of {factor!r})"
+        var = _typed_array(variables, "variables", shape, "iu", "integers", where)
         bad = (var < -1) | (var >= self.n_variables)
         if np.any(bad):
             raise ValueError(f"variables: expected indices in [0, {self.n_variables}) (or -1 where "
@@ -864,15 +858,7 @@ class FactorGraph:
         if negated is None:
             neg = np.zeros(shape, bool)
         else:
-            try:
-                neg = np.asarray(negated)
-            except Exception as exc:
-                raise ValueError(f"negated: expected a bool array of shape {shape}: {exc}")
-            if neg.dtype == object or neg.dtype.kind not in "biu":
-                raise ValueError(f"negated: expected booleans, got dtype {neg.dtype}")
-            if neg.shape != shape:
-                raise ValueError(f"negated: expected shape {shape} (factor.shape_u of {factor!r}), "
-                                 f"got {neg.shape}")
+            neg = _typed_array(negated, "negated", shape, "biu", "booleans", where)
             if neg.dtype.kind != "b":
                 if np.any((neg != 0) & (neg != 1)):
                     raise ValueError(f"negated: expected booleans (or 0/1), got {neg!r}")

@@ -240,12 +240,7 @@ cdef class Factor:
             When ``s`` has the wrong shape, is not integral, or does not
             describe a structure of this factor.
         """
-        try:
-            arr = np.asarray(s)
-        except Exception as exc:  # ragged lists and other junk
-            raise ValueError(f"{name}: not a structure of {type(self).__name__}: {exc}")
-        if arr.dtype == object or arr.dtype.kind not in "biuf":
-            raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+        arr = _typed_array(s, name, None, "biuf", "integers")
         arr = arr.reshape(-1) if arr.ndim == 0 else arr
         if arr.shape != (self.struct_size,):
             raise ValueError(_sizes_message(name, (self.struct_size,), arr.shape))
@@ -521,6 +516,28 @@ def _real_array(x, name, bint allow_bool=False):
     return arr.astype(np.float64, copy=False)
 
 
+def _typed_array(x, name, tuple shape, str kinds, str what, where=""):
+    """``np.asarray(x)`` with its dtype kind in ``kinds`` and, unless ``shape`` is None,
+    that shape; or a ValueError naming ``name``.
+
+    ``what`` says what was expected ("integers", "booleans", "real numbers");
+    ``where`` (a str, or a callable returning one when the message is made)
+    follows the expected shape in the message. Object arrays are refused
+    whatever ``kinds``: their entries are not checked.
+    """
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:   # ragged lists and other junk
+        raise ValueError(f"{name}: expected {what}"
+                         f"{'' if shape is None else f' of shape {shape}'} ({exc})") from None
+    if arr.dtype.kind not in kinds or arr.dtype.kind == "O":
+        raise ValueError(f"{name}: expected {what}, got dtype {arr.dtype}")
+    if shape is not None and arr.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}{where() if callable(where) else where}, "
+                         f"got {arr.shape}")
+    return arr
+
+
 def _as_float_array(x, name, tuple shape):
     """Float64 C-contiguous array of the given shape, all finite, or a ValueError naming ``name``."""
     arr = _real_array(x, name)
@@ -537,15 +554,7 @@ def _as_float_array(x, name, tuple shape):
 
 def _dense_array(x, name, tuple shape):
     """A float64 array of the given shape with finite real values, or a ValueError."""
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:   # ragged lists and other junk
-        raise ValueError(f"{name}: expected an array of shape {shape} ({exc})") from None
-    if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name}: expected real numbers, got dtype {arr.dtype}")
-    if arr.shape != shape:
-        raise ValueError(_sizes_message(name, shape, arr.shape))
-    arr = arr.astype(np.float64)
+    arr = _typed_array(x, name, shape, "biuf", "real numbers").astype(np.float64)
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
     return arr
