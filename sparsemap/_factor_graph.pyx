@@ -46,7 +46,6 @@ from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
                                      check_positive_int, check_real)
-from sparsemap._factors._generic import GenericFactor
 
 DEFAULT_MAX_ITER = 10_000
 DEFAULT_TOL = 1e-10
@@ -865,11 +864,13 @@ class FactorGraph:
             neg = neg.astype(bool)
             if np.any(neg & (var < 0)):
                 raise ValueError("negated: True on a part attached to no variable (-1)")
-            if isinstance(factor, GenericFactor) and np.any(neg):
-                M = np.asarray(factor.M).reshape(shape + (-1,))
-                rows = np.any((M < 0) | (M > 1), axis=-1) & neg
-                if np.any(rows):
-                    idx = tuple(int(x) for x in np.argwhere(rows)[0])
+            nonbinary = factor._non_binary_parts() if np.any(neg) else None
+            if nonbinary is not None and len(nonbinary):
+                refused = np.zeros(factor.n_u, bool)
+                refused[np.asarray(nonbinary, dtype=np.intp)] = True
+                refused = refused.reshape(shape) & neg
+                if np.any(refused):
+                    idx = tuple(int(x) for x in np.argwhere(refused)[0])
                     raise ValueError(f"negated: part {idx} of {factor!r} takes values outside "
                                      f"[0, 1], so 1 - u is not its complement; negation needs "
                                      f"parts that are binary-variable literals")

@@ -220,6 +220,15 @@ cdef class Factor:
         """
         return None
 
+    def _non_binary_parts(self):
+        """Flat indices of the unary parts that some structure's ``m_s`` sets outside ``[0, 1]``.
+
+        For these, ``1 - u`` is not the complement of the part, so a
+        :class:`FactorGraph` refuses to negate them. Override in a family whose
+        columns can hold such values (:class:`GenericFactor`); None: none.
+        """
+        return None
+
     def check_structure(self, s, name="s"):
         """Validate a compact structure and return it as a C int array.
 

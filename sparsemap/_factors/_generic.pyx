@@ -54,6 +54,9 @@ cdef class GenericFactor(Factor):
     def _init_args(self):
         return (self.M, self.N) if self.n_v else (self.M,)
 
+    def _non_binary_parts(self):
+        return np.flatnonzero(np.any((self.M < 0) | (self.M > 1), axis=1))
+
     def _validate_structure(self, s, name):
         if s[0] < 0 or s[0] >= self.n_structures:
             raise ValueError(f"{name}: expected a column index in [0, {self.n_structures}), "
