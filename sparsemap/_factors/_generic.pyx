@@ -276,18 +276,25 @@ cdef class OracleFactor(Factor):
             m, n = out
         else:
             m, n = out, None
-        m = _real_array(m, "oracle_vertex() result", allow_bool=True).reshape(-1)
+        m = self._result_array(m)
         if m.shape != (self.n_u,):
             raise ValueError(f"{self._hook('vertex')} result: expected m of size {self.n_u}, "
                              f"got shape {m.shape}")
         if n is None or self.n_v == 0:
             n = np.zeros(self.n_v)
         else:
-            n = _real_array(n, "oracle_vertex() result", allow_bool=True).reshape(-1)
+            n = self._result_array(n)
             if n.shape != (self.n_v,):
                 raise ValueError(f"{self._hook('vertex')} result: expected n of size {self.n_v}, "
                                  f"got shape {n.shape}")
         return m, n
+
+    def _result_array(self, x):
+        """Part of a vertex result as a flat float64 array (booleans allowed); the
+        callback's name is looked up for an error only (_dense runs per column)."""
+        if type(x) is np.ndarray and x.dtype == np.float64:
+            return x.reshape(-1)
+        return _real_array(x, f"{self._hook('vertex')} result", allow_bool=True).reshape(-1)
 
     cdef object _public(self, const int* s):
         arr = np.array(<int[:self.struct_size]> <int*> s, dtype=np.intp)
