@@ -143,6 +143,27 @@ cdef inline int _argmax(const double* x, int n) noexcept nogil:
     return arg
 
 
+cdef inline double _or_into(const double* eta, int K, int* out) noexcept nogil:
+    """MAP of "at least one of K >= 1 variables on" into out[0:K]; returns its score.
+
+    Every variable with a positive score, and the best one (lowest index on
+    ties) if none is positive.
+    """
+    cdef int i, arg
+    cdef bint any_on = False
+    cdef double val = 0.0
+    for i in range(K):
+        out[i] = eta[i] > 0
+        if out[i]:
+            any_on = True
+            val += eta[i]
+    if not any_on:
+        arg = _argmax(eta, K)
+        out[arg] = 1
+        val = eta[arg]
+    return val
+
+
 cdef class XorFactor(_BinaryFactor):
     """XorFactor(n)
 
@@ -266,12 +287,7 @@ cdef class OrFactor(_BinaryFactor):
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
-        cdef int i, any_on = 0
-        for i in range(self.n):
-            out[i] = eta_u[i] > 0
-            any_on |= out[i]
-        if not any_on:
-            out[_argmax(eta_u, self.n)] = 1
+        _or_into(eta_u, self.n, out)
         return 0
 
 
@@ -569,17 +585,9 @@ cdef class OrOutFactor(_BinaryFactor):
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
-        cdef int i, K = self.n - 1, any_on = 0, arg = _argmax(eta_u, K)
-        cdef double val = eta_u[K]
-        for i in range(K):
-            out[i] = eta_u[i] > 0
-            if out[i]:
-                any_on = 1
-                val += eta_u[i]
-        if not any_on:
-            val += eta_u[arg]
-            out[arg] = 1
-        if val > 0:
+        # the best configuration with the output on (the inputs' OR MAP), against all off
+        cdef int K = self.n - 1
+        if _or_into(eta_u, K, out) + eta_u[K] > 0:
             out[K] = 1
         else:
             _zero(out, self.n)
