@@ -391,7 +391,36 @@ def _top_k(x, k, depth=None):
     return np.sort(idx[:k])
 
 
-cdef class BudgetFactor(_BinaryFactor):
+cdef class _Budgeted(_BinaryFactor):
+    """Shared part of the factors with at most (or exactly) ``budget`` of ``n`` on.
+
+    Subclasses set their shapes after this ``__init__`` and name what is
+    counted (``_counted``) in constraint messages.
+    """
+    cdef readonly int budget
+    cdef readonly bint exact
+    _counted = "variables"
+
+    def __init__(self, n, budget, exact=False):
+        self._set_n(n)
+        self.exact = check_bool(exact, "exact")
+        self.budget = _check_budget(budget, self.exact, self.n)
+
+    def _init_args(self):
+        return (self.n, self.budget)
+
+    def _init_kwargs(self):
+        return {"exact": bool(self.exact)}
+
+    def _constraint_error(self, s):
+        k = int(s.sum())
+        if self.exact and k != self.budget:
+            return f"expected exactly budget={self.budget} {self._counted} on, {k} are"
+        if k > self.budget:
+            return f"expected at most budget={self.budget} {self._counted} on, {k} are"
+
+
+cdef class BudgetFactor(_Budgeted):
     """BudgetFactor(n, budget, exact=False)
 
     At most (or exactly) ``budget`` of ``n`` binary variables on.
@@ -437,27 +466,10 @@ cdef class BudgetFactor(_BinaryFactor):
     >>> print(sm.solve(f, np.array([0.9, 0.8, 0.7, -0.5])).u)
     [0.76666667 0.66666667 0.56666667 0.        ]
     """
-    cdef readonly int budget
-    cdef readonly bint exact
 
     def __init__(self, n, budget, exact=False):
-        self.n = check_positive_int(n, "n")
-        self.exact = check_bool(exact, "exact")
-        self.budget = _check_budget(budget, self.exact, self.n)
-        self._set_shapes((self.n,), (0,), self.n, 4 * self.n)
-
-    def _init_args(self):
-        return (self.n, self.budget)
-
-    def _init_kwargs(self):
-        return {"exact": bool(self.exact)}
-
-    def _constraint_error(self, s):
-        k = int(s.sum())
-        if self.exact and k != self.budget:
-            return f"expected exactly budget={self.budget} variables on, {k} are"
-        if k > self.budget:
-            return f"expected at most budget={self.budget} variables on, {k} are"
+        _Budgeted.__init__(self, n, budget, exact)
+        self._set_shapes((self.n,), (0,), self.n, 4 * self.n)   # MAP's index buffer
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
@@ -708,7 +720,7 @@ cdef class XorOutFactor(_BinaryFactor):
         return 0
 
 
-cdef class SequenceBudgetFactor(_BinaryFactor):
+cdef class SequenceBudgetFactor(_Budgeted):
     """SequenceBudgetFactor(n, budget, exact=False)
 
     Binary sequences of length ``n`` with at most (or exactly) ``budget`` positions on.
@@ -760,14 +772,11 @@ cdef class SequenceBudgetFactor(_BinaryFactor):
     >>> f.map(np.array([0.5, 0.0, -0.3, 0.4, 0.4]), eta_v)
     array([0, 0, 0, 1, 1])
     """
-    cdef readonly int budget
-    cdef readonly bint exact
     cdef int cap               # min(budget, n): the largest count the MAP tracks
+    _counted = "positions"
 
     def __init__(self, n, budget, exact=False):
-        self.n = check_positive_int(n, "n")
-        self.exact = check_bool(exact, "exact")
-        self.budget = _check_budget(budget, self.exact, self.n)
+        _Budgeted.__init__(self, n, budget, exact)
         self.cap = min(self.budget, self.n)
         cdef Py_ssize_t rows = self.cap + 1
         if self.n * rows >= _MAX_TABLE:
@@ -776,19 +785,6 @@ cdef class SequenceBudgetFactor(_BinaryFactor):
         # two rows of 2 (cap + 1) doubles, then n (cap + 1) bytes of back-pointers
         self._set_shapes((self.n,), (self.n - 1, 2, 2), self.n,
                          2 * 2 * 8 * rows + self.n * rows + 16)
-
-    def _init_args(self):
-        return (self.n, self.budget)
-
-    def _init_kwargs(self):
-        return {"exact": bool(self.exact)}
-
-    def _constraint_error(self, s):
-        k = int(s.sum())
-        if self.exact and k != self.budget:
-            return f"expected exactly budget={self.budget} positions on, {k} are"
-        if k > self.budget:
-            return f"expected at most budget={self.budget} positions on, {k} are"
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
