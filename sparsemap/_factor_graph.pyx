@@ -32,8 +32,6 @@ directions of factor ``f``'s final face, applied by conjugate gradient over the
 per-factor projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
 final support, two triangular solves with the kept Cholesky factor).
 """
-import math
-import numbers
 import warnings
 
 import numpy as np
@@ -46,8 +44,8 @@ from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import _as_float_array, check_bool, check_positive_int
-from sparsemap._factors._generic import GenericFactor
+from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
+                                     check_positive_int, check_real)
 
 DEFAULT_MAX_ITER = 10_000
 DEFAULT_TOL = 1e-10
@@ -145,7 +143,7 @@ cdef class _Engine:
     cdef double* ckp
     cdef double* ckq
     cdef public double rho, res_primal, res_dual
-    cdef public Py_ssize_t n_iter, n_inner_fail, n_polish
+    cdef public Py_ssize_t n_iter, n_inner_fail
     cdef bint try_polish
     cdef public int status
     cdef public bint polished
@@ -206,7 +204,6 @@ cdef class _Engine:
             self.wsp[f] = <PyObject*> self.workspaces[f]
         self.n_iter = 0
         self.n_inner_fail = 0
-        self.n_polish = 0
         self.polished = False
         self.try_polish = polish
         self.status = RUNNING
@@ -348,7 +345,6 @@ cdef class _Engine:
         """
         cdef Py_ssize_t f, j, i
         cdef double res
-        self.n_polish += 1
         for i in range(self.V):
             self.cw[i] = self.eta[i]
         for f in range(self.F):
@@ -641,20 +637,16 @@ cdef class _Engine:
         return sum([(<_Workspace> ws).n_map for ws in self.workspaces])
 
     # -- backward --------------------------------------------------------------------------------
-    cdef object _buffers(self):
-        cdef Py_ssize_t max_s = 1
-        for ws in self.workspaces:
-            max_s = max(max_s, (<_Workspace> ws).nI)
-        return np.zeros(max_s), np.zeros(max(f.n_u for f in self.factors) if self.F else 1)
-
     def project(self, g):
         """Proj_S g (degree-0 entries: g * 1[0 < eta < 1]), CG iterations, relative residual."""
         cdef double[::1] w = np.array(g, dtype=np.float64)
         cdef double[::1] y = np.array(g, dtype=np.float64)
-        cdef Py_ssize_t L = self.L + 1, n_cg, i
+        cdef Py_ssize_t L = self.L + 1, n_cg, i, max_s = 1
         cdef double[::1] z = np.zeros(L), r = np.zeros(L), p = np.zeros(L), q = np.zeros(L)
         cdef double[::1] tmp = np.zeros(L), a = np.zeros(self.V + 1)
-        cdef double[::1] buf = self._buffers()[0]
+        for ws in self.workspaces:
+            max_s = max(max_s, (<_Workspace> ws).nI)
+        cdef double[::1] buf = np.empty(max_s)
         cdef double res = 0.0
         with nogil:
             n_cg = self._project(&w[0], NULL, &y[0], &z[0], &r[0], &p[0], &q[0], &tmp[0], &a[0],
@@ -664,12 +656,13 @@ cdef class _Engine:
                     y[i] = 0.0
         return np.asarray(y), n_cg, res
 
+    # The two products below run once per factor in a jvp / vjp, so their buffers are
+    # sized for factor f alone (and owned by the call: results may run in threads).
     def add_eta_v_direction(self, Py_ssize_t f, const double[::1] dv, double[::1] out):
         """out (V) += C~_f^T M_S D N_S^T dv: factor f's eta_v direction, mapped to the variables."""
         cdef _Workspace ws = self.workspaces[f]
-        buf, scr = self._buffers()
-        cdef double[::1] b = buf
-        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             self._prop1(ws, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
@@ -680,10 +673,10 @@ cdef class _Engine:
     def eta_v_gradient(self, Py_ssize_t f, const double[::1] y):
         """N_S D M_S^T C~_f y: the gradient of factor f's eta_v, given Proj_S g = y."""
         cdef _Workspace ws = self.workspaces[f]
-        buf, scr = self._buffers()
-        cdef double[::1] b = buf, s = scr
+        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] s = np.empty(max(ws.n_u, 1))
         cdef double[::1] gv = np.zeros(ws.n_v)
-        cdef double[::1] lit = np.zeros(ws.n_u)
+        cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             for j in range(a, self.uoff[f + 1]):
@@ -708,19 +701,36 @@ _MESSAGES = {
 }
 
 
-def _check_real(value, name, positive):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
-                         f"float, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
-                         f"float, got {value!r}")
-    return value
-
-
 def _describe(f, factor):
     return f"factor {f} ({factor!r})"
+
+
+def _check_per_factor(factors, values, name, bint zeros):
+    """``eta_v`` (or a direction on it): one flat float64 array per factor.
+
+    ``values`` is None or a list with one entry per factor, each shaped like
+    the factor's ``shape_v`` or None. Where it (or an entry) is None, and for
+    factors without additional scores: zeros if ``zeros``, else None.
+    """
+    F = len(factors)
+    if values is None:
+        values = [None] * F
+    elif isinstance(values, np.ndarray) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
+                         f"got {type(values).__name__}")
+    elif len(values) != F:
+        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
+                         f"got length {len(values)}")
+    out = []
+    for f, (factor, e) in enumerate(zip(factors, values)):
+        if e is not None and factor.n_v == 0 and np.size(e) != 0:
+            raise ValueError(f"{name}[{f}]: {_describe(f, factor)} has no additional "
+                             f"scores; pass None")
+        if e is None or factor.n_v == 0:
+            out.append(np.zeros(factor.n_v) if zeros else None)
+        else:
+            out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
+    return out
 
 
 class FactorGraph:
@@ -826,15 +836,8 @@ class FactorGraph:
         if not isinstance(factor, Factor):
             raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
         shape = factor.shape_u
-        try:
-            var = np.asarray(variables)
-        except Exception as exc:
-            raise ValueError(f"variables: expected an int array of shape {shape}: {exc}")
-        if var.dtype == object or var.dtype.kind not in "iu":
-            raise ValueError(f"variables: expected integers, got dtype {var.dtype}")
-        if var.shape != shape:
-            raise ValueError(f"variables: expected shape {shape} (factor.shape_u of {factor!r}), "
-                             f"got {var.shape}")
+        where = lambda: f" (factor.shape_u of {factor!r})"
+        var = _typed_array(variables, "variables", shape, "iu", "integers", where)
         bad = (var < -1) | (var >= self.n_variables)
         if np.any(bad):
             raise ValueError(f"variables: expected indices in [0, {self.n_variables}) (or -1 where "
@@ -854,26 +857,20 @@ class FactorGraph:
         if negated is None:
             neg = np.zeros(shape, bool)
         else:
-            try:
-                neg = np.asarray(negated)
-            except Exception as exc:
-                raise ValueError(f"negated: expected a bool array of shape {shape}: {exc}")
-            if neg.dtype == object or neg.dtype.kind not in "biu":
-                raise ValueError(f"negated: expected booleans, got dtype {neg.dtype}")
-            if neg.shape != shape:
-                raise ValueError(f"negated: expected shape {shape} (factor.shape_u of {factor!r}), "
-                                 f"got {neg.shape}")
+            neg = _typed_array(negated, "negated", shape, "biu", "booleans", where)
             if neg.dtype.kind != "b":
                 if np.any((neg != 0) & (neg != 1)):
                     raise ValueError(f"negated: expected booleans (or 0/1), got {neg!r}")
             neg = neg.astype(bool)
             if np.any(neg & (var < 0)):
                 raise ValueError("negated: True on a part attached to no variable (-1)")
-            if isinstance(factor, GenericFactor) and np.any(neg):
-                M = np.asarray(factor.M).reshape(shape + (-1,))
-                rows = np.any((M < 0) | (M > 1), axis=-1) & neg
-                if np.any(rows):
-                    idx = tuple(int(x) for x in np.argwhere(rows)[0])
+            nonbinary = factor._non_binary_parts() if np.any(neg) else None
+            if nonbinary is not None and len(nonbinary):
+                refused = np.zeros(factor.n_u, bool)
+                refused[np.asarray(nonbinary, dtype=np.intp)] = True
+                refused = refused.reshape(shape) & neg
+                if np.any(refused):
+                    idx = tuple(int(x) for x in np.argwhere(refused)[0])
                     raise ValueError(f"negated: part {idx} of {factor!r} takes values outside "
                                      f"[0, 1], so 1 - u is not its complement; negation needs "
                                      f"parts that are binary-variable literals")
@@ -883,30 +880,6 @@ class FactorGraph:
         self.variables.append(var)
         self.negated.append(neg)
         return len(self.factors) - 1
-
-    def _check_eta_v(self, eta_v, name):
-        """A list with one flat float64 array per factor (zeros where None)."""
-        F = len(self.factors)
-        if eta_v is None:
-            return [np.zeros(f.n_v) for f in self.factors]
-        if isinstance(eta_v, np.ndarray) or not isinstance(eta_v, (list, tuple)):
-            raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                             f"got {type(eta_v).__name__}")
-        if len(eta_v) != F:
-            raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                             f"got length {len(eta_v)}")
-        out = []
-        for f, (factor, e) in enumerate(zip(self.factors, eta_v)):
-            if e is None:
-                out.append(np.zeros(factor.n_v))
-            elif factor.n_v == 0:
-                if np.size(e) != 0:
-                    raise ValueError(f"{name}[{f}]: {_describe(f, factor)} has no additional "
-                                     f"scores; pass None")
-                out.append(np.zeros(0))
-            else:
-                out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
-        return out
 
     def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
               polish=True):
@@ -964,10 +937,10 @@ class FactorGraph:
         """:meth:`solve` without its warning: callers that solve in threads (the torch
         layer) warn from their own thread, naming the problem."""
         eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
-        ev = self._check_eta_v(eta_v, "eta_v")
+        ev = _check_per_factor(self.factors, eta_v, "eta_v", zeros=True)
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
-        tol = _check_real(tol, "tol", positive=False)
-        rho = _check_real(rho, "rho", positive=True)
+        tol = check_real(tol, "tol")
+        rho = check_real(rho, "rho", positive=True)
         polish = check_bool(polish, "polish")
         engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
                          self.n_variables, eu, ev, rho, polish)
@@ -1034,16 +1007,13 @@ class FactorGraphResult:
 
     def __init__(self, graph, engine, eta_u, eta_v):
         self._engine = engine
-        self._eta_u = eta_u
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
         self.u = engine.u_array()
         self.v, self.structures, self.weights = [], [], []
-        self._S = []
         for f, factor in enumerate(self.factors):
             v, S, y = engine.factor_result(f)
             self.v.append(v.reshape(factor.shape_v))
-            self._S.append(S)
             self.structures.append([factor._to_public(s) for s in S])
             self.weights.append(y)
         self.converged = engine.status == CONVERGED
@@ -1073,29 +1043,6 @@ class FactorGraphResult:
                           ConvergenceWarning, stacklevel=3)
         return y
 
-    def _check_direction_v(self, d_eta_v):
-        out = []
-        F = len(self.factors)
-        if d_eta_v is None:
-            return [None] * F
-        if isinstance(d_eta_v, np.ndarray) or not isinstance(d_eta_v, (list, tuple)):
-            raise ValueError(f"d_eta_v: expected a list with one entry per factor ({F}), "
-                             f"got {type(d_eta_v).__name__}")
-        if len(d_eta_v) != F:
-            raise ValueError(f"d_eta_v: expected a list with one entry per factor ({F}), "
-                             f"got length {len(d_eta_v)}")
-        for f, (factor, e) in enumerate(zip(self.factors, d_eta_v)):
-            if e is None:
-                out.append(None)
-            elif factor.n_v == 0:
-                if np.size(e) != 0:
-                    raise ValueError(f"d_eta_v[{f}]: {_describe(f, factor)} has no additional "
-                                     f"scores; pass None")
-                out.append(None)
-            else:
-                out.append(_as_float_array(e, f"d_eta_v[{f}]", factor.shape_v).reshape(-1))
-        return out
-
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.
 
@@ -1118,7 +1065,7 @@ class FactorGraphResult:
         no factor get ``d_eta_u[i] * 1[0 < eta_u[i] < 1]``.
         """
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
-        dv = self._check_direction_v(d_eta_v)
+        dv = _check_per_factor(self.factors, d_eta_v, "d_eta_v", zeros=False)
         w = np.array(d, dtype=np.float64)
         for f, e in enumerate(dv):
             if e is not None:

@@ -24,7 +24,8 @@ from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_M
                                    solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import ConvergenceWarning
-from sparsemap._factors._base import SCAN_BAD, Factor, _NoAllowedStructure, _real_array, scan_values
+from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
+                                     check_real, scan_values)
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 DEFAULT_TOL = 1e-12
@@ -260,12 +261,7 @@ def _check_options(method, max_iter, tol):
         max_iter = int(max_iter)
     if max_iter < 1:
         raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
-    if type(tol) is not float:
-        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-            raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
-        tol = float(tol)
-    if not math.isfinite(tol) or tol < 0:
-        raise ValueError(f"tol: expected a finite non-negative float, got {tol!r}")
+    tol = check_real(tol, "tol")
     return method, max_iter, tol
 
 

@@ -6,6 +6,7 @@ here validate their input once and then call the C methods, so every family
 gets ``map``, ``vertex``, ``score``, ``overlap`` and ``add_column`` for free.
 """
 import math
+import numbers
 
 import numpy as np
 
@@ -219,6 +220,15 @@ cdef class Factor:
         """
         return None
 
+    def _non_binary_parts(self):
+        """Flat indices of the unary parts that some structure's ``m_s`` sets outside ``[0, 1]``.
+
+        For these, ``1 - u`` is not the complement of the part, so a
+        :class:`FactorGraph` refuses to negate them. Override in a family whose
+        columns can hold such values (:class:`GenericFactor`); None: none.
+        """
+        return None
+
     def check_structure(self, s, name="s"):
         """Validate a compact structure and return it as a C int array.
 
@@ -239,12 +249,7 @@ cdef class Factor:
             When ``s`` has the wrong shape, is not integral, or does not
             describe a structure of this factor.
         """
-        try:
-            arr = np.asarray(s)
-        except Exception as exc:  # ragged lists and other junk
-            raise ValueError(f"{name}: not a structure of {type(self).__name__}: {exc}")
-        if arr.dtype == object or arr.dtype.kind not in "biuf":
-            raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+        arr = _typed_array(s, name, None, "biuf", "integers")
         arr = arr.reshape(-1) if arr.ndim == 0 else arr
         if arr.shape != (self.struct_size,):
             raise ValueError(_sizes_message(name, (self.struct_size,), arr.shape))
@@ -520,6 +525,28 @@ def _real_array(x, name, bint allow_bool=False):
     return arr.astype(np.float64, copy=False)
 
 
+def _typed_array(x, name, tuple shape, str kinds, str what, where=""):
+    """``np.asarray(x)`` with its dtype kind in ``kinds`` and, unless ``shape`` is None,
+    that shape; or a ValueError naming ``name``.
+
+    ``what`` says what was expected ("integers", "booleans", "real numbers");
+    ``where`` (a str, or a callable returning one when the message is made)
+    follows the expected shape in the message. Object arrays are refused
+    whatever ``kinds``: their entries are not checked.
+    """
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:   # ragged lists and other junk
+        raise ValueError(f"{name}: expected {what}"
+                         f"{'' if shape is None else f' of shape {shape}'} ({exc})") from None
+    if arr.dtype.kind not in kinds or arr.dtype.kind == "O":
+        raise ValueError(f"{name}: expected {what}, got dtype {arr.dtype}")
+    if shape is not None and arr.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}{where() if callable(where) else where}, "
+                         f"got {arr.shape}")
+    return arr
+
+
 def _as_float_array(x, name, tuple shape):
     """Float64 C-contiguous array of the given shape, all finite, or a ValueError naming ``name``."""
     arr = _real_array(x, name)
@@ -536,15 +563,7 @@ def _as_float_array(x, name, tuple shape):
 
 def _dense_array(x, name, tuple shape):
     """A float64 array of the given shape with finite real values, or a ValueError."""
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:   # ragged lists and other junk
-        raise ValueError(f"{name}: expected an array of shape {shape} ({exc})") from None
-    if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name}: expected real numbers, got dtype {arr.dtype}")
-    if arr.shape != shape:
-        raise ValueError(_sizes_message(name, shape, arr.shape))
-    arr = arr.astype(np.float64)
+    arr = _typed_array(x, name, shape, "biuf", "real numbers").astype(np.float64)
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name}: contains non-finite values (nan or inf)")
     return arr
@@ -615,6 +634,20 @@ def check_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def check_real(value, name, bint positive=False):
+    """Return ``value`` as a finite float, non-negative (positive if ``positive``), or raise
+    ValueError naming ``name``."""
+    if type(value) is not float:     # the common case skips the isinstance checks
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}: expected a finite "
+                             f"{'positive' if positive else 'non-negative'} float, got {value!r}")
+        value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} "
+                         f"float, got {value!r}")
+    return value
 
 
 def check_bool(value, name):

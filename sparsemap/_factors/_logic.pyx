@@ -143,6 +143,27 @@ cdef inline int _argmax(const double* x, int n) noexcept nogil:
     return arg
 
 
+cdef inline double _or_into(const double* eta, int K, int* out) noexcept nogil:
+    """MAP of "at least one of K >= 1 variables on" into out[0:K]; returns its score.
+
+    Every variable with a positive score, and the best one (lowest index on
+    ties) if none is positive.
+    """
+    cdef int i, arg
+    cdef bint any_on = False
+    cdef double val = 0.0
+    for i in range(K):
+        out[i] = eta[i] > 0
+        if out[i]:
+            any_on = True
+            val += eta[i]
+    if not any_on:
+        arg = _argmax(eta, K)
+        out[arg] = 1
+        val = eta[arg]
+    return val
+
+
 cdef class XorFactor(_BinaryFactor):
     """XorFactor(n)
 
@@ -266,12 +287,7 @@ cdef class OrFactor(_BinaryFactor):
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
-        cdef int i, any_on = 0
-        for i in range(self.n):
-            out[i] = eta_u[i] > 0
-            any_on |= out[i]
-        if not any_on:
-            out[_argmax(eta_u, self.n)] = 1
+        _or_into(eta_u, self.n, out)
         return 0
 
 
@@ -375,7 +391,36 @@ def _top_k(x, k, depth=None):
     return np.sort(idx[:k])
 
 
-cdef class BudgetFactor(_BinaryFactor):
+cdef class _Budgeted(_BinaryFactor):
+    """Shared part of the factors with at most (or exactly) ``budget`` of ``n`` on.
+
+    Subclasses set their shapes after this ``__init__`` and name what is
+    counted (``_counted``) in constraint messages.
+    """
+    cdef readonly int budget
+    cdef readonly bint exact
+    _counted = "variables"
+
+    def __init__(self, n, budget, exact=False):
+        self._set_n(n)
+        self.exact = check_bool(exact, "exact")
+        self.budget = _check_budget(budget, self.exact, self.n)
+
+    def _init_args(self):
+        return (self.n, self.budget)
+
+    def _init_kwargs(self):
+        return {"exact": bool(self.exact)}
+
+    def _constraint_error(self, s):
+        k = int(s.sum())
+        if self.exact and k != self.budget:
+            return f"expected exactly budget={self.budget} {self._counted} on, {k} are"
+        if k > self.budget:
+            return f"expected at most budget={self.budget} {self._counted} on, {k} are"
+
+
+cdef class BudgetFactor(_Budgeted):
     """BudgetFactor(n, budget, exact=False)
 
     At most (or exactly) ``budget`` of ``n`` binary variables on.
@@ -421,27 +466,10 @@ cdef class BudgetFactor(_BinaryFactor):
     >>> print(sm.solve(f, np.array([0.9, 0.8, 0.7, -0.5])).u)
     [0.76666667 0.66666667 0.56666667 0.        ]
     """
-    cdef readonly int budget
-    cdef readonly bint exact
 
     def __init__(self, n, budget, exact=False):
-        self.n = check_positive_int(n, "n")
-        self.exact = check_bool(exact, "exact")
-        self.budget = _check_budget(budget, self.exact, self.n)
-        self._set_shapes((self.n,), (0,), self.n, 4 * self.n)
-
-    def _init_args(self):
-        return (self.n, self.budget)
-
-    def _init_kwargs(self):
-        return {"exact": bool(self.exact)}
-
-    def _constraint_error(self, s):
-        k = int(s.sum())
-        if self.exact and k != self.budget:
-            return f"expected exactly budget={self.budget} variables on, {k} are"
-        if k > self.budget:
-            return f"expected at most budget={self.budget} variables on, {k} are"
+        _Budgeted.__init__(self, n, budget, exact)
+        self._set_shapes((self.n,), (0,), self.n, 4 * self.n)   # MAP's index buffer
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
@@ -569,17 +597,9 @@ cdef class OrOutFactor(_BinaryFactor):
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
-        cdef int i, K = self.n - 1, any_on = 0, arg = _argmax(eta_u, K)
-        cdef double val = eta_u[K]
-        for i in range(K):
-            out[i] = eta_u[i] > 0
-            if out[i]:
-                any_on = 1
-                val += eta_u[i]
-        if not any_on:
-            val += eta_u[arg]
-            out[arg] = 1
-        if val > 0:
+        # the best configuration with the output on (the inputs' OR MAP), against all off
+        cdef int K = self.n - 1
+        if _or_into(eta_u, K, out) + eta_u[K] > 0:
             out[K] = 1
         else:
             _zero(out, self.n)
@@ -700,7 +720,7 @@ cdef class XorOutFactor(_BinaryFactor):
         return 0
 
 
-cdef class SequenceBudgetFactor(_BinaryFactor):
+cdef class SequenceBudgetFactor(_Budgeted):
     """SequenceBudgetFactor(n, budget, exact=False)
 
     Binary sequences of length ``n`` with at most (or exactly) ``budget`` positions on.
@@ -752,14 +772,11 @@ cdef class SequenceBudgetFactor(_BinaryFactor):
     >>> f.map(np.array([0.5, 0.0, -0.3, 0.4, 0.4]), eta_v)
     array([0, 0, 0, 1, 1])
     """
-    cdef readonly int budget
-    cdef readonly bint exact
     cdef int cap               # min(budget, n): the largest count the MAP tracks
+    _counted = "positions"
 
     def __init__(self, n, budget, exact=False):
-        self.n = check_positive_int(n, "n")
-        self.exact = check_bool(exact, "exact")
-        self.budget = _check_budget(budget, self.exact, self.n)
+        _Budgeted.__init__(self, n, budget, exact)
         self.cap = min(self.budget, self.n)
         cdef Py_ssize_t rows = self.cap + 1
         if self.n * rows >= _MAX_TABLE:
@@ -768,19 +785,6 @@ cdef class SequenceBudgetFactor(_BinaryFactor):
         # two rows of 2 (cap + 1) doubles, then n (cap + 1) bytes of back-pointers
         self._set_shapes((self.n,), (self.n - 1, 2, 2), self.n,
                          2 * 2 * 8 * rows + self.n * rows + 16)
-
-    def _init_args(self):
-        return (self.n, self.budget)
-
-    def _init_kwargs(self):
-        return {"exact": bool(self.exact)}
-
-    def _constraint_error(self, s):
-        k = int(s.sum())
-        if self.exact and k != self.budget:
-            return f"expected exactly budget={self.budget} positions on, {k} are"
-        if k > self.budget:
-            return f"expected at most budget={self.budget} positions on, {k} are"
 
     cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
                    char* work) except -1 nogil:
