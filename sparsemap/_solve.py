@@ -645,11 +645,11 @@ def _check_batch_scores(factors, shared, x, name, on_v, B, masks=True):
             row_flags = scan_values(arr[i])
             if row_flags:
                 screened = factors[i]._screen(arr[i], f"{name}[{i}]", on_v, masks, row_flags)
-                if screened is not arr[i] and not np.shares_memory(screened, arr):
+                if not np.shares_memory(screened, arr):
                     if out is arr:
                         out = arr.copy()
                     out[i] = screened
-        return arr
+        return out
     items = list(x)
     if len(items) != B:
         raise ValueError(f"{name}: expected {B} entries (one per problem), got {len(items)}")

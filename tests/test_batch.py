@@ -502,3 +502,27 @@ def test_padded_general_path_and_convergence_warning():
     with pytest.warns(sm.ConvergenceWarning) as record:
         _solve_padded(fs, eu, None, u, 1, dict(max_iter=1))
     assert [str(w.message)[:9] for w in record] == ["problem 0", "problem 1"]
+
+
+@pytest.mark.parametrize("method, max_iter", [("active_set", None), ("pairwise_cg", None),
+                                              ("cg", 200)])
+def test_stacked_ignored_entries_per_problem_factors(method, max_iter):
+    # nan in entries a tree ignores (its diagonal): a stacked array with one factor per
+    # problem is cleaned as with a shared factor and as solve does, the input untouched
+    rng = np.random.default_rng(45)
+    f = sm.TreeFactor(4)
+    x = rng.standard_normal((3, 5, 5))
+    x[:, 0, 0] = np.nan
+    x[1, 2, 2] = np.nan
+    before = x.copy()
+    with warnings.catch_warnings():
+        # vanilla CG stops at max_iter (a warning); the others converge
+        warnings.simplefilter("ignore" if max_iter else "error", sm.ConvergenceWarning)
+        per_problem = sm.solve_batch([f, f, f], x, method=method, max_iter=max_iter)
+        shared = sm.solve_batch(f, x, method=method, max_iter=max_iter)
+        single = [sm.solve(f, e, method=method, max_iter=max_iter) for e in x]
+    for r, s, t in zip(per_problem, shared, single):
+        assert np.isfinite(r.objective)
+        same_result(r, s)
+        same_result(r, t)
+    assert np.array_equal(x, before, equal_nan=True)
