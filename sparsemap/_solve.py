@@ -556,6 +556,7 @@ def _helpers():
 
 def _order(n, costs=None):
     """Problem indices, most expensive first (ties in input order)."""
+    # must agree with the Cython _Order rule (_active_set.pyx): decreasing cost, stable
     if costs is None:
         return np.arange(n, dtype=np.intp)
     return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
@@ -895,8 +896,6 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
     dv = None
     if d_etas_v is not None:
         dv = _check_batch_scores(factors, False, d_etas_v, "d_etas_v", True, B, masks=False)
-        if isinstance(dv, list):
-            dv = [None if f.n_v == 0 else d for f, d in zip(factors, dv)]
     return _backward_batch(rs, du, dv, False, n_jobs)
 
 

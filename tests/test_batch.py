@@ -526,3 +526,18 @@ def test_stacked_ignored_entries_per_problem_factors(method, max_iter):
         same_result(r, s)
         same_result(r, t)
     assert np.array_equal(x, before, equal_nan=True)
+
+
+def test_jvp_batch_empty_v_directions_of_factors_without_v():
+    # a factor without eta_v takes an empty d_eta_v entry (or None): bitwise r.jvp
+    rng = np.random.default_rng(46)
+    seq, gen = sm.SequenceFactor(5, 3), sm.GenericFactor(rng.standard_normal((4, 6)))
+    fs = [seq, gen, seq, gen]
+    rs = sm.solve_batch(fs, [rng.standard_normal(f.shape_u) for f in fs],
+                        [rng.standard_normal(f.shape_v) if f.n_v else None for f in fs])
+    dus = [rng.standard_normal(f.shape_u) for f in fs]
+    dvs = [rng.standard_normal(f.shape_v) for f in fs]       # shape (0,) for gen
+    assert gen.n_v == 0 and dvs[1].shape == (0,)
+    for n_jobs in (1, 2):
+        for d, r, du, dv in zip(sm.jvp_batch(rs, dus, dvs, n_jobs=n_jobs), rs, dus, dvs):
+            assert np.array_equal(d, r.jvp(du, dv))
