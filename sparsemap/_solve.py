@@ -297,7 +297,8 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
 
     The active set runs on ``n_threads`` threads, claiming problems in
     ``order`` (None: largest first); the conditional-gradient solvers are pure
-    Python, and run one problem after the other.
+    Python, and run one problem after the other. Also the task an executor
+    runs for a chunk of a batch (a module-level function, so it pickles).
     """
     n = len(etas_u)
     if method == "active_set":
@@ -322,12 +323,6 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
                                         raw["v"], raw["n_iter"], raw["n_map"], raw["status"],
                                         raw["gap"], raw["objective"], raw["history"]))
     return out
-
-
-def _solve_remote(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history):
-    """One task of a batch in an executor's worker (a module-level function, so it pickles)."""
-    return _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol,
-                           return_history)
 
 
 def _warn_not_converged(result, where, stacklevel):
@@ -782,7 +777,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
         chunks = _chunks(order, CHUNKS_PER_JOB * n_jobs)
         futures = [executor.submit(
-            _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
+            _solve_problems, factors if shared else _take(factors, idx), _take(eus, idx),
             _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
             for idx in chunks]
         sols = _gather(chunks, [fut.result() for fut in futures], B)
