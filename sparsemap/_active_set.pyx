@@ -1252,9 +1252,9 @@ cdef class _Batch:
     every Python object the run needs (solutions, outputs) and take every
     pointer in one pass. Each thread calls :meth:`run` with its own number;
     threads claim problems one at a time from an atomic counter, largest
-    first (the order given), so they balance problems of unequal cost and
-    touch the GIL only to create a workspace the first time they meet a
-    factor. A thread that joins late finds nothing left and returns.
+    first, so they balance problems of unequal cost and touch the GIL only
+    to create a workspace the first time they meet a factor. A thread that
+    joins late finds nothing left and returns.
 
     A padded batch reads every problem's input from its block of one padded
     array and writes its outputs into its slot of one padded array (zeros
@@ -1597,7 +1597,7 @@ def _add_note(exc, Py_ssize_t i):
         exc.add_note(f"(while solving problem {i} of the batch)")
 
 
-def prepare_solve(factors, etas_u, etas_v, order, inits,
+def prepare_solve(factors, etas_u, etas_v, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
                   callback=None, out_u=None):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
@@ -1617,16 +1617,13 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     etas_v : None, ndarray or list
         As ``etas_u`` (padded with ``out_u``, leading blocks of shape
         ``factor.shape_v``); None (or None entries of a list): zeros.
-    order : int array or None
-        Every problem index once, in the order threads should claim them
-        (largest first); None: by decreasing ``n_u + n_v`` (ties, and one
-        thread, in input order).
     inits : None or list
         Warm starts: None entries, or ``(k, struct_size)`` intc arrays.
     max_iter, tol, return_history
         As for :func:`sparsemap.solve`.
     n_threads : int
-        How many threads will call :meth:`_Batch.run`.
+        How many threads will call :meth:`_Batch.run`. They claim problems by
+        decreasing ``n_u + n_v`` (ties, and one thread, in input order).
     callback : callable, optional
         Called with the GIL after every iteration of every problem (see
         :func:`sparsemap.solve`); a problem it stops gets ``STATUS_STOPPED``.
@@ -1646,7 +1643,7 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     ``STATUS_INFEASIBLE``.
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = len(etas_u) if order is None else len(order), j, i, max_nv = 0
+    cdef Py_ssize_t n = len(etas_u), j, i, max_nv = 0
     cdef Factor f
     cdef _Solution sol
     cdef _Solutions sols
@@ -1693,14 +1690,12 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     else:
         b.outputs = [None] * n
     b.keep.extend((etas_u, etas_v, inits, callback, out_u))
-    if order is None:
-        by_cost = _Order(n)
-        if n_threads > 1 and not shared:
-            for i in range(n):
-                f = factors[i]
-                by_cost.keys[i].cost = f.n_u + f.n_v
-        order = by_cost.indices(n_threads > 1 and not shared)
-    claim = order
+    by_cost = _Order(n)
+    if n_threads > 1 and not shared:
+        for i in range(n):
+            f = factors[i]
+            by_cost.keys[i].cost = f.n_u + f.n_v
+    claim = by_cost.indices(n_threads > 1 and not shared)
     for j in range(n):
         i = claim[j]
         p = &b.P[j]
@@ -1742,7 +1737,7 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     return b
 
 
-def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
+def prepare_backward(sols, ins_u, ins_v, bint transpose,
                      Py_ssize_t n_threads, out_u=None, out_v=None):
     """A :class:`_Batch` of Jacobian products; its ``outputs`` are the products.
 
@@ -1756,11 +1751,9 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
     ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
     transpose : bool
         False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
-    order : int array or None
-        As for :func:`prepare_solve`; None: by decreasing cost of the product,
-        ``|I| (n_u + struct_size)``.
     n_threads
-        As for :func:`prepare_solve`.
+        As for :func:`prepare_solve`; problems are claimed by decreasing cost
+        of the product, ``|I| (n_u + struct_size)``.
     out_u, out_v : ndarray, optional
         Make the batch padded, as in :func:`prepare_solve`: ``out_u`` shaped
         like ``ins_u`` receives ``du`` (jvp) or ``g_u`` (vjp) of each problem,
@@ -1775,7 +1768,7 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
     (vjp), shaped like the factors' scores (None when padded).
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = len(sols) if order is None else len(order), j, i, max_support = 0
+    cdef Py_ssize_t n = len(sols), j, i, max_support = 0
     cdef _Solution sol
     cdef _Solutions many = sols if isinstance(sols, _Solutions) else None
     cdef _Order by_cost
@@ -1810,19 +1803,17 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
         in_v = _base(ins_v, &st_v)
         o_u = _base(out_u, &st_ou)
         o_v = _base(out_v, &st_ov)
-    if order is None:
-        by_cost = _Order(n)
-        if n_threads > 1:
-            for i in range(n):
-                if many is not None:
-                    f = <Factor> many.factors[i]
-                    by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
-                else:
-                    sol = sols[i]
-                    by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
-                                                              + sol.factor.struct_size)
-        order = by_cost.indices(n_threads > 1)
-    claim = order
+    by_cost = _Order(n)
+    if n_threads > 1:
+        for i in range(n):
+            if many is not None:
+                f = <Factor> many.factors[i]
+                by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
+            else:
+                sol = sols[i]
+                by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
+                                                          + sol.factor.struct_size)
+    claim = by_cost.indices(n_threads > 1)
     for j in range(n):
         i = claim[j]
         p = &b.P[j]

@@ -292,19 +292,19 @@ def _names(factor, u, v, suffix=""):
 # -- running problems ------------------------------------------------------------------
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
-                    n_threads=1, order=None, callback=None):
+                    n_threads=1, callback=None):
     """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
 
-    The active set runs on ``n_threads`` threads, claiming problems in
-    ``order`` (None: largest first); the conditional-gradient solvers are pure
-    Python, and run one problem after the other. Also the task an executor
-    runs for a chunk of a batch (a module-level function, so it pickles).
+    The active set runs on ``n_threads`` threads, claiming problems largest
+    first; the conditional-gradient solvers are pure Python, and run one
+    problem after the other. Also the task an executor runs for a chunk of a
+    batch (a module-level function, so it pickles).
     """
     n = len(etas_u)
     if method == "active_set":
         n_threads = max(1, min(n_threads, n))
-        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, order, inits, max_iter,
-                                              tol, return_history, n_threads, callback),
+        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
+                                              return_history, n_threads, callback),
                     n_threads)
     out = []
     for i in range(n):
@@ -826,7 +826,7 @@ def _check_results(results):
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     sols = [r._backward_solution() for r in rs]
     n_threads = max(1, min(n_jobs, len(sols)))
-    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads),
+    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 
 
@@ -958,7 +958,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
             b[...] = r.u
         return results
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
-    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, None, max_iter, tol,
+    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
                                       False, n_threads, None, out_u)
     sols = _run(batch, n_threads)
     report = batch.report()
@@ -1030,7 +1030,7 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     sols = handles if isinstance(handles, _Solutions) else \
         [h._backward_solution() for h in handles]
-    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads,
+    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
                                          out_u, out_v)
     _run(batch, n_threads)
     report = batch.report()
