@@ -406,18 +406,15 @@ cdef class _Workspace:
         with the kept factor) removes it; yhat stays on the affine hull.
         """
         cdef Py_ssize_t t, n = self.nI
-        cdef double g, rho
+        cdef double g
         if n < 2:
             return 0
         self._compute_u(self.yhat, False)
         for t in range(n):
             self.f.c_score(self.S + t * self.k, self.u, NULL, &g)
             self.x1[t] = self.theta[t] - g
-        self._solve_lower(self.x1)
-        rho = _dot(self.w2, self.x1, n) / _dot(self.w2, self.w2, n)
-        for t in range(n):
-            self.x1[t] -= rho * self.w2[t]
-        self._solve_upper(self.x1)
+        # that d is D r with D = Z - Z 1 1^T Z / 1^T Z 1, Z = G_c^{-1} (Prop. 1)
+        self._jacobian(self.x1)
         for t in range(n):
             self.yhat[t] += self.x1[t]
         return 0
