@@ -94,14 +94,6 @@ cdef inline double _now() noexcept nogil:
     return sm_now()
 
 
-cdef inline double _sum(const double* a, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double acc = 0
-    for i in range(n):
-        acc += a[i]
-    return acc
-
-
 def gap_scale(double abs_linear, double u_sq):
     """Scale the convergence tolerance is relative to.
 
@@ -1879,20 +1871,25 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     return S, y / y.sum(), L
 
 
-cdef void _jacobian_transform(const double* L, int n, double* x, double* ones) noexcept nogil:
-    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1), L n x n."""
+cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noexcept nogil:
+    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1), L n x n.
+
+    As ``_Workspace._jacobian``: with w2 = L^{-1} 1 (w2 is scratch for n
+    doubles) and x' = L^{-1} x, x <- L^{-T} (x' - w2 (w2.x') / (w2.w2)).
+    """
     cdef int lda = n, inc = 1
     cdef Py_ssize_t t
     cdef double a
+    if n == 0:
+        return
     for t in range(n):
-        ones[t] = 1.0
+        w2[t] = 1.0
+    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, w2, &inc)
     dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, x, &inc)
-    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
-    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, ones, &inc)
-    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, ones, &inc)
-    a = _sum(x, n) / _sum(ones, n)
+    a = _dot(w2, x, n) / _dot(w2, w2, n)
     for t in range(n):
-        x[t] -= a * ones[t]
+        x[t] -= a * w2[t]
+    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
 
 
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
