@@ -538,23 +538,21 @@ cdef class _Workspace:
         return S, y, L
 
 
-cdef int _notify(_Workspace ws, Py_ssize_t it, double obj, double gap, Py_ssize_t n_support,
-                 double seconds) except -1 with gil:
-    """Call the solve's callback with this iteration's figures; 1 if it asks to stop.
+def notify(callback, n_iter, objective, gap, support_size, seconds, u):
+    """Call a solve's callback with an iterate's figures; True if it asks to stop.
 
-    ``ws.u`` holds the iterate's ``u`` (the last ``_gap`` call computed it).
-    The callback stops the solve by returning True or raising StopIteration,
-    as SciPy's do.
+    ``info`` is a ``scipy.optimize.OptimizeResult`` of the arguments; ``u``
+    is a copy the callback may keep, shaped like ``eta_u``. The callback stops
+    the solve by returning True or raising StopIteration, as SciPy's do. Shared
+    by the active set and the conditional-gradient solvers.
     """
     from scipy.optimize import OptimizeResult    # only when a callback is given: a heavy import
-    info = OptimizeResult(n_iter=it, objective=obj, gap=gap, support_size=n_support,
-                          seconds=seconds,
-                          u=_copy_out(ws.u, ws.n_u).reshape(ws.f.shape_u))
+    info = OptimizeResult(n_iter=n_iter, objective=objective, gap=gap,
+                          support_size=support_size, seconds=seconds, u=u)
     try:
-        stop = (<object> ws.callback)(info)
+        return callback(info) is True
     except StopIteration:
-        return 1
-    return 1 if stop is True else 0
+        return True
 
 
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
@@ -567,7 +565,7 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
-    cdef bint fresh_gap, has_nan
+    cdef bint fresh_gap, has_nan, stop
     while True:
         # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
         ws._relaxed_kkt()
@@ -649,9 +647,13 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 hist[4 * (it - 1) + 1] = gap
                 hist[4 * (it - 1) + 2] = n_pos
                 hist[4 * (it - 1) + 3] = _now() - t0
-            if ws.callback != NULL and _notify(ws, it, obj, gap, n_pos, _now() - t0) \
-                    and status == RUNNING:
-                status = STOPPED
+            if ws.callback != NULL:
+                with gil:
+                    # ws.u is the iterate's u (the last _gap call computed it)
+                    stop = notify(<object> ws.callback, it, obj, gap, n_pos, _now() - t0,
+                                  _copy_out(ws.u, ws.n_u).reshape(ws.f.shape_u))
+                if stop and status == RUNNING:
+                    status = STOPPED
         if status != RUNNING:
             break
         if it >= max_iter:
