@@ -1104,7 +1104,6 @@ cdef struct _Problem:
     const int* init          # warm start rows, or NULL
     Py_ssize_t n_init
     double* hist             # history rows, or NULL
-    void* callback           # Python callable called per iteration (borrowed), or NULL
     Py_ssize_t slot          # which distinct factor (workspaces are per thread and factor)
     Py_ssize_t index         # the problem's index in the batch
 
@@ -1257,6 +1256,8 @@ cdef class _Batch:
     cdef int kind
     cdef Py_ssize_t max_iter
     cdef double tol
+    cdef void* callback          # Python callable called per iteration (borrowed), or NULL;
+                                 # the same for every problem, set in each new workspace
     cdef long long claimed       # problems claimed from the front (high 32 bits) and back
     cdef Py_ssize_t n_done, stop
     cdef Py_ssize_t signalled    # whether `finished` was released (once)
@@ -1288,6 +1289,7 @@ cdef class _Batch:
         self.finished = NULL
         self.shapes = NULL
         self.flags = NULL
+        self.callback = NULL
 
     def __dealloc__(self):
         free(self.P)
@@ -1389,7 +1391,8 @@ cdef class _Batch:
         return 0
 
     cdef int _new_workspace(self, Py_ssize_t t, Py_ssize_t slot) except -1:
-        ws = _Workspace(self.slot_factors[slot], 16)
+        cdef _Workspace ws = _Workspace(self.slot_factors[slot], 16)
+        ws.callback = self.callback     # workspaces are per batch
         self.keep.append(ws)
         self.ws[t * self.n_slots + slot] = <PyObject*> ws
         return 0
@@ -1432,10 +1435,8 @@ cdef class _Batch:
             buf += self.max_nu + self.max_nv
         if self.kind == SOLVE:
             if not (flags & HAS_BAD):
-                (<_Workspace> ws[p.slot]).callback = p.callback
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
                            self.max_iter, self.tol)
-                (<_Workspace> ws[p.slot]).callback = NULL
             if self.padded:
                 _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
@@ -1652,6 +1653,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
+    b.callback = NULL if callback is None else <void*> callback
     b.hists = [None] * n if return_history else None
     slots = {}
     if shared:
@@ -1716,7 +1718,6 @@ def prepare_solve(factors, etas_u, etas_v, inits,
             a = <cnp.ndarray> inits[i]
             p.init = <const int*> cnp.PyArray_DATA(a)
             p.n_init = a.shape[0]
-        p.callback = NULL if callback is None else <void*> callback
         if return_history:
             h = np.zeros(4 * max_iter + 4)
             b.hists[i] = h
