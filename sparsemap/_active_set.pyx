@@ -177,16 +177,16 @@ cdef class _Workspace:
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu)
 
-    cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1:
-        """Point at the scores (the caller keeps them alive) and fill |eta|."""
+    cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
+        """Point at the scores (the caller keeps them alive; either may be NULL when
+        its size is 0) and fill |eta|."""
         cdef Py_ssize_t j
-        self.eta_u = &eta_u[0] if self.n_u else NULL
-        self.eta_v = &eta_v[0] if self.n_v else NULL
+        self.eta_u = eu if self.n_u else NULL
+        self.eta_v = ev if self.n_v else NULL
         for j in range(self.n_u):
-            self.abs_eu[j] = fabs(eta_u[j])
+            self.abs_eu[j] = fabs(eu[j])
         for j in range(self.n_v):
-            self.abs_ev[j] = fabs(eta_v[j])
-        return 0
+            self.abs_ev[j] = fabs(ev[j])
 
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:
         cdef Py_ssize_t i, old = self.cap
@@ -486,14 +486,9 @@ cdef class _Workspace:
         NULL when ``n_v == 0``) and recomputes ``|eta|``, the offset ``theta0``,
         ``theta``, ``theta_abs`` and ``w1 = L^{-1} theta``. Then ``_run``.
         """
-        cdef Py_ssize_t t, j
+        cdef Py_ssize_t t
         cdef double th
-        self.eta_u = eta_u
-        self.eta_v = eta_v
-        for j in range(self.n_u):
-            self.abs_eu[j] = fabs(eta_u[j])
-        for j in range(self.n_v):
-            self.abs_ev[j] = fabs(eta_v[j])
+        self._set_eta(eta_u, eta_v)
         if self.nI == 0:
             return 0
         self.f.c_score(self.S, eta_u, eta_v, &self.theta0)
@@ -910,13 +905,7 @@ cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, dou
 
 cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil:
     """Point an empty workspace at new scores (the caller keeps them alive), fill |eta|."""
-    cdef Py_ssize_t j
-    ws.eta_u = eta_u if ws.n_u else NULL
-    ws.eta_v = eta_v if ws.n_v else NULL
-    for j in range(ws.n_u):
-        ws.abs_eu[j] = fabs(eta_u[j])
-    for j in range(ws.n_v):
-        ws.abs_ev[j] = fabs(eta_v[j])
+    ws._set_eta(eta_u, eta_v)
     ws.nI = 0
     ws.n_map = 0
     ws.hash = 0
@@ -1864,7 +1853,7 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
     cdef Py_ssize_t t
     cdef double wmax = 0.0
-    ws._set_scores(eta_u, eta_v)
+    _point(ws, &eta_u[0] if factor.n_u else NULL, &eta_v[0] if factor.n_v else NULL)
     ws._start(structures, &weights[0])
     # exact ties in the ratio tests leave round-off weights behind
     for t in range(ws.nI):
