@@ -55,7 +55,7 @@ cdef class _Workspace:
     cdef double _linear(self) noexcept nogil
     cdef double _linear_abs(self) noexcept nogil
     cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil
-    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1
+    cdef int _start(self, const int* S, Py_ssize_t n, const double* weights) except -1 nogil
     cdef void _drop_below(self, double threshold) noexcept nogil
     cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil
     cdef void _jacobian(self, double* x) noexcept nogil

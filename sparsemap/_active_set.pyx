@@ -446,24 +446,36 @@ cdef class _Workspace:
         obj[0] = 0.5 * usq - lin
         return 0
 
-    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1:
-        """Insert the rows of S in turn (repeats skipped), as one solve's first support.
+    cdef int _start(self, const int* S, Py_ssize_t n, const double* weights) except -1 nogil:
+        """Insert the n rows of S (n x k) in turn, as one solve's first support.
 
-        The shift c and the score offset theta0 come from the first structure.
+        For an empty workspace pointed at its scores (``_point``). Repeats are
+        skipped, as are rows that use a forbidden part (a -inf or nan score: a
+        support from a solve with other masks is still a valid start) and, with
+        weights, rows of weight <= 0. The shift c and the score offset theta0
+        come from the first row kept; none kept leaves the workspace empty.
         With weights == NULL every structure starts at weight 0 and the support
-        is then given uniform weights (a warm start); otherwise the given
-        weights are kept, moved along null directions where a structure is
-        dependent (a support reduction that keeps u).
+        is then given uniform weights (a cold or warm start); otherwise the
+        given weights are kept, moved along null directions where a structure
+        is dependent (a support reduction that keeps u).
         """
         cdef Py_ssize_t i
-        cdef double g0
-        self.f.c_overlap(&S[0, 0], &S[0, 0], &g0)
-        # a shift of the order of the Gram entries keeps G_c well conditioned
-        self.c = g0 if g0 > 1.0 else 1.0
-        self.f.c_score(&S[0, 0], self.eta_u, self.eta_v, &self.theta0)
-        for i in range(S.shape[0]):
-            if self._find(&S[i, 0]) < 0 and (weights == NULL or weights[i] > 0):
-                self._insert(&S[i, 0], 0.0 if weights == NULL else weights[i])
+        cdef const int* s
+        cdef double th, g0
+        for i in range(n):
+            if weights != NULL and not (weights[i] > 0):
+                continue
+            s = S + i * self.k
+            self.f.c_score(s, self.eta_u, self.eta_v, &th)
+            if not (th > -INFINITY):
+                continue
+            if self.nI == 0:
+                self.f.c_overlap(s, s, &g0)
+                # a shift of the order of the Gram entries keeps G_c well conditioned
+                self.c = g0 if g0 > 1.0 else 1.0
+                self.theta0 = th
+            if self._find(s) < 0:
+                self._insert(s, 0.0 if weights == NULL else weights[i])
         if weights == NULL:
             for i in range(self.nI):
                 self.y[i] = 1.0 / self.nI
@@ -911,44 +923,6 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
     ws.hash = 0
 
 
-cdef int _begin(_Workspace ws, const int* s) except -1 nogil:
-    """Shift c and score offset theta0 from the first structure; 1 if s is forbidden."""
-    cdef double g0, th
-    ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
-    if not (th > -INFINITY):     # a -inf part (or a nan score): not allowed
-        return 1
-    ws.f.c_overlap(s, s, &g0)
-    # a shift of the order of the Gram entries keeps G_c well conditioned
-    ws.c = g0 if g0 > 1.0 else 1.0
-    ws.theta0 = th
-    return 0
-
-
-cdef int _warm_start(_Workspace ws, const int* S, Py_ssize_t n) except -1 nogil:
-    """Insert the rows of S in turn with uniform weights (repeats skipped).
-
-    Rows that use a forbidden part are skipped: a support from a solve with
-    other masks is still a valid warm start.
-    """
-    cdef Py_ssize_t i
-    cdef const int* s
-    cdef double th
-    for i in range(n):
-        s = S + i * ws.k
-        if ws.nI == 0:
-            if _begin(ws, s) != 0:
-                continue
-        else:
-            ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
-            if not (th > -INFINITY):
-                continue
-        if ws._find(s) < 0:
-            ws._insert(s, 0.0)
-    for i in range(ws.nI):
-        ws.y[i] = 1.0 / ws.nI
-    return 0
-
-
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
                     double tol) except -1 nogil:
@@ -958,18 +932,18 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     cdef int status
     _point(ws, eta_u, eta_v)
     if n_init > 0:
-        _warm_start(ws, init, n_init)
+        ws._start(init, n_init, NULL)
     if ws.nI == 0:
-        # cold start from the MAP structure
+        # cold start from the MAP structure (weight 1), unless it is forbidden too
         status = ws.f.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
         ws.n_map += 1
-        if status != 0 or _begin(ws, ws.snew) != 0:
+        if status == 0:
+            ws._start(ws.snew, 1, NULL)
+        if ws.nI == 0:
             sol.status = INFEASIBLE
             sol.n_map = ws.n_map
             sol.seconds = _now() - t0
             return 0
-        ws._insert(ws.snew, 0.0)
-        ws.y[0] = 1.0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     _export_to(sol, ws, n_iter, status, gap, obj)
     sol.seconds = _now() - t0
@@ -1854,7 +1828,7 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     cdef Py_ssize_t t
     cdef double wmax = 0.0
     _point(ws, &eta_u[0] if factor.n_u else NULL, &eta_v[0] if factor.n_v else NULL)
-    ws._start(structures, &weights[0])
+    ws._start(&structures[0, 0], structures.shape[0], &weights[0])
     # exact ties in the ratio tests leave round-off weights behind
     for t in range(ws.nI):
         wmax = max(wmax, ws.y[t])
