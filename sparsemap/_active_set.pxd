@@ -40,7 +40,7 @@ cdef class _Workspace:
     cdef unsigned long long hash   # order-independent hash of the support
     cdef void* callback            # a Python callable (borrowed) called per iteration, or NULL
 
-    cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1
+    cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil
     cdef void _solve_lower(self, double* x) noexcept nogil
     cdef void _solve_upper(self, double* x) noexcept nogil
@@ -55,7 +55,7 @@ cdef class _Workspace:
     cdef double _linear(self) noexcept nogil
     cdef double _linear_abs(self) noexcept nogil
     cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil
-    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1
+    cdef int _start(self, const int* S, Py_ssize_t n, const double* weights) except -1 nogil
     cdef void _drop_below(self, double threshold) noexcept nogil
     cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil
     cdef void _jacobian(self, double* x) noexcept nogil

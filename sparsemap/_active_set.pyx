@@ -94,14 +94,6 @@ cdef inline double _now() noexcept nogil:
     return sm_now()
 
 
-cdef inline double _sum(const double* a, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double acc = 0
-    for i in range(n):
-        acc += a[i]
-    return acc
-
-
 def gap_scale(double abs_linear, double u_sq):
     """Scale the convergence tolerance is relative to.
 
@@ -185,16 +177,16 @@ cdef class _Workspace:
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu)
 
-    cdef int _set_scores(self, const double[::1] eta_u, const double[::1] eta_v) except -1:
-        """Point at the scores (the caller keeps them alive) and fill |eta|."""
+    cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
+        """Point at the scores (the caller keeps them alive; either may be NULL when
+        its size is 0) and fill |eta|."""
         cdef Py_ssize_t j
-        self.eta_u = &eta_u[0] if self.n_u else NULL
-        self.eta_v = &eta_v[0] if self.n_v else NULL
+        self.eta_u = eu if self.n_u else NULL
+        self.eta_v = ev if self.n_v else NULL
         for j in range(self.n_u):
-            self.abs_eu[j] = fabs(eta_u[j])
+            self.abs_eu[j] = fabs(eu[j])
         for j in range(self.n_v):
-            self.abs_ev[j] = fabs(eta_v[j])
-        return 0
+            self.abs_ev[j] = fabs(ev[j])
 
     cdef int _grow(self, Py_ssize_t new_cap) except -1 nogil:
         cdef Py_ssize_t i, old = self.cap
@@ -406,18 +398,15 @@ cdef class _Workspace:
         with the kept factor) removes it; yhat stays on the affine hull.
         """
         cdef Py_ssize_t t, n = self.nI
-        cdef double g, rho
+        cdef double g
         if n < 2:
             return 0
         self._compute_u(self.yhat, False)
         for t in range(n):
             self.f.c_score(self.S + t * self.k, self.u, NULL, &g)
             self.x1[t] = self.theta[t] - g
-        self._solve_lower(self.x1)
-        rho = _dot(self.w2, self.x1, n) / _dot(self.w2, self.w2, n)
-        for t in range(n):
-            self.x1[t] -= rho * self.w2[t]
-        self._solve_upper(self.x1)
+        # that d is D r with D = Z - Z 1 1^T Z / 1^T Z 1, Z = G_c^{-1} (Prop. 1)
+        self._jacobian(self.x1)
         for t in range(n):
             self.yhat[t] += self.x1[t]
         return 0
@@ -457,24 +446,36 @@ cdef class _Workspace:
         obj[0] = 0.5 * usq - lin
         return 0
 
-    cdef int _start(self, const int[:, ::1] S, const double* weights) except -1:
-        """Insert the rows of S in turn (repeats skipped), as one solve's first support.
+    cdef int _start(self, const int* S, Py_ssize_t n, const double* weights) except -1 nogil:
+        """Insert the n rows of S (n x k) in turn, as one solve's first support.
 
-        The shift c and the score offset theta0 come from the first structure.
+        For an empty workspace pointed at its scores (``_point``). Repeats are
+        skipped, as are rows that use a forbidden part (a -inf or nan score: a
+        support from a solve with other masks is still a valid start) and, with
+        weights, rows of weight <= 0. The shift c and the score offset theta0
+        come from the first row kept; none kept leaves the workspace empty.
         With weights == NULL every structure starts at weight 0 and the support
-        is then given uniform weights (a warm start); otherwise the given
-        weights are kept, moved along null directions where a structure is
-        dependent (a support reduction that keeps u).
+        is then given uniform weights (a cold or warm start); otherwise the
+        given weights are kept, moved along null directions where a structure
+        is dependent (a support reduction that keeps u).
         """
         cdef Py_ssize_t i
-        cdef double g0
-        self.f.c_overlap(&S[0, 0], &S[0, 0], &g0)
-        # a shift of the order of the Gram entries keeps G_c well conditioned
-        self.c = g0 if g0 > 1.0 else 1.0
-        self.f.c_score(&S[0, 0], self.eta_u, self.eta_v, &self.theta0)
-        for i in range(S.shape[0]):
-            if self._find(&S[i, 0]) < 0 and (weights == NULL or weights[i] > 0):
-                self._insert(&S[i, 0], 0.0 if weights == NULL else weights[i])
+        cdef const int* s
+        cdef double th, g0
+        for i in range(n):
+            if weights != NULL and not (weights[i] > 0):
+                continue
+            s = S + i * self.k
+            self.f.c_score(s, self.eta_u, self.eta_v, &th)
+            if not (th > -INFINITY):
+                continue
+            if self.nI == 0:
+                self.f.c_overlap(s, s, &g0)
+                # a shift of the order of the Gram entries keeps G_c well conditioned
+                self.c = g0 if g0 > 1.0 else 1.0
+                self.theta0 = th
+            if self._find(s) < 0:
+                self._insert(s, 0.0 if weights == NULL else weights[i])
         if weights == NULL:
             for i in range(self.nI):
                 self.y[i] = 1.0 / self.nI
@@ -497,14 +498,9 @@ cdef class _Workspace:
         NULL when ``n_v == 0``) and recomputes ``|eta|``, the offset ``theta0``,
         ``theta``, ``theta_abs`` and ``w1 = L^{-1} theta``. Then ``_run``.
         """
-        cdef Py_ssize_t t, j
+        cdef Py_ssize_t t
         cdef double th
-        self.eta_u = eta_u
-        self.eta_v = eta_v
-        for j in range(self.n_u):
-            self.abs_eu[j] = fabs(eta_u[j])
-        for j in range(self.n_v):
-            self.abs_ev[j] = fabs(eta_v[j])
+        self._set_eta(eta_u, eta_v)
         if self.nI == 0:
             return 0
         self.f.c_score(self.S, eta_u, eta_v, &self.theta0)
@@ -549,23 +545,21 @@ cdef class _Workspace:
         return S, y, L
 
 
-cdef int _notify(_Workspace ws, Py_ssize_t it, double obj, double gap, Py_ssize_t n_support,
-                 double seconds) except -1 with gil:
-    """Call the solve's callback with this iteration's figures; 1 if it asks to stop.
+def notify(callback, n_iter, objective, gap, support_size, seconds, u):
+    """Call a solve's callback with an iterate's figures; True if it asks to stop.
 
-    ``ws.u`` holds the iterate's ``u`` (the last ``_gap`` call computed it).
-    The callback stops the solve by returning True or raising StopIteration,
-    as SciPy's do.
+    ``info`` is a ``scipy.optimize.OptimizeResult`` of the arguments; ``u``
+    is a copy the callback may keep, shaped like ``eta_u``. The callback stops
+    the solve by returning True or raising StopIteration, as SciPy's do. Shared
+    by the active set and the conditional-gradient solvers.
     """
     from scipy.optimize import OptimizeResult    # only when a callback is given: a heavy import
-    info = OptimizeResult(n_iter=it, objective=obj, gap=gap, support_size=n_support,
-                          seconds=seconds,
-                          u=_copy_out(ws.u, ws.n_u).reshape(ws.f.shape_u))
+    info = OptimizeResult(n_iter=n_iter, objective=objective, gap=gap,
+                          support_size=support_size, seconds=seconds, u=u)
     try:
-        stop = (<object> ws.callback)(info)
+        return callback(info) is True
     except StopIteration:
-        return 1
-    return 1 if stop is True else 0
+        return True
 
 
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
@@ -578,7 +572,7 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
-    cdef bint fresh_gap, has_nan
+    cdef bint fresh_gap, has_nan, stop
     while True:
         # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
         ws._relaxed_kkt()
@@ -660,9 +654,13 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 hist[4 * (it - 1) + 1] = gap
                 hist[4 * (it - 1) + 2] = n_pos
                 hist[4 * (it - 1) + 3] = _now() - t0
-            if ws.callback != NULL and _notify(ws, it, obj, gap, n_pos, _now() - t0) \
-                    and status == RUNNING:
-                status = STOPPED
+            if ws.callback != NULL:
+                with gil:
+                    # ws.u is the iterate's u (the last _gap call computed it)
+                    stop = notify(<object> ws.callback, it, obj, gap, n_pos, _now() - t0,
+                                  _copy_out(ws.u, ws.n_u).reshape(ws.f.shape_u))
+                if stop and status == RUNNING:
+                    status = STOPPED
         if status != RUNNING:
             break
         if it >= max_iter:
@@ -919,54 +917,10 @@ cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, dou
 
 cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil:
     """Point an empty workspace at new scores (the caller keeps them alive), fill |eta|."""
-    cdef Py_ssize_t j
-    ws.eta_u = eta_u if ws.n_u else NULL
-    ws.eta_v = eta_v if ws.n_v else NULL
-    for j in range(ws.n_u):
-        ws.abs_eu[j] = fabs(eta_u[j])
-    for j in range(ws.n_v):
-        ws.abs_ev[j] = fabs(eta_v[j])
+    ws._set_eta(eta_u, eta_v)
     ws.nI = 0
     ws.n_map = 0
     ws.hash = 0
-
-
-cdef int _begin(_Workspace ws, const int* s) except -1 nogil:
-    """Shift c and score offset theta0 from the first structure; 1 if s is forbidden."""
-    cdef double g0, th
-    ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
-    if not (th > -INFINITY):     # a -inf part (or a nan score): not allowed
-        return 1
-    ws.f.c_overlap(s, s, &g0)
-    # a shift of the order of the Gram entries keeps G_c well conditioned
-    ws.c = g0 if g0 > 1.0 else 1.0
-    ws.theta0 = th
-    return 0
-
-
-cdef int _warm_start(_Workspace ws, const int* S, Py_ssize_t n) except -1 nogil:
-    """Insert the rows of S in turn with uniform weights (repeats skipped).
-
-    Rows that use a forbidden part are skipped: a support from a solve with
-    other masks is still a valid warm start.
-    """
-    cdef Py_ssize_t i
-    cdef const int* s
-    cdef double th
-    for i in range(n):
-        s = S + i * ws.k
-        if ws.nI == 0:
-            if _begin(ws, s) != 0:
-                continue
-        else:
-            ws.f.c_score(s, ws.eta_u, ws.eta_v, &th)
-            if not (th > -INFINITY):
-                continue
-        if ws._find(s) < 0:
-            ws._insert(s, 0.0)
-    for i in range(ws.nI):
-        ws.y[i] = 1.0 / ws.nI
-    return 0
 
 
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
@@ -978,18 +932,18 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     cdef int status
     _point(ws, eta_u, eta_v)
     if n_init > 0:
-        _warm_start(ws, init, n_init)
+        ws._start(init, n_init, NULL)
     if ws.nI == 0:
-        # cold start from the MAP structure
+        # cold start from the MAP structure (weight 1), unless it is forbidden too
         status = ws.f.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
         ws.n_map += 1
-        if status != 0 or _begin(ws, ws.snew) != 0:
+        if status == 0:
+            ws._start(ws.snew, 1, NULL)
+        if ws.nI == 0:
             sol.status = INFEASIBLE
             sol.n_map = ws.n_map
             sol.seconds = _now() - t0
             return 0
-        ws._insert(ws.snew, 0.0)
-        ws.y[0] = 1.0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     _export_to(sol, ws, n_iter, status, gap, obj)
     sol.seconds = _now() - t0
@@ -1113,7 +1067,6 @@ cdef struct _Problem:
     const int* init          # warm start rows, or NULL
     Py_ssize_t n_init
     double* hist             # history rows, or NULL
-    void* callback           # Python callable called per iteration (borrowed), or NULL
     Py_ssize_t slot          # which distinct factor (workspaces are per thread and factor)
     Py_ssize_t index         # the problem's index in the batch
 
@@ -1252,9 +1205,9 @@ cdef class _Batch:
     every Python object the run needs (solutions, outputs) and take every
     pointer in one pass. Each thread calls :meth:`run` with its own number;
     threads claim problems one at a time from an atomic counter, largest
-    first (the order given), so they balance problems of unequal cost and
-    touch the GIL only to create a workspace the first time they meet a
-    factor. A thread that joins late finds nothing left and returns.
+    first, so they balance problems of unequal cost and touch the GIL only
+    to create a workspace the first time they meet a factor. A thread that
+    joins late finds nothing left and returns.
 
     A padded batch reads every problem's input from its block of one padded
     array and writes its outputs into its slot of one padded array (zeros
@@ -1266,6 +1219,8 @@ cdef class _Batch:
     cdef int kind
     cdef Py_ssize_t max_iter
     cdef double tol
+    cdef void* callback          # Python callable called per iteration (borrowed), or NULL;
+                                 # the same for every problem, set in each new workspace
     cdef long long claimed       # problems claimed from the front (high 32 bits) and back
     cdef Py_ssize_t n_done, stop
     cdef Py_ssize_t signalled    # whether `finished` was released (once)
@@ -1297,6 +1252,7 @@ cdef class _Batch:
         self.finished = NULL
         self.shapes = NULL
         self.flags = NULL
+        self.callback = NULL
 
     def __dealloc__(self):
         free(self.P)
@@ -1398,7 +1354,8 @@ cdef class _Batch:
         return 0
 
     cdef int _new_workspace(self, Py_ssize_t t, Py_ssize_t slot) except -1:
-        ws = _Workspace(self.slot_factors[slot], 16)
+        cdef _Workspace ws = _Workspace(self.slot_factors[slot], 16)
+        ws.callback = self.callback     # workspaces are per batch
         self.keep.append(ws)
         self.ws[t * self.n_slots + slot] = <PyObject*> ws
         return 0
@@ -1441,10 +1398,8 @@ cdef class _Batch:
             buf += self.max_nu + self.max_nv
         if self.kind == SOLVE:
             if not (flags & HAS_BAD):
-                (<_Workspace> ws[p.slot]).callback = p.callback
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
                            self.max_iter, self.tol)
-                (<_Workspace> ws[p.slot]).callback = NULL
             if self.padded:
                 _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
@@ -1597,7 +1552,7 @@ def _add_note(exc, Py_ssize_t i):
         exc.add_note(f"(while solving problem {i} of the batch)")
 
 
-def prepare_solve(factors, etas_u, etas_v, order, inits,
+def prepare_solve(factors, etas_u, etas_v, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
                   callback=None, out_u=None):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
@@ -1617,16 +1572,13 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     etas_v : None, ndarray or list
         As ``etas_u`` (padded with ``out_u``, leading blocks of shape
         ``factor.shape_v``); None (or None entries of a list): zeros.
-    order : int array or None
-        Every problem index once, in the order threads should claim them
-        (largest first); None: by decreasing ``n_u + n_v`` (ties, and one
-        thread, in input order).
     inits : None or list
         Warm starts: None entries, or ``(k, struct_size)`` intc arrays.
     max_iter, tol, return_history
         As for :func:`sparsemap.solve`.
     n_threads : int
-        How many threads will call :meth:`_Batch.run`.
+        How many threads will call :meth:`_Batch.run`. They claim problems by
+        decreasing ``n_u + n_v`` (ties, and one thread, in input order).
     callback : callable, optional
         Called with the GIL after every iteration of every problem (see
         :func:`sparsemap.solve`); a problem it stops gets ``STATUS_STOPPED``.
@@ -1646,7 +1598,7 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     ``STATUS_INFEASIBLE``.
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = len(etas_u) if order is None else len(order), j, i, max_nv = 0
+    cdef Py_ssize_t n = len(etas_u), j, i, max_nv = 0
     cdef Factor f
     cdef _Solution sol
     cdef _Solutions sols
@@ -1664,6 +1616,7 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
+    b.callback = NULL if callback is None else <void*> callback
     b.hists = [None] * n if return_history else None
     slots = {}
     if shared:
@@ -1693,14 +1646,12 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     else:
         b.outputs = [None] * n
     b.keep.extend((etas_u, etas_v, inits, callback, out_u))
-    if order is None:
-        by_cost = _Order(n)
-        if n_threads > 1 and not shared:
-            for i in range(n):
-                f = factors[i]
-                by_cost.keys[i].cost = f.n_u + f.n_v
-        order = by_cost.indices(n_threads > 1 and not shared)
-    claim = order
+    by_cost = _Order(n)
+    if n_threads > 1 and not shared:
+        for i in range(n):
+            f = factors[i]
+            by_cost.keys[i].cost = f.n_u + f.n_v
+    claim = by_cost.indices(n_threads > 1 and not shared)
     for j in range(n):
         i = claim[j]
         p = &b.P[j]
@@ -1730,7 +1681,6 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
             a = <cnp.ndarray> inits[i]
             p.init = <const int*> cnp.PyArray_DATA(a)
             p.n_init = a.shape[0]
-        p.callback = NULL if callback is None else <void*> callback
         if return_history:
             h = np.zeros(4 * max_iter + 4)
             b.hists[i] = h
@@ -1742,7 +1692,7 @@ def prepare_solve(factors, etas_u, etas_v, order, inits,
     return b
 
 
-def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
+def prepare_backward(sols, ins_u, ins_v, bint transpose,
                      Py_ssize_t n_threads, out_u=None, out_v=None):
     """A :class:`_Batch` of Jacobian products; its ``outputs`` are the products.
 
@@ -1756,11 +1706,9 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
     ins_v : None, or (jvp only) as ins_u, entries None meaning zeros
     transpose : bool
         False: ``du = M_I D A_I^T d_eta`` (jvp); True: ``(g_u, g_v) = A_I D M_I^T du`` (vjp).
-    order : int array or None
-        As for :func:`prepare_solve`; None: by decreasing cost of the product,
-        ``|I| (n_u + struct_size)``.
     n_threads
-        As for :func:`prepare_solve`.
+        As for :func:`prepare_solve`; problems are claimed by decreasing cost
+        of the product, ``|I| (n_u + struct_size)``.
     out_u, out_v : ndarray, optional
         Make the batch padded, as in :func:`prepare_solve`: ``out_u`` shaped
         like ``ins_u`` receives ``du`` (jvp) or ``g_u`` (vjp) of each problem,
@@ -1775,7 +1723,7 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
     (vjp), shaped like the factors' scores (None when padded).
     """
     cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = len(sols) if order is None else len(order), j, i, max_support = 0
+    cdef Py_ssize_t n = len(sols), j, i, max_support = 0
     cdef _Solution sol
     cdef _Solutions many = sols if isinstance(sols, _Solutions) else None
     cdef _Order by_cost
@@ -1810,19 +1758,17 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose, order,
         in_v = _base(ins_v, &st_v)
         o_u = _base(out_u, &st_ou)
         o_v = _base(out_v, &st_ov)
-    if order is None:
-        by_cost = _Order(n)
-        if n_threads > 1:
-            for i in range(n):
-                if many is not None:
-                    f = <Factor> many.factors[i]
-                    by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
-                else:
-                    sol = sols[i]
-                    by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
-                                                              + sol.factor.struct_size)
-        order = by_cost.indices(n_threads > 1)
-    claim = order
+    by_cost = _Order(n)
+    if n_threads > 1:
+        for i in range(n):
+            if many is not None:
+                f = <Factor> many.factors[i]
+                by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
+            else:
+                sol = sols[i]
+                by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
+                                                          + sol.factor.struct_size)
+    claim = by_cost.indices(n_threads > 1)
     for j in range(n):
         i = claim[j]
         p = &b.P[j]
@@ -1881,8 +1827,8 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
     cdef Py_ssize_t t
     cdef double wmax = 0.0
-    ws._set_scores(eta_u, eta_v)
-    ws._start(structures, &weights[0])
+    _point(ws, &eta_u[0] if factor.n_u else NULL, &eta_v[0] if factor.n_v else NULL)
+    ws._start(&structures[0, 0], structures.shape[0], &weights[0])
     # exact ties in the ratio tests leave round-off weights behind
     for t in range(ws.nI):
         wmax = max(wmax, ws.y[t])
@@ -1891,20 +1837,25 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     return S, y / y.sum(), L
 
 
-cdef void _jacobian_transform(const double* L, int n, double* x, double* ones) noexcept nogil:
-    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1), L n x n."""
+cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noexcept nogil:
+    """x <- (Z - Z 1 1^T Z / 1^T Z 1) x with Z = (L L^T)^{-1} (Prop. 1), L n x n.
+
+    As ``_Workspace._jacobian``: with w2 = L^{-1} 1 (w2 is scratch for n
+    doubles) and x' = L^{-1} x, x <- L^{-T} (x' - w2 (w2.x') / (w2.w2)).
+    """
     cdef int lda = n, inc = 1
     cdef Py_ssize_t t
     cdef double a
+    if n == 0:
+        return
     for t in range(n):
-        ones[t] = 1.0
+        w2[t] = 1.0
+    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, w2, &inc)
     dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, x, &inc)
-    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
-    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, ones, &inc)
-    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, ones, &inc)
-    a = _sum(x, n) / _sum(ones, n)
+    a = _dot(w2, x, n) / _dot(w2, w2, n)
     for t in range(n):
-        x[t] -= a * ones[t]
+        x[t] -= a * w2[t]
+    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
 
 
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,

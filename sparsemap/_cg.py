@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED,
-                                   STATUS_STOPPED, gap_scale)
+                                   STATUS_STOPPED, gap_scale, notify)
 
 VARIANTS = ("cg", "away_cg", "pairwise_cg", "bpcg")
 
@@ -328,8 +328,9 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
         n_map += 1
         if hist is not None and it > 0:
             hist[it - 1, 1] = fw.gap
-        if callback is not None and it > 0 and _notify(callback, it, eta_u, eta_v, u, v, fw,
-                                                       active.size, t0, factor.shape_u):
+        if callback is not None and it > 0 and notify(
+                callback, it, _objective(eta_u, eta_v, u, v), fw.gap, active.size,
+                time.perf_counter() - t0, u.reshape(factor.shape_u).copy()):
             status = STATUS_STOPPED
             break
         if fw.gap <= tol * fw.scale:
@@ -359,18 +360,6 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
                 L=None, n_iter=it, status=status, gap=fw.gap,
                 objective=_objective(eta_u, eta_v, u, v), n_map=n_map,
                 history=None if hist is None else hist[:it].copy())
-
-
-def _notify(callback, it, eta_u, eta_v, u, v, fw, support_size, t0, shape_u):
-    """Call a solve's callback with the iterate after step ``it``; True if it asks to stop."""
-    from scipy.optimize import OptimizeResult    # only when a callback is given: a heavy import
-    info = OptimizeResult(n_iter=it, objective=_objective(eta_u, eta_v, u, v), gap=fw.gap,
-                          support_size=support_size, seconds=time.perf_counter() - t0,
-                          u=u.reshape(shape_u).copy())
-    try:
-        return callback(info) is True
-    except StopIteration:
-        return True
 
 
 def _objective(eta_u, eta_v, u, v):

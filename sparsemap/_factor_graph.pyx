@@ -231,11 +231,9 @@ cdef class _Engine:
             fac = ws.f
             self._set_scores(f)
             ws._rescore(self.scores + self.uoff[f], self.evs + self.voff[f] if fac.n_v else NULL)
-            S0 = np.empty((1, ws.k), dtype=np.intc)
             fac.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
             ws.n_map += 1
-            S0[0] = <int[:ws.k]> ws.snew
-            ws._start(S0, NULL)
+            ws._start(ws.snew, 1, NULL)
 
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """Warm-started SparseMAP of factor f at the current scores; its values into yh."""

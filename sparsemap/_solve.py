@@ -288,18 +288,19 @@ def _names(factor, u, v, suffix=""):
 # -- running problems ------------------------------------------------------------------
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
-                    n_threads=1, order=None, callback=None):
+                    n_threads=1, callback=None):
     """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
 
-    The active set runs on ``n_threads`` threads, claiming problems in
-    ``order`` (None: largest first); the conditional-gradient solvers are pure
-    Python, and run one problem after the other.
+    The active set runs on ``n_threads`` threads, claiming problems largest
+    first; the conditional-gradient solvers are pure Python, and run one
+    problem after the other. Also the task an executor runs for a chunk of a
+    batch (a module-level function, so it pickles).
     """
     n = len(etas_u)
     if method == "active_set":
         n_threads = max(1, min(n_threads, n))
-        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, order, inits, max_iter,
-                                              tol, return_history, n_threads, callback),
+        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
+                                              return_history, n_threads, callback),
                     n_threads)
     out = []
     for i in range(n):
@@ -318,12 +319,6 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
                                         raw["v"], raw["n_iter"], raw["n_map"], raw["status"],
                                         raw["gap"], raw["objective"], raw["history"]))
     return out
-
-
-def _solve_remote(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history):
-    """One task of a batch in an executor's worker (a module-level function, so it pickles)."""
-    return _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol,
-                           return_history)
 
 
 def _warn_not_converged(result, where, stacklevel):
@@ -552,6 +547,7 @@ def _helpers():
 
 def _order(n, costs=None):
     """Problem indices, most expensive first (ties in input order)."""
+    # must agree with the Cython _Order rule (_active_set.pyx): decreasing cost, stable
     if costs is None:
         return np.arange(n, dtype=np.intp)
     return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
@@ -641,11 +637,11 @@ def _check_batch_scores(factors, shared, x, name, on_v, B, masks=True):
             row_flags = scan_values(arr[i])
             if row_flags:
                 screened = factors[i]._screen(arr[i], f"{name}[{i}]", on_v, masks, row_flags)
-                if screened is not arr[i] and not np.shares_memory(screened, arr):
+                if not np.shares_memory(screened, arr):
                     if out is arr:
                         out = arr.copy()
                     out[i] = screened
-        return arr
+        return out
     items = list(x)
     if len(items) != B:
         raise ValueError(f"{name}: expected {B} entries (one per problem), got {len(items)}")
@@ -777,7 +773,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
         chunks = _chunks(order, CHUNKS_PER_JOB * n_jobs)
         futures = [executor.submit(
-            _solve_remote, factors if shared else _take(factors, idx), _take(eus, idx),
+            _solve_problems, factors if shared else _take(factors, idx), _take(eus, idx),
             _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
             for idx in chunks]
         sols = _gather(chunks, [fut.result() for fut in futures], B)
@@ -826,7 +822,7 @@ def _check_results(results):
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     sols = [r._backward_solution() for r in rs]
     n_threads = max(1, min(n_jobs, len(sols)))
-    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads),
+    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 
 
@@ -891,8 +887,6 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
     dv = None
     if d_etas_v is not None:
         dv = _check_batch_scores(factors, False, d_etas_v, "d_etas_v", True, B, masks=False)
-        if isinstance(dv, list):
-            dv = [None if f.n_v == 0 else d for f, d in zip(factors, dv)]
     return _backward_batch(rs, du, dv, False, n_jobs)
 
 
@@ -960,7 +954,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
             b[...] = r.u
         return results
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
-    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, None, max_iter, tol,
+    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
                                       False, n_threads, None, out_u)
     sols = _run(batch, n_threads)
     report = batch.report()
@@ -1032,7 +1026,7 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     sols = handles if isinstance(handles, _Solutions) else \
         [h._backward_solution() for h in handles]
-    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, None, n_threads,
+    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
                                          out_u, out_v)
     _run(batch, n_threads)
     report = batch.report()

@@ -519,3 +519,42 @@ def test_padded_general_path_and_convergence_warning():
     with pytest.warns(sm.ConvergenceWarning) as record:
         _solve_padded(fs, eu, None, u, 1, dict(max_iter=1))
     assert [str(w.message)[:9] for w in record] == ["problem 0", "problem 1"]
+
+
+@pytest.mark.parametrize("method, max_iter", [("active_set", None), ("pairwise_cg", None),
+                                              ("cg", 200)])
+def test_stacked_ignored_entries_per_problem_factors(method, max_iter):
+    # nan in entries a tree ignores (its diagonal): a stacked array with one factor per
+    # problem is cleaned as with a shared factor and as solve does, the input untouched
+    rng = np.random.default_rng(45)
+    f = sm.TreeFactor(4)
+    x = rng.standard_normal((3, 5, 5))
+    x[:, 0, 0] = np.nan
+    x[1, 2, 2] = np.nan
+    before = x.copy()
+    with warnings.catch_warnings():
+        # vanilla CG stops at max_iter (a warning); the others converge
+        warnings.simplefilter("ignore" if max_iter else "error", sm.ConvergenceWarning)
+        per_problem = sm.solve_batch([f, f, f], x, method=method, max_iter=max_iter)
+        shared = sm.solve_batch(f, x, method=method, max_iter=max_iter)
+        single = [sm.solve(f, e, method=method, max_iter=max_iter) for e in x]
+    for r, s, t in zip(per_problem, shared, single):
+        assert np.isfinite(r.objective)
+        same_result(r, s)
+        same_result(r, t)
+    assert np.array_equal(x, before, equal_nan=True)
+
+
+def test_jvp_batch_empty_v_directions_of_factors_without_v():
+    # a factor without eta_v takes an empty d_eta_v entry (or None): bitwise r.jvp
+    rng = np.random.default_rng(46)
+    seq, gen = sm.SequenceFactor(5, 3), sm.GenericFactor(rng.standard_normal((4, 6)))
+    fs = [seq, gen, seq, gen]
+    rs = sm.solve_batch(fs, [rng.standard_normal(f.shape_u) for f in fs],
+                        [rng.standard_normal(f.shape_v) if f.n_v else None for f in fs])
+    dus = [rng.standard_normal(f.shape_u) for f in fs]
+    dvs = [rng.standard_normal(f.shape_v) for f in fs]       # shape (0,) for gen
+    assert gen.n_v == 0 and dvs[1].shape == (0,)
+    for n_jobs in (1, 2):
+        for d, r, du, dv in zip(sm.jvp_batch(rs, dus, dvs, n_jobs=n_jobs), rs, dus, dvs):
+            assert np.array_equal(d, r.jvp(du, dv))
