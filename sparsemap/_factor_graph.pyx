@@ -546,6 +546,17 @@ cdef class _Engine:
             if self.var[j] >= 0:
                 out[self.var[j]] += self.sig[j] * z[j]
 
+    cdef double _residual(self, const double* y, const double* t, double* r, double* tmp,
+                          double* buf) except -1 nogil:
+        """r = R (C~ y - t) (t NULL: t = 0); returns ||r||^2."""
+        cdef Py_ssize_t j
+        self._C(y, tmp)
+        if t != NULL:
+            for j in range(self.L):
+                tmp[j] -= t[j]
+        self._R(tmp, r, buf)
+        return _dot(r, r, self.L)
+
     cdef Py_ssize_t _project(self, const double* w, const double* t, double* y, double* z,
                              double* r, double* p, double* q, double* tmp, double* a,
                              double* buf, Py_ssize_t max_cg, double* res_out) except -1 nogil:
@@ -571,13 +582,7 @@ cdef class _Engine:
         target = CG_RTOL * scale
         for j in range(L):
             z[j] = 0.0
-        # r = b = R (C w - t)
-        self._C(w, tmp)
-        if t != NULL:
-            for j in range(L):
-                tmp[j] -= t[j]
-        self._R(tmp, r, buf)
-        rs = _dot(r, r, L)
+        rs = self._residual(w, t, r, tmp, buf)     # r = b = R (C w - t)
         while True:
             for j in range(L):
                 p[j] = r[j]
@@ -607,12 +612,7 @@ cdef class _Engine:
             for i in range(self.V):
                 if self.deg[i] > 0:
                     y[i] = w[i] - a[i]
-            self._C(y, tmp)
-            if t != NULL:
-                for j in range(L):
-                    tmp[j] -= t[j]
-            self._R(tmp, r, buf)
-            rs = _dot(r, r, L)
+            rs = self._residual(y, t, r, tmp, buf)
             n_restart += 1
             if sqrt(rs) <= target or it >= max_cg or stalled or n_restart > 3:
                 res_out[0] = sqrt(rs) / scale if scale > 0 else 0.0
