@@ -118,6 +118,51 @@ def test_repr_shows_the_construction():
         assert eval(repr(f), {c: getattr(sm, c) for c in sm.__all__}) == f
 
 
+
+class _Perm(sm.OracleFactor):
+    """Permutations of n items: a user's oracle subclass that says how it was built."""
+
+    def __init__(self, n, scale=1.0):
+        super().__init__(shape_u=(n, n), structure_size=n)
+        self.n, self.scale = n, scale
+
+    def _init_args(self):
+        return (self.n,)
+
+    def oracle_map(self, eta_u, eta_v):
+        return np.argsort(-eta_u[0], kind="stable")
+
+    def oracle_vertex(self, s):
+        return np.eye(self.n)[s]
+
+
+class _PermWithOptions(_Perm):
+    def _init_kwargs(self):
+        return {"scale": self.scale}
+
+
+class _NoInitArgs(sm.OracleFactor):
+    def __init__(self, n):
+        super().__init__(lambda eu, ev: int(np.argmax(eu)), lambda s: np.eye(n)[s], shape_u=n)
+
+
+def test_repr_of_an_oracle_subclass_is_its_constructor():
+    # its own _init_args (and _init_kwargs) are its constructor; OracleFactor's keywords
+    # (shape_u, shape_v, structure_size) are not among its arguments
+    assert repr(_Perm(6)) == "_Perm(6)"
+    assert repr(_PermWithOptions(4, scale=2.0)) == "_PermWithOptions(4, scale=2.0)"
+    namespace = {"_Perm": _Perm, "_PermWithOptions": _PermWithOptions}
+    for f in (_Perm(6), _PermWithOptions(4, scale=2.0)):
+        g = eval(repr(f), namespace)
+        assert g == f and hash(g) == hash(f) and pickle.loads(pickle.dumps(f)) == f
+    assert _Perm(6) != _Perm(5)
+    # a subclass with a constructor of its own that does not say how it was built:
+    # no call that would not build it
+    assert repr(_NoInitArgs(3)) == "<_NoInitArgs: shape_u=(3,), shape_v=(0,), structure_size=1>"
+    # subclasses that keep OracleFactor's constructor keep its repr
+    plain = type("Plain", (sm.OracleFactor,), {})(_argmax, _onehot, shape_u=3)
+    assert repr(plain) == "Plain(_argmax, _onehot, shape_u=(3,), shape_v=(0,), structure_size=1)"
+
 def test_docstrings_start_with_the_constructor_signature():
     """The API reference reads a Cython class's signature off its docstring's first line;
     it must name the constructor's real arguments (those repr and pickle use)."""

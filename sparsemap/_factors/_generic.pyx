@@ -224,8 +224,21 @@ cdef class OracleFactor(Factor):
         return (self.map_fn, self.vertex_fn)
 
     def _init_kwargs(self):
+        # A subclass that says how it was built (its own _init_args) is built by its
+        # own constructor: OracleFactor's keywords are not among its arguments.
+        if type(self)._init_args is not OracleFactor._init_args:
+            return {}
         return {"shape_u": self.shape_u, "shape_v": self.shape_v,
                 "structure_size": self.struct_size}
+
+    def __repr__(self):
+        cls = type(self)
+        if cls._init_args is OracleFactor._init_args and cls.__init__ is not OracleFactor.__init__:
+            # a subclass with a constructor of its own that does not say how it was
+            # built: name what it is, not a call that would not build it
+            return (f"<{cls.__name__}: shape_u={self.shape_u}, shape_v={self.shape_v}, "
+                    f"structure_size={self.struct_size}>")
+        return Factor.__repr__(self)
 
     def __reduce__(self):
         return (_rebuild_oracle, (type(self), self.map_fn, self.vertex_fn, self.shape_u,
