@@ -621,7 +621,11 @@ cdef class _Engine:
 
     # -- results -------------------------------------------------------------------------------
     def u_array(self):
-        return np.array(self._arrays["u"])
+        """The marginals, clipped to [0, 1]: the polish and the ADMM averages leave round-off
+        outside (-1e-15, 1 + 2e-15), and a downstream log(u) or log(1 - u) must not see it.
+        Only the reported values: the engine's own u (and so the backward pass, which
+        depends on the supports alone) is untouched."""
+        return np.clip(self._arrays["u"], 0.0, 1.0)
 
     def factor_result(self, Py_ssize_t f):
         """(v, structures, weights) of factor f."""
@@ -633,6 +637,42 @@ cdef class _Engine:
 
     def n_map(self):
         return sum([(<_Workspace> ws).n_map for ws in self.workspaces])
+
+    # -- pickling: a result travels with its engine, which its backward pass needs -----------
+    def __reduce__(self):
+        """The construction, then every array, counter and workspace support (structures,
+        weights, Cholesky factor, ``w2``), bitwise: ``jvp`` / ``vjp`` after the trip are
+        those before it, with no new solve."""
+        a = self._arrays
+        uoff, voff = a["uoff"], a["voff"]
+        F = self.F
+        variables = [a["var"][uoff[f]:uoff[f + 1]] for f in range(F)]
+        negated = [a["sig"][uoff[f]:uoff[f + 1]] < 0 for f in range(F)]
+        eta_v = [a["ev"][voff[f]:voff[f + 1]] for f in range(F)]
+        arrays = {k: v for k, v in a.items() if k != "wsp"}   # wsp: this process's pointers
+        scalars = dict(res_primal=self.res_primal, res_dual=self.res_dual, n_iter=self.n_iter,
+                       n_inner_fail=self.n_inner_fail, status=self.status,
+                       polished=self.polished)
+        return (_engine_from_state,
+                (self.factors, variables, negated, self.V, a["eta"][:self.V], eta_v, self.rho,
+                 self.try_polish, arrays, scalars,
+                 [_workspace_state(ws) for ws in self.workspaces]))
+
+    def _restore(self, dict arrays, dict scalars, list workspaces):
+        cdef Py_ssize_t f
+        cdef Factor fac
+        for k, v in arrays.items():
+            np.copyto(self._arrays[k], v)
+        self.res_primal = scalars["res_primal"]
+        self.res_dual = scalars["res_dual"]
+        self.n_iter = scalars["n_iter"]
+        self.n_inner_fail = scalars["n_inner_fail"]
+        self.status = scalars["status"]
+        self.polished = scalars["polished"]
+        for f in range(self.F):
+            fac = self.factors[f]
+            _workspace_restore(self.workspaces[f], workspaces[f], self.scores + self.uoff[f],
+                               self.evs + self.voff[f] if fac.n_v else NULL)
 
     # -- backward --------------------------------------------------------------------------------
     def project(self, g):
@@ -681,6 +721,50 @@ cdef class _Engine:
                 lit[j - a] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
+
+
+def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, rho, polish,
+                       arrays, scalars, workspaces):
+    """Unpickle an :class:`_Engine` (see ``_Engine.__reduce__``)."""
+    engine = _Engine(list(factors), list(variables), list(negated), n_variables, eta_u,
+                     list(eta_v), rho, polish)
+    engine._restore(arrays, scalars, workspaces)
+    return engine
+
+
+cdef tuple _workspace_state(_Workspace ws):
+    """What a factor's workspace holds about its final support: the structures, weights,
+    Cholesky factor and ``w2 = L^{-1} 1`` (the columns'), the shift ``c``, and counters."""
+    S, y, L = ws._export()
+    w2 = np.array(<double[:ws.nI]> ws.w2) if ws.nI else np.zeros(0)
+    return (S, y, L, w2, ws.c, ws.n_map, ws.hash)
+
+
+cdef int _workspace_restore(_Workspace ws, tuple state, const double* eta_u,
+                            const double* eta_v) except -1:
+    """An empty workspace <- a state from :func:`_workspace_state`, pointed at the scores
+    (from which ``_rescore`` recomputes the score terms, as after an ADMM step)."""
+    S, y, L, w2, c, n_map, h = state
+    cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc)
+    cdef const double[::1] yv = np.ascontiguousarray(y, dtype=np.float64)
+    cdef const double[:, ::1] Lv = np.ascontiguousarray(L, dtype=np.float64)
+    cdef const double[::1] wv = np.ascontiguousarray(w2, dtype=np.float64)
+    cdef Py_ssize_t n = yv.shape[0], i, j
+    ws._grow(n)
+    for i in range(n):
+        for j in range(ws.k):
+            ws.S[i * ws.k + j] = Sv[i, j]
+        ws.y[i] = yv[i]
+        ws.w2[i] = wv[i]
+        for j in range(i + 1):
+            ws.L[i * ws.cap + j] = Lv[i, j]
+    ws.nI = n
+    ws.c = c
+    ws.n_map = n_map
+    ws.hash = h
+    ws._rescore(eta_u, eta_v)
+    ws._compute_u(ws.y, True)
+    return 0
 
 
 cdef void* _ptr(arr):
@@ -962,7 +1046,8 @@ class FactorGraphResult:
     Attributes
     ----------
     u : ndarray, shape ``(n_variables,)``
-        Marginals of the variables.
+        Marginals of the variables, in ``[0, 1]`` exactly (round-off outside
+        is clipped).
     v : list of ndarray
         Per factor, its additional marginals ``N_f p_f`` (shape ``factor.shape_v``).
     structures : list of list
@@ -1001,6 +1086,13 @@ class FactorGraphResult:
         After :meth:`jvp` or :meth:`vjp`: ``cg_iterations`` and
         ``relative_residual`` of the last backward solve.
     message : str
+
+    Notes
+    -----
+    A result pickles with what its backward pass needs (each factor's final
+    support and Cholesky factor), so one solved on a process pool or a Dask
+    worker comes back with :meth:`jvp` and :meth:`vjp` exact, without a new
+    solve.
     """
 
     def __init__(self, graph, engine, eta_u, eta_v):

@@ -5,7 +5,9 @@ configurations as explicit columns, solves (P) with SLSQP and certifies the
 answer by its KKT conditions; derivatives are checked against its central
 finite differences (on the same supports, where ``u`` is affine in the scores).
 """
+import pickle
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -262,6 +264,19 @@ def test_degree_zero_variable_is_clipped():
     np.testing.assert_allclose(r.u[:2], [0.6, 0.4], atol=1e-10)
 
 
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_marginals_lie_in_the_unit_interval_exactly(name):
+    """The polish and ADMM's averages leave round-off outside [0, 1] (-1e-15, 1 + 4e-16 on
+    these graphs); a downstream log(u) or log(1 - u) would be nan. The same u otherwise."""
+    for seed in range(12):
+        fg, cols, eta_u, eta_v, _ = make(name, seed)
+        for polish in (True, False):
+            r = fg.solve(eta_u, eta_v, polish=polish)
+            assert np.all(r.u >= 0.0) and np.all(r.u <= 1.0), (seed, r.u.min(), r.u.max())
+            if (name, seed) in CASES and polish:
+                np.testing.assert_allclose(r.u, reference(name, seed)["u"], rtol=0, atol=1e-12)
+
 def test_negation_is_complement():
     """Negating every occurrence of a variable and scoring it 1 - eta flips it: w = 1 - u."""
     fg, cols, eta_u, eta_v, _ = make("negations", 0)
@@ -365,8 +380,17 @@ def test_results_are_independent_of_later_solves():
 H = 1e-5
 
 
+_FD = {}
+
+
 def fd_jacobian(name, seed):
     """Central differences of the reference u in eta_u, on the reference supports."""
+    if (name, seed) not in _FD:
+        _FD[name, seed] = _fd_jacobian(name, seed)
+    return _FD[name, seed]
+
+
+def _fd_jacobian(name, seed):
     fg, cols, eta_u, eta_v, ev_flat = make(name, seed)
     sup = reference(name, seed)["support"]
     V = fg.n_variables
@@ -394,6 +418,66 @@ def test_jacobian_matches_finite_differences(name):
     np.testing.assert_allclose(J_vjp, J_vjp.T, atol=1e-12)
     assert r.backward_info["relative_residual"] <= 1e-13
 
+
+
+def same_fg_result(r, s):
+    for k in ("converged", "polished", "n_iter", "primal_residual", "dual_residual", "objective",
+              "rho", "n_map", "n_inner_unconverged", "message", "n_variables", "factors"):
+        assert getattr(r, k) == getattr(s, k), k
+    np.testing.assert_array_equal(r.u, s.u)
+    for a, b in zip(r.v, s.v):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(r.weights, s.weights):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(r.structures, s.structures):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def same_backward(r, s, rng):
+    """jvp and vjp (eta_u and eta_v parts) of s are those of r, bitwise."""
+    du = rng.normal(size=r.n_variables)
+    dv = [rng.normal(size=f.shape_v) if f.n_v else None for f in r.factors]
+    np.testing.assert_array_equal(s.jvp(du), r.jvp(du))
+    np.testing.assert_array_equal(s.jvp(du, dv), r.jvp(du, dv))
+    (gu_r, gv_r), (gu_s, gv_s) = r.vjp(du), s.vjp(du)
+    np.testing.assert_array_equal(gu_s, gu_r)
+    for a, b in zip(gv_s, gv_r):
+        np.testing.assert_array_equal(a, b)
+    assert s.backward_info == r.backward_info
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_result_pickles_with_its_backward_pass(name):
+    fg, cols, eta_u, eta_v, ev_flat = make(name, 0)
+    rng = np.random.default_rng(5)
+    for kw in ({}, dict(polish=False), dict(polish=False, max_iter=3)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sm.ConvergenceWarning)
+            r = fg.solve(eta_u, eta_v, **kw)
+        s = pickle.loads(pickle.dumps(r))
+        same_fg_result(r, s)
+        same_backward(r, s, rng)
+        # and a second trip, of a result whose backward already ran
+        same_backward(r, pickle.loads(pickle.dumps(s)), rng)
+    # against the independent reference: central differences on the final supports
+    r = pickle.loads(pickle.dumps(fg.solve(eta_u, eta_v)))
+    V = fg.n_variables
+    J = np.array([r.vjp(np.eye(V)[i])[0] for i in range(V)])
+    np.testing.assert_allclose(J, fd_jacobian(name, 0), rtol=0, atol=1e-8)
+
+
+def test_results_come_back_from_a_process_pool():
+    """Solved on workers (the graph travels there, the results back), with the backward pass
+    working in the caller's process."""
+    fg, cols, eta_u, eta_v, _ = make("sequence_budget_factor", 0)
+    rng = np.random.default_rng(6)
+    etas = [eta_u + rng.normal(scale=0.5, size=eta_u.shape) for _ in range(4)]
+    with ProcessPoolExecutor(max_workers=2) as ex:
+        remote = list(ex.map(fg.solve, etas, [eta_v] * len(etas)))
+    for e, s in zip(etas, remote):
+        r = fg.solve(e, eta_v)
+        same_fg_result(r, s)
+        same_backward(r, s, rng)
 
 @pytest.mark.parametrize("name", ["pair_cycle", "pair_cycle_repulsive", "pair_cycle_negated",
                                   "sequence_budget", "sequence_budget_factor"])
