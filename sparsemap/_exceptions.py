@@ -1,5 +1,36 @@
-"""Warnings and errors shared by every solver (the lowest layer: imports nothing)."""
+"""Warnings and errors shared by every solver (the lowest layer: imports nothing of its own)."""
+import sys
+import warnings
 
 
 class ConvergenceWarning(UserWarning):
     """A solver stopped before reaching its tolerance (duality gap or residuals)."""
+
+
+# Frames of these packages lie between what a warning is about and the user's line:
+# sparsemap's own, torch's (autograd's Function.apply, the engine running a backward
+# pass), whose number changes between torch versions (2.14 has one fewer than 2.13), and
+# the thread machinery under a worker thread's first frame.
+_INTERNAL = ("sparsemap", "torch", "threading", "concurrent.futures")
+
+
+def _internal(frame):
+    name = frame.f_globals.get("__name__") or ""
+    return any(name == p or name.startswith(p + ".") for p in _INTERNAL)
+
+
+def warn(message, category=ConvergenceWarning):
+    """``warnings.warn`` pointed at the user's line: the first frame outside sparsemap and torch.
+
+    The frame is found by walking the stack, not by counting frames, so it is right under
+    any torch version and from any depth of sparsemap (compiled Cython functions have no
+    frame: they are transparent). Where the stack has no such frame (a worker thread of
+    sparsemap's own pool, a backward pass run by torch's engine in its own thread), the
+    warning points at sparsemap's line that issued it.
+    """
+    frame = sys._getframe(1)
+    level = 2                     # stacklevel 2: the caller of this function
+    while frame is not None and _internal(frame):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -32,7 +32,6 @@ directions of factor ``f``'s final face, applied by conjugate gradient over the
 per-factor projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
 final support, two triangular solves with the kept Cholesky factor).
 """
-import warnings
 
 import numpy as np
 
@@ -42,7 +41,7 @@ from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
-from sparsemap._exceptions import ConvergenceWarning
+from sparsemap._exceptions import warn
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
                                      check_positive_int, check_real)
@@ -1011,7 +1010,7 @@ class FactorGraph:
         """
         result = self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish)
         if not result.converged:
-            _warn_not_converged(result, "", 1)
+            _warn_not_converged(result, "")
         return result
 
     def _solve_quiet(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
@@ -1032,12 +1031,11 @@ class FactorGraph:
         return result
 
 
-def _warn_not_converged(result, where, stacklevel):
-    # stacklevel counts Python frames only: compiled functions (solve, this one) have none
-    warnings.warn(f"{where}FactorGraph.solve stopped after {result.n_iter} iterations with "
-                  f"residuals {result.primal_residual:.3g} (primal), "
-                  f"{result.dual_residual:.3g} (dual) above tol={result._tol:g}; raise "
-                  f"max_iter or tol.", ConvergenceWarning, stacklevel=stacklevel)
+def _warn_not_converged(result, where):
+    warn(f"{where}FactorGraph.solve stopped after {result.n_iter} iterations with "
+         f"residuals {result.primal_residual:.3g} (primal), "
+         f"{result.dual_residual:.3g} (dual) above tol={result._tol:g}; raise "
+         f"max_iter or tol.")
 
 
 class FactorGraphResult:
@@ -1128,9 +1126,8 @@ class FactorGraphResult:
         y, n_cg, res = self._engine.project(g)
         self.backward_info = {"cg_iterations": int(n_cg), "relative_residual": float(res)}
         if res > 1e-10:
-            warnings.warn(f"FactorGraphResult: the backward conjugate gradient stopped at a "
-                          f"relative residual of {res:.3g} after {n_cg} iterations",
-                          ConvergenceWarning, stacklevel=3)
+            warn(f"FactorGraphResult: the backward conjugate gradient stopped at a "
+                 f"relative residual of {res:.3g} after {n_cg} iterations")
         return y
 
     def jvp(self, d_eta_u, d_eta_v=None):

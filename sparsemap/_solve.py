@@ -14,7 +14,6 @@ import numbers
 import os
 import sys
 import threading
-import warnings
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_M
                                    STATUS_STALLED, STATUS_STOPPED, _Solutions,
                                    solution_from_arrays)
 from sparsemap._cg import conditional_gradient
-from sparsemap._exceptions import ConvergenceWarning
+from sparsemap._exceptions import warn
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
 
@@ -321,10 +320,9 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     return out
 
 
-def _warn_not_converged(result, where, stacklevel):
-    warnings.warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
-                  f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.",
-                  ConvergenceWarning, stacklevel=stacklevel + 1)
+def _warn_not_converged(result, where):
+    warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
+         f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.")
 
 
 def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
@@ -419,7 +417,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     if verbose:
         callback.summary(result)
     if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
-        _warn_not_converged(result, "", 2)
+        _warn_not_converged(result, "")
     return result
 
 
@@ -789,7 +787,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
                    for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
-            _warn_not_converged(r, f"problem {i}: ", 2)
+            _warn_not_converged(r, f"problem {i}: ")
     return results
 
 
@@ -989,7 +987,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
             raise _infeasible_error(fs[i], i)
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
-            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ", 4)
+            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
 
 
 def _infeasible_error(f, i):

@@ -1359,9 +1359,9 @@ def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
 
     results = _in_threads(one, layout, n_jobs)
     for b, r in enumerate(results):
-        if not r.converged:   # stacklevel: the caller of factor_graph
+        if not r.converged:
             where = f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape else ""
-            _warn_not_converged(r, where, 5)
+            _warn_not_converged(r, where)
     return results
 
 
