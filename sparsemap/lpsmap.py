@@ -21,6 +21,7 @@ between factors, every factor is its own SparseMAP problem, solved directly
 :class:`sparsemap.FactorGraph` solves the whole graph. Native factors and
 graphs are cached by structure, so repeated graph shapes cost little to set up.
 """
+import math
 import numbers
 
 import numpy as np
@@ -57,7 +58,7 @@ _FACTORS = {}
 
 def _factor(cls, *args, **kwargs):
     """One shared native factor per construction arguments."""
-    key = (cls, args, tuple(sorted(kwargs.items())))
+    key = (cls, args, tuple(kwargs.items()))
     f = _FACTORS.get(key)
     if f is None:
         if len(_FACTORS) > 4096:
@@ -93,11 +94,13 @@ def _is_tensor(x):
 def _check_budget(budget, name="budget"):
     """An integer budget from an int, an integral float, a NumPy scalar or a 0-d tensor."""
     b = budget
+    if type(b) is int and b >= 0:
+        return b
     if _is_tensor(b):
         if b.numel() != 1:
             raise ValueError(f"{name}: expected a non-negative integer (a tensor with one "
                              f"element), got a tensor of shape {tuple(b.shape)}")
-        b = b.detach().cpu().reshape(()).item()
+        b = b.item()
     elif isinstance(b, np.ndarray):
         if b.size != 1:
             raise ValueError(f"{name}: expected a non-negative integer, got an array of "
@@ -105,6 +108,8 @@ def _check_budget(budget, name="budget"):
         b = b.reshape(()).item()
     elif isinstance(b, np.generic):
         b = b.item()
+    if type(b) is float and b >= 0 and b.is_integer():
+        return int(b)
     if isinstance(b, bool) or not isinstance(b, numbers.Real):
         raise ValueError(f"{name}: expected a non-negative integer, got {budget!r}")
     if isinstance(b, numbers.Integral):
@@ -127,6 +132,11 @@ def _check_flag(x, name):
 
 
 def _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose):
+    if (type(max_iter) is int and type(max_inner_iter) is int and type(tol) is float
+            and type(step_size) in (float, int) and type(adapt) is bool
+            and type(verbose) in (bool, int) and max_iter >= 1 and max_inner_iter >= 1
+            and 0 <= tol < math.inf and 0 <= step_size < math.inf):
+        return int(verbose)      # the common case, checked quickly
     for v, name in ((max_iter, "max_iter"), (max_inner_iter, "max_inner_iter")):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
@@ -180,7 +190,7 @@ class Variable:
         self._graph = graph
         self._scores = scores
         self.shape = tuple(scores.shape)
-        self._ix = np.arange(int(np.prod(self.shape, dtype=np.int64))).reshape(self.shape)
+        self._ix = np.arange(math.prod(self.shape)).reshape(self.shape)
         self.value = None
 
     def __getitem__(self, key):
@@ -337,8 +347,7 @@ class _Ops:
     def solve(self, factor, eta_u, eta_v):
         if self.torch is None:
             return sm.solve(factor, eta_u, eta_v).u
-        import sparsemap.torch as smt
-        return smt.sparsemap(factor, eta_u, eta_v, n_jobs=1)
+        return _solo_function().apply(factor, eta_u, eta_v)
 
     def map(self, factor, eta_u, eta_v):
         if self.torch is None:
@@ -371,6 +380,54 @@ class _Ops:
         return t.as_tensor(native.solve_map(hu, hv).u, dtype=eta_u.dtype, device=eta_u.device)
 
 
+_SOLO = []
+
+
+def _solo_function():
+    """The autograd Function of one SparseMAP problem, made on first use (imports torch).
+
+    :func:`sparsemap.torch.sparsemap` handles batches, padding and threads; one small
+    problem per graph (the drop-in's common case, e.g. a budget per sentence) only needs
+    :func:`sparsemap.solve` and its exact :meth:`~sparsemap.SparseMAPResult.vjp`, at a
+    fraction of the per-call overhead."""
+    if _SOLO:
+        return _SOLO[0]
+    import torch
+
+    def host(x):
+        t = x.detach()
+        if t.device.type == "cpu" and t.dtype in (torch.float64, torch.float32):
+            return np.array(t.numpy(), dtype=np.float64)
+        return t.to(device="cpu", dtype=torch.float64).numpy()
+
+    numpy_dtypes = {torch.float64: np.float64, torch.float32: np.float32,
+                    torch.float16: np.float16}
+
+    def like(a, t):
+        if t.dtype in numpy_dtypes:
+            out = torch.from_numpy(np.asarray(a, dtype=numpy_dtypes[t.dtype]))
+            return out if t.device.type == "cpu" else out.to(t.device)
+        return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dtype=t.dtype,
+                                                                     device=t.device)
+
+    class _SoloSparseMAP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, factor, eta_u, eta_v):
+            r = sm.solve(factor, host(eta_u), None if eta_v is None else host(eta_v))
+            ctx.r, ctx.eta_u, ctx.eta_v = r, eta_u.detach(), (
+                None if eta_v is None else eta_v.detach())
+            return like(r.u, eta_u)
+
+        @staticmethod
+        def backward(ctx, g):
+            gu, gv = ctx.r.vjp(host(g))
+            return (None, like(gu, ctx.eta_u),
+                    None if ctx.eta_v is None else like(gv, ctx.eta_v))
+
+    _SOLO.append(_SoloSparseMAP)
+    return _SoloSparseMAP
+
+
 # -- factors -------------------------------------------------------------------------------
 class _LPFactor:
     """Base of the factors: ``_variables`` (a Variable, Slice or tuple of them)."""
@@ -383,6 +440,11 @@ class _LPFactor:
     def _pieces(self, ids, ops):
         """Native pieces and extra unary scores ``[(variable, score)]`` for the graph."""
         raise NotImplementedError
+
+    def _plain(self):
+        """The native factor whose parts are this factor's variables in C order (no
+        additional scores, negation or ignored parts), or None."""
+        return None
 
     def _alone(self, ids, eta, ops, decode):
         """Marginals (MAP when ``decode``) of this factor's variables, in the order of
@@ -442,14 +504,17 @@ class _Logic(_LPFactor):
 
     def __init__(self, variables):
         self._variables = _check_vars(variables, "variables")
-        n = int(np.prod(self._variables.shape, dtype=np.int64))
+        n = math.prod(self._variables.shape)
         if n < self._min:
             raise ValueError(f"variables: {type(self).__name__} needs at least {self._min} "
                              f"variables, got {n}")
 
     def _pieces(self, ids, ops):
         idx = ids[0].reshape(-1)
-        return [_Piece(_factor(self._native, idx.shape[0]), idx)], []
+        return [_Piece(self._plain(), idx)], []
+
+    def _plain(self):
+        return _factor(self._native, math.prod(self._variables.shape))
 
 
 class Xor(_Logic):
@@ -497,13 +562,16 @@ class Imply(_Logic):
     def _pieces(self, ids, ops):
         idx = ids[0].reshape(-1)
         n = idx.shape[0]
-        native = getattr(sm, "ImplyFactor", None)
-        if native is not None:
-            return [_Piece(_factor(native, n), idx)], []
+        if self._plain() is not None:
+            return [_Piece(self._plain(), idx)], []
         # AD3's definition: OR(not u_1, ..., not u_{n-1}, u_n)
         neg = np.ones(n, bool)
         neg[-1] = False
         return [_Piece(_factor(sm.OrFactor, n), idx, neg)], []
+
+    def _plain(self):
+        native = getattr(sm, "ImplyFactor", None)
+        return None if native is None else _factor(native, math.prod(self._variables.shape))
 
 
 class Budget(_LPFactor):
@@ -548,7 +616,7 @@ class Budget(_LPFactor):
         self._variables = _check_vars(variables, "variables")
         self.budget = _check_budget(budget)
         self.force_budget = _check_flag(force_budget, "force_budget")
-        n = int(np.prod(self._variables.shape, dtype=np.int64))
+        n = math.prod(self._variables.shape)
         if self.force_budget and self.budget > n:
             raise ValueError(f"budget: exactly {self.budget} of {n} variables on is infeasible "
                              f"(force_budget=True needs budget <= the number of variables)")
@@ -556,9 +624,11 @@ class Budget(_LPFactor):
             raise ValueError("variables: Budget needs at least one variable")
 
     def _pieces(self, ids, ops):
-        idx = ids[0].reshape(-1)
-        f = _factor(sm.BudgetFactor, idx.shape[0], self.budget, exact=self.force_budget)
-        return [_Piece(f, idx)], []
+        return [_Piece(self._plain(), ids[0].reshape(-1))], []
+
+    def _plain(self):
+        return _factor(sm.BudgetFactor, math.prod(self._variables.shape), self.budget,
+                       exact=self.force_budget)
 
 
 class Pair(_LPFactor):
@@ -595,8 +665,8 @@ class Pair(_LPFactor):
     def __init__(self, vars_i, vars_j, additionals):
         _check_vars(vars_i, "vars_i")
         _check_vars(vars_j, "vars_j")
-        ni = int(np.prod(vars_i.shape, dtype=np.int64))
-        nj = int(np.prod(vars_j.shape, dtype=np.int64))
+        ni = math.prod(vars_i.shape)
+        nj = math.prod(vars_j.shape)
         if ni != nj:
             raise ValueError(f"vars_j: expected as many variables as vars_i ({ni}), got {nj}")
         self._variables = (vars_i, vars_j)
@@ -1054,8 +1124,20 @@ class FactorGraph:
         offsets, V = self._layout()
         if V == 0:
             return
-        eta = self._scores(ops)
+        if len(self.factors) == 1 and not decode and self.factors[0]._variables is \
+                self.variables[0] and len(self.variables) == 1:
+            # one factor over a whole variable, in order: plain SparseMAP on the raw scores
+            native = self.factors[0]._plain()
+            if native is not None:
+                var = self.variables[0]
+                u = ops.solve(native, var._scores.reshape(native.shape_u), None)
+                var.value = u.reshape(var.shape)
+                if verbose:
+                    print(f"sparsemap.lpsmap: LP-SparseMAP of {V} variables and 1 factor, "
+                          f"solved exactly as independent factors")
+                return
         ids = [f._ids(offsets) for f in self.factors]
+        eta = self._scores(ops)
         flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in ids]
         count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
         if count.max(initial=0) <= 1:
