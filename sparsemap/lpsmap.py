@@ -72,13 +72,12 @@ _GRAPHS = {}
 
 def _native_graph(n_variables, pieces):
     """The native FactorGraph of a structure, cached by its factors and index arrays."""
-    key = (n_variables,) + tuple((id(p.factor), p.idx.tobytes(), p.idx.shape,
-                                  None if p.neg is None else p.neg.tobytes()) for p in pieces)
+    key = (n_variables,) + tuple((id(p.factor), p.idx.tobytes(), p.idx.shape) for p in pieces)
     g = _GRAPHS.get(key)
     if g is None:
         g = sm.FactorGraph(n_variables)
         for p in pieces:
-            g.add(p.factor, p.idx, p.neg)
+            g.add(p.factor, p.idx)
         if len(_GRAPHS) > 256:
             _GRAPHS.clear()
         _GRAPHS[key] = (g, [p.factor for p in pieces])   # keep the factors alive with the key
@@ -262,10 +261,10 @@ def _base(v):
 # -- native pieces -----------------------------------------------------------------------
 class _Piece:
     """A native factor attached to variable indices, with its additional scores."""
-    __slots__ = ("factor", "idx", "neg", "eta_v")
+    __slots__ = ("factor", "idx", "eta_v")
 
-    def __init__(self, factor, idx, neg=None, eta_v=None):
-        self.factor, self.idx, self.neg, self.eta_v = factor, idx, neg, eta_v
+    def __init__(self, factor, idx, eta_v=None):
+        self.factor, self.idx, self.eta_v = factor, idx, eta_v
 
 
 class _Ops:
@@ -305,12 +304,6 @@ class _Ops:
         if idx.min(initial=0) < 0:
             out = out * t.as_tensor(idx >= 0, dtype=out.dtype, device=eta.device)
         return out
-
-    def where(self, mask, a, b):
-        if self.torch is None:
-            return np.where(mask, a, b)
-        t = self.torch
-        return t.where(t.as_tensor(mask, device=a.device), a, b)
 
     def clip(self, eta):
         if self.torch is None:
@@ -455,12 +448,7 @@ class _LPFactor:
         out_ids, out_vals = [], []
         for p in pieces:
             sel = p.idx >= 0
-            score = ops.gather(eta, p.idx)
-            if p.neg is not None:
-                score = ops.where(p.neg, (0.0 if decode else 1.0) - score, score)
-            u = (ops.map if decode else ops.solve)(p.factor, score, p.eta_v)
-            if p.neg is not None:
-                u = ops.where(p.neg, 1.0 - u, u)
+            u = (ops.map if decode else ops.solve)(p.factor, ops.gather(eta, p.idx), p.eta_v)
             out_ids.append(p.idx[sel])
             out_vals.append(u[ops.torch.as_tensor(sel, device=u.device)]
                             if ops.torch is not None else u[sel])
@@ -557,21 +545,8 @@ class AndOut(_Logic):
 class Imply(_Logic):
     __doc__ = _logic_doc("The first n-1 variables (all on) imply the last.", "Imply",
                          "sparsemap.ImplyFactor(n)")
+    _native = sm.ImplyFactor
     _min = 2
-
-    def _pieces(self, ids, ops):
-        idx = ids[0].reshape(-1)
-        n = idx.shape[0]
-        if self._plain() is not None:
-            return [_Piece(self._plain(), idx)], []
-        # AD3's definition: OR(not u_1, ..., not u_{n-1}, u_n)
-        neg = np.ones(n, bool)
-        neg[-1] = False
-        return [_Piece(_factor(sm.OrFactor, n), idx, neg)], []
-
-    def _plain(self):
-        native = getattr(sm, "ImplyFactor", None)
-        return None if native is None else _factor(native, math.prod(self._variables.shape))
 
 
 class Budget(_LPFactor):
@@ -677,7 +652,7 @@ class Pair(_LPFactor):
         a = ops.flat(self._additionals, "additionals", self._n)
         ii, jj = ids[0].reshape(-1), ids[1].reshape(-1)
         f = _factor(sm.PairFactor)
-        return [_Piece(f, np.array([ii[k], jj[k]]), None, a[k:k + 1])
+        return [_Piece(f, np.array([ii[k], jj[k]]), a[k:k + 1])
                 for k in range(self._n)], []
 
 
@@ -721,7 +696,7 @@ class Sequence(_LPFactor):
     def _pieces(self, ids, ops):
         L, S = self._variables.shape
         a = ops.flat(self._additionals, "additionals", (L - 1) * S * S).reshape(L - 1, S, S)
-        return [_Piece(_factor(sm.SequenceFactor, L, S), ids[0], None, a)], []
+        return [_Piece(_factor(sm.SequenceFactor, L, S), ids[0], a)], []
 
 
 class SequenceBudget(_LPFactor):
@@ -823,10 +798,10 @@ class SequenceBudget(_LPFactor):
         ix = ids[0]
         if S != 2:
             f = _oracle_sequence_budget(L, S, self._budget, self._force_budget)
-            return [_Piece(f, ix, None, ops.flat(self._additionals, "additionals",
-                                                 f.shape_v[0], at_least=True))], []
+            ev = ops.flat(self._additionals, "additionals", f.shape_v[0], at_least=True)
+            return [_Piece(f, ix, ev)], []
         start, trans, end = self._split(ops)
-        pieces = [_Piece(self._native(L), ix[:, 0].copy(), None, trans.flip(1, 2)
+        pieces = [_Piece(self._native(L), ix[:, 0].copy(), trans.flip(1, 2)
                          if ops.torch is not None else trans[:, ::-1, ::-1].copy())]
         xor = _factor(sm.XorFactor, 2)
         pieces += [_Piece(xor, ix[i].copy()) for i in range(L)]
