@@ -682,6 +682,16 @@ cdef class _Engine:
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
+    # -- LP-MAP decoding (sparsemap._lp_map): the multipliers behind its dual bound ----------------
+    def multipliers(self):
+        """Per link, in literal space, the multipliers nu of the constraints M_f p_f = l_f(u):
+        the certified ones when polished (then sum_j sigma_j nu_j = eta_i - u_i and every
+        support structure maximises nu_f . m_s + eta_v[f] . n_s), ADMM's otherwise."""
+        a = self._arrays
+        if self.polished:
+            return np.array(a["cmu"][:self.L])
+        return a["sig"][:self.L] * a["lam"][:self.L]
+
 
 cdef void* _ptr(arr):
     """Data pointer of a non-empty C-contiguous NumPy array kept alive by the caller."""
@@ -946,6 +956,79 @@ class FactorGraph:
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
         return result
+
+
+    # -- LP-MAP decoding (issue 16): the method; the algorithm is in sparsemap/_lp_map.py ------
+    def solve_map(self, eta_u, eta_v=None, max_iter=None, tol=1e-9):
+        """LP-MAP decoding: the LP relaxation of MAP over the local polytope, with a certificate.
+
+        Solves AD3's LP-MAP problem,
+
+            max  eta_u . u + sum_f eta_v[f] . v[f]
+            s.t. every factor's (literals of u, v[f]) in its marginal polytope,
+
+        exactly, and certifies the answer by a duality gap. Each factor step is
+        the factor's active set on a quadratic subproblem (AD3's QP step); see
+        :doc:`/factor_graphs`.
+
+        Parameters
+        ----------
+        eta_u : array_like, shape ``(n_variables,)``
+            Unary scores (each variable counted once).
+        eta_v : list, optional
+            One entry per factor, as for :meth:`solve`.
+        max_iter : int, optional
+            ADMM iteration limit of each inner LP-SparseMAP solve.
+        tol : float, default 1e-9
+            The answer is accepted when its duality gap is at most
+            ``tol * max(max |scores|, |lp_value|)``.
+
+        Returns
+        -------
+        LPMAPResult
+            ``u``, ``v``, ``lp_value``, ``dual_bound``, ``gap``,
+            ``primal_residual``, ``integral``, ``map`` (the joint
+            configuration when integral), ``exact`` (integral and certified:
+            an exact MAP).
+
+        Raises
+        ------
+        ValueError
+            Wrong shapes, non-finite scores, bad ``max_iter`` or ``tol``.
+
+        Warns
+        -----
+        ConvergenceWarning
+            When the gap stays above the tolerance; the best point is returned
+            with ``converged=False``.
+
+        Notes
+        -----
+        The relaxation is exact (``exact=True``) when no variable is in two
+        factors (the LP splits into one MAP per factor, solved directly) and
+        whenever its optimum is integral. When it is fractional, ``u`` is the
+        least-norm point of the optimal face and ``map`` is None.
+
+        Examples
+        --------
+        A frustrated cycle of three "at most one" constraints over three
+        variables with equal scores: the relaxation is fractional.
+
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph(3)
+        >>> for pair in ([0, 1], [1, 2], [0, 2]):
+        ...     _ = fg.add(sm.AtMostOneFactor(2), pair)
+        >>> r = fg.solve_map(np.ones(3))
+        >>> r.integral, round(r.lp_value, 9), r.gap < 1e-9
+        (False, 1.5, True)
+        >>> r.u
+        array([0.5, 0.5, 0.5])
+        >>> r = fg.solve_map(np.array([1.0, -0.2, 0.9]))    # tight here: an exact MAP
+        >>> r.exact, r.map.u, round(r.map.score, 9)
+        (True, array([1, 0, 0]), 1.0)
+        """
+        from sparsemap._lp_map import solve_map
+        return solve_map(self, eta_u, eta_v, max_iter=max_iter, tol=tol)
 
 
 def _warn_not_converged(result, where, stacklevel):
