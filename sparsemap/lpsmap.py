@@ -5,7 +5,7 @@ runs unchanged after ``from lpsmap import ...`` becomes
 ``from sparsemap.lpsmap import ...``: the same classes, arguments, variable
 layouts and ``.value`` attributes. The answers are the exact optimum of the
 same problem (LP-SparseMAP over the factor graph's local polytope, or its
-LP-MAP for :meth:`TorchFactorGraph.solve_map`), where lp-sparsemap stops its
+LP-MAP for ``solve_map``), where lp-sparsemap stops its
 ADMM iterations at a tolerance; see :doc:`/migration`.
 
 :class:`FactorGraph` takes and returns NumPy arrays; :class:`TorchFactorGraph`
@@ -358,12 +358,6 @@ class _Ops:
         return smt.factor_graph(native, eta_u, eta_v, n_jobs=1)
 
     def graph_map(self, native, eta_u, eta_v):
-        if not hasattr(native, "solve_map"):
-            raise NotImplementedError(
-                "solve_map: variables shared between factors need LP-MAP decoding over the "
-                "factor graph (sparsemap.FactorGraph.solve_map), which this version of "
-                "sparsemap does not have; solve_map works here when no variable is in more "
-                "than one factor")
         if self.torch is None:
             return native.solve_map(eta_u, eta_v).u
         t = self.torch
@@ -1167,10 +1161,11 @@ class FactorGraph:
         """LP-MAP decoding: set ``value`` on every variable of the graph.
 
         The maximiser of the scores (and additional scores) over the local
-        polytope of the graph: the exact MAP when no variable is shared
+        polytope of the graph, exact: the MAP when no variable is shared
         between factors (then each factor's own MAP oracle is used, as
         lp-sparsemap's ``autodetect_acyclic`` does) or when the relaxation is
-        tight.
+        tight; otherwise a fractional point of the optimal face
+        (:meth:`sparsemap.FactorGraph.solve_map`).
         """
         verbose = _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose)
         _check_flag(autodetect_acyclic, "autodetect_acyclic")
@@ -1204,9 +1199,6 @@ class FactorGraph:
         ------
         ValueError
             On bad arguments.
-        NotImplementedError
-            When variables are shared between factors and this sparsemap has
-            no LP-MAP decoding for factor graphs.
 
         Examples
         --------
@@ -1225,10 +1217,10 @@ class TorchFactorGraph(FactorGraph):
     """lp-sparsemap's ``TorchFactorGraph``: tensors in, differentiable ``.value`` out.
 
     As :class:`FactorGraph`, with scores and additional scores given as
-    tensors of any float dtype and device. After :meth:`solve`, each
+    tensors of any float dtype and device. After :meth:`FactorGraph.solve`, each
     variable's ``value`` is on its scores' device and dtype and backpropagates
     to the scores and to the factors' additionals with the exact Jacobian.
-    After :meth:`solve_map` it is a constant (no gradient), as in
+    After :meth:`FactorGraph.solve_map` it is a constant (no gradient), as in
     lp-sparsemap. Imports PyTorch.
 
     Examples

@@ -240,6 +240,34 @@ def test_solve_map_alone_equals_enumeration(name):
     assert abs(value_of(best, factors, x) - lp_reference(x.size, factors, x)) < 1e-7
 
 
+NO_ADDITIONALS = [c[0] for c in _cases(np.random.default_rng(0)) if c[4] is None]
+
+
+@pytest.mark.parametrize("name", NO_ADDITIONALS)
+def test_solve_map_coupled_equals_highs(name):
+    """solve_map with variables shared (the factor coupled with an AtMostOne over its first
+    two variables and an Or over its last two): the LP optimum over the local polytope,
+    as HiGHS finds it, at a point of the local polytope."""
+    rng = np.random.default_rng(200 + CASE_NAMES.index(name))
+    _, shape, build, (M, N), ev = _cases(rng)[CASE_NAMES.index(name)]
+    x = rng.normal(size=shape)
+    k = x.size
+    factors = [(M, N, np.arange(k), None), (*logic_cols("atmostone", 2), [0, 1], None),
+               (*logic_cols("or", 2), [k - 2, k - 1], None)]
+    best = lp_reference(k, factors, x)
+    for cls, arr in ((FactorGraph, x), (TorchFactorGraph, torch.tensor(x))):
+        fg = cls()
+        u = fg.variable_from(arr)
+        fg.add(build(u))
+        fg.add(AtMostOne(u.__getitem__(np.unravel_index([0, 1], shape))))
+        fg.add(Or(u.__getitem__(np.unravel_index([k - 2, k - 1], shape))))
+        fg.solve_map()
+        got = (u.value.numpy() if cls is TorchFactorGraph else u.value).ravel()
+        assert abs(x.ravel() @ got - best) < 1e-7
+        assert got.min() >= -1e-9 and got.max() <= 1 + 1e-9
+        assert got[0] + got[1] <= 1 + 1e-9 and got[k - 2] + got[k - 1] >= 1 - 1e-9
+
+
 def test_free_variables_and_several_variables():
     """Variables in no factor are clipped (MAP: on iff positive); a factor over two
     variables' slices; variables solved jointly in one graph."""
@@ -471,20 +499,15 @@ def test_snippet_matching_budget_and_xor_map():
 
 
 def test_snippet_matching_xor_solve_map():
-    """Xor rows, AtMostOne columns: LP-MAP over the local polytope (needs the native
-    FactorGraph.solve_map), equal to HiGHS' LP optimum."""
+    """Xor rows, AtMostOne columns: LP-MAP over the local polytope, equal to HiGHS' LP
+    optimum."""
     rng = np.random.default_rng(15)
     m, n = 3, 4
     x = rng.normal(size=(m, n))
     ids = np.arange(m * n).reshape(m, n)
     fac = [(*logic_cols("xor", n), ids[i], None) for i in range(m)]
     fac += [(*logic_cols("atmostone", m), ids[:, j], None) for j in range(n)]
-    try:
-        z = matching_smap_xor(torch.tensor(x))
-    except NotImplementedError:
-        import sparsemap as sm
-        assert not hasattr(sm.FactorGraph, "solve_map")
-        return
+    z = matching_smap_xor(torch.tensor(x))
     zn = z.numpy().ravel()
     lp = lp_reference(m * n, fac, x)
     assert abs(x.ravel() @ zn - lp) < 1e-7
