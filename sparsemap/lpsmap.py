@@ -1028,6 +1028,8 @@ class FactorGraph:
         Returns
         -------
         Variable
+            Its scores are zeros: float64 NumPy on a :class:`FactorGraph`, a
+            float32 tensor on a :class:`TorchFactorGraph` (as lp-sparsemap).
 
         Examples
         --------
@@ -1035,7 +1037,10 @@ class FactorGraph:
         >>> FactorGraph().variable((2, 2))
         Variable(shape=(2, 2))
         """
-        return self.variable_from(np.zeros(shape))
+        return self.variable_from(self._zeros(shape))
+
+    def _zeros(self, shape):
+        return np.zeros(shape)
 
     def _check_scores(self, scores):
         if _is_tensor(scores):
@@ -1129,7 +1134,7 @@ class FactorGraph:
                 extra += e
             native = _native_graph(V, pieces)
             eu = ops.add_at(eta, [e[0] for e in extra], [e[1] for e in extra]) if extra else eta
-            ev = [p.eta_v for p in pieces]
+            ev = [p.eta_v if p.factor.n_v else None for p in pieces]
             if all(e is None for e in ev):
                 ev = None
             u = (ops.graph_map if decode else ops.graph)(native, eu, ev)
@@ -1241,25 +1246,9 @@ class TorchFactorGraph(FactorGraph):
 
     _torch = True
 
-    def variable(self, shape):
-        """A tensor of binary variables with zero scores (float32, as lp-sparsemap).
-
-        Parameters
-        ----------
-        shape : int or tuple of int
-
-        Returns
-        -------
-        Variable
-
-        Examples
-        --------
-        >>> from sparsemap.lpsmap import TorchFactorGraph
-        >>> TorchFactorGraph().variable((2, 2))
-        Variable(shape=(2, 2))
-        """
+    def _zeros(self, shape):
         import torch
-        return self.variable_from(torch.zeros(shape))
+        return torch.zeros(shape)     # float32, as lp-sparsemap
 
     def _check_scores(self, scores):
         import torch

@@ -268,6 +268,31 @@ def test_solve_map_coupled_equals_highs(name):
         assert got[0] + got[1] <= 1 + 1e-9 and got[k - 2] + got[k - 1] >= 1 - 1e-9
 
 
+@pytest.mark.parametrize("coupled", [False, True])
+def test_one_position(coupled):
+    """Sequences of length 1 (no transitions) and a one-word tree, alone and in a graph."""
+    x = np.array([[0.3, 0.1]])
+    for cls, conv in ((FactorGraph, np.asarray), (TorchFactorGraph, torch.tensor)):
+        for build, M in ((lambda u: Sequence(u, conv(np.zeros(0))), np.eye(2)),
+                         (lambda u: SequenceBudget(u, conv(np.zeros(4)), 0),
+                          np.array([[0.0], [1.0]]))):
+            fg = cls()
+            u = fg.variable_from(conv(x))
+            fg.add(build(u))
+            fac = [(M, None, [0, 1], None)]
+            if coupled:
+                fg.add(Or(u[0]))
+                fac.append((*logic_cols("or", 2), [0, 1], None))
+            fg.solve()
+            got = u.value.numpy() if cls is TorchFactorGraph else u.value
+            np.testing.assert_allclose(got.ravel(), reference(2, fac, x)["u"], atol=ATOL)
+    fg = FactorGraph()
+    u = fg.variable_from(np.array([[-0.5]]))
+    fg.add(DepTree(u, packed=True))
+    fg.solve()
+    assert u.value.tolist() == [[1.0]]
+
+
 def test_free_variables_and_several_variables():
     """Variables in no factor are clipped (MAP: on iff positive); a factor over two
     variables' slices; variables solved jointly in one graph."""
