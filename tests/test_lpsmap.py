@@ -661,6 +661,16 @@ def test_value_dtype_and_grad(dtype):
     assert u.value.device == x.device
     u[:, 1].value.sum().backward()
     assert x.grad.dtype == dtype and tr.grad.dtype == dtype and tr.grad.shape == (1, 2, 2)
+    for extra in (False, True):      # one factor over the whole variable; and a slice
+        y = torch.tensor([0.9, 0.8, 0.1], dtype=dtype, requires_grad=True)
+        fg = TorchFactorGraph()
+        u = fg.variable_from(y)
+        fg.add(Budget(u if not extra else u[:2], 1))
+        fg.solve()
+        assert u.value.dtype == dtype
+        u.value[0].backward()
+        assert y.grad.dtype == dtype
+        np.testing.assert_allclose(y.grad.double().numpy(), [0.5, -0.5, 0.0], atol=1e-2)
 
 
 @pytest.mark.parametrize("budget", [2, 2.0, np.int32(2), np.float32(2.0), np.array(2),
