@@ -42,6 +42,7 @@ import warnings
 
 import numpy as np
 
+from sparsemap import _variables
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base import _as_float_array, check_positive_int, check_real
 
@@ -85,6 +86,10 @@ class MAPAssignment:
     def __repr__(self):
         return f"MAPAssignment(u={self.u!r}, score={self.score:.10g})"
 
+    def value(self, x):
+        """The 0/1 values of a VariableArray (``1 - u`` where negated), shaped like it."""
+        return _variables.read(self.u, x)
+
 
 class LPMAPResult:
     """Outcome of :meth:`FactorGraph.solve_map`: the LP-MAP solution and its certificate.
@@ -114,7 +119,7 @@ class LPMAPResult:
         Whether ``gap <= tol * max(max |eta|, |lp_value|)`` and
         ``primal_residual <= 1e-8``.
     integral : bool
-        Whether ``u`` is 0/1 (up to 1e-9).
+        Whether ``u`` is 0/1 (up to 1e-9; it is then rounded).
     map : MAPAssignment or None
         When ``integral``: the joint configuration ``u`` and the factors'
         structures. It is an exact MAP of the graph when ``exact``.
@@ -138,6 +143,10 @@ class LPMAPResult:
     >>> r.exact, r.map.u, round(r.lp_value, 9), r.gap < 1e-9
     (True, array([0, 1, 0, 1]), 0.4, True)
     """
+
+    def value(self, x):
+        """The LP solution on a VariableArray (``1 - u`` where negated), shaped like it."""
+        return _variables.read(self.u, x)
 
     def __repr__(self):
         return (f"LPMAPResult(converged={self.converged}, integral={self.integral}, "
@@ -235,6 +244,9 @@ def _rank(r):
 
 def _finish(graph, links, eu, ev, u, v, structures, weights, dual, residual, scale, tol):
     r = LPMAPResult()
+    r.integral = bool(np.all(np.abs(u - np.round(u)) <= INTEGRAL_TOL))
+    if r.integral:
+        u = np.round(u) + 0.0           # the round-off of an integral optimum, and -0.0, go
     r.u, r.v = u, [x.reshape(f.shape_v) for x, f in zip(v, graph.factors)]
     r.structures, r.weights = structures, weights
     r.lp_value = float(eu @ u + sum(float(e @ x) for e, x in zip(ev, v)))
@@ -242,7 +254,6 @@ def _finish(graph, links, eu, ev, u, v, structures, weights, dual, residual, sca
     r.gap = r.dual_bound - r.lp_value
     r.primal_residual = float(residual)
     r.converged = bool(r.gap <= tol * max(scale, abs(r.lp_value)) and residual <= PRIMAL_TOL)
-    r.integral = bool(np.all(np.abs(u - np.round(u)) <= INTEGRAL_TOL))
     r.map = _assignment(graph, links, eu, ev, u, structures) if r.integral else None
     r.exact = bool(r.integral and r.converged and r.map is not None
                    and r.map.score >= r.dual_bound - tol * max(scale, abs(r.lp_value)))
