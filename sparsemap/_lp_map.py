@@ -53,6 +53,7 @@ _T0 = 10.0         # the first t, times max |eta|
 _GROWTH = 10.0
 _SOLVES = 6
 _RHO = 0.2         # the ADMM penalty, times t max |eta|: the scale of the scores
+_STABLE = 1e-7     # u moved less than this between two solves: it looks LP-optimal
 
 
 class MAPAssignment:
@@ -211,7 +212,7 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
         return _separable(graph, links, eu, ev, scale, tol)
     s = scale if scale > 0 else 1.0
     t = _T0 / s
-    best, n_iter = None, 0
+    best, n_iter, prev_u = None, 0, None
     for k in range(_SOLVES):
         rho = _RHO * t * s
         with warnings.catch_warnings():
@@ -220,12 +221,18 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
                                             for e, f in zip(ev, graph.factors)],
                                    max_iter=max_iter, rho=rho)
         n_iter += r.n_iter
-        out = _from_solve(graph, links, r, t, eu, ev, scale, tol)
+        out, nu = _from_solve(graph, links, r, t, eu, ev, scale, tol)
+        # The cheap bound failed: tighten it when the point looks LP-optimal (it no longer
+        # moves as t grows), or at the last solve; otherwise a larger t is cheaper.
+        if not out.converged and (k == _SOLVES - 1 or (
+                prev_u is not None and np.abs(out.u - prev_u).max(initial=0.0) <= _STABLE)):
+            out = _tighten(graph, links, r, out, nu, eu, ev, scale, tol)
         if best is None or _rank(out) < _rank(best):
             best = out
         best.n_solves = k + 1
         if best.converged:
             break
+        prev_u = out.u
         t *= _GROWTH
     best.n_iter = n_iter
     if not best.converged:
@@ -293,8 +300,13 @@ def _from_solve(graph, links, r, t, eu, ev, scale, tol):
     v = [x.reshape(-1) for x in r.v]
     nu = links.repair(r._engine.multipliers() / t, eu)
     dual = links.dual_bound(nu, eu, ev)
-    out = _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual, r.primal_residual,
-                  scale, tol)
+    return _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual, r.primal_residual,
+                   scale, tol), nu
+
+
+def _tighten(graph, links, r, out, nu, eu, ev, scale, tol):
+    """A better bound for the candidate out: refined multipliers, then cutting planes."""
+    u, v = out.u, [x.reshape(-1) for x in out.v]
     for step in (_refine, _cutting_planes):
         if out.converged or out.primal_residual > PRIMAL_TOL:
             break
