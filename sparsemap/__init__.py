@@ -31,6 +31,7 @@ from sparsemap._factors._tree import TreeFactor
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factor_graph import FactorGraph, FactorGraphResult
 from sparsemap._lp_map import LPMAPResult, MAPAssignment
+from sparsemap._variables import VariableArray
 from sparsemap._solve import SparseMAPResult, jvp_batch, solve, solve_batch, vjp_batch
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
@@ -41,6 +42,6 @@ __all__ = [
     "XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor", "PairFactor", "OrOutFactor",
     "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor", "ImplyFactor", "KnapsackFactor",
     "solve", "solve_batch", "vjp_batch", "jvp_batch", "SparseMAPResult", "ConvergenceWarning",
-    "FactorGraph", "FactorGraphResult", "LPMAPResult", "MAPAssignment",
+    "FactorGraph", "FactorGraphResult", "LPMAPResult", "MAPAssignment", "VariableArray",
     "sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss",
 ]

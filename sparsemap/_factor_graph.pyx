@@ -42,6 +42,7 @@ from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
+from sparsemap import _variables
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
@@ -763,8 +764,10 @@ class FactorGraph:
 
     Parameters
     ----------
-    n_variables : int
-        Number of binary variables (>= 1).
+    n_variables : int, optional
+        Number of binary variables (>= 1), numbered ``0 .. n_variables - 1``.
+        Omit it to declare them as arrays with :meth:`add_variables` (which
+        also adds to a given number).
 
     Attributes
     ----------
@@ -802,8 +805,9 @@ class FactorGraph:
     :doc:`/factor_graphs` for a parser with valency constraints.
     """
 
-    def __init__(self, n_variables):
-        self.n_variables = check_positive_int(n_variables, "n_variables")
+    def __init__(self, n_variables=None):
+        self.n_variables = 0 if n_variables is None else check_positive_int(n_variables,
+                                                                           "n_variables")
         self.factors = []
         self.variables = []
         self.negated = []
@@ -818,13 +822,16 @@ class FactorGraph:
         ----------
         factor : Factor
             Any factor: logic, tree, sequence, matching, generic or oracle.
-        variables : array_like of int, shape ``factor.shape_u``
-            The variable each unary part stands for, in ``[0, n_variables)``;
-            ``-1`` only where the factor ignores the part (the diagonal and
-            column 0 of a :class:`TreeFactor`).
+        variables : VariableArray or array_like of int, shape ``factor.shape_u``
+            The variable each unary part stands for: a slice of the arrays of
+            :meth:`add_variables` (``x[2:, 1]``, ``~x[0]`` for negated
+            literals), or the low-level form, variable indices in
+            ``[0, n_variables)`` with ``-1`` only where the factor ignores the
+            part (the diagonal and column 0 of a :class:`TreeFactor`).
         negated : array_like of bool, shape ``factor.shape_u``, optional
             Where True, the part stands for ``1 - u[i]`` instead of ``u[i]``
-            (default: no negation). Only on attached parts, and only where the
+            (default: no negation; with a VariableArray, it flips the
+            array's own negation). Only on attached parts, and only where the
             factor's parts lie in ``[0, 1]`` (a :class:`GenericFactor` row with
             other values is refused: ``1 - u`` would not be its complement).
 
@@ -843,6 +850,7 @@ class FactorGraph:
         """
         if not isinstance(factor, Factor):
             raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+        variables, negated = _variables.unpack(self, variables, negated)
         shape = factor.shape_u
         where = lambda: f" (factor.shape_u of {factor!r})"
         var = _typed_array(variables, "variables", shape, "iu", "integers", where)
@@ -895,9 +903,10 @@ class FactorGraph:
 
         Parameters
         ----------
-        eta_u : array_like, shape ``(n_variables,)``
+        eta_u : array_like, shape ``(n_variables,)``, or dict
             Unary scores of the variables (each counted once, whatever the
-            number of factors the variable is in).
+            number of factors the variable is in), or a dict
+            ``{VariableArray: scores}`` (see :meth:`scores`).
         eta_v : list, optional
             One entry per added factor, in order: its additional scores
             (shape ``factor.shape_v``), or None (zeros). Must be None for a
@@ -935,6 +944,8 @@ class FactorGraph:
             were reached within ``max_iter``; the last iterate is returned with
             ``converged=False``.
         """
+        if isinstance(eta_u, dict):
+            eta_u = self.scores(eta_u)
         result = self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish)
         if not result.converged:
             _warn_not_converged(result, "", 1)
@@ -1028,7 +1039,85 @@ class FactorGraph:
         (True, array([1, 0, 0]), 1.0)
         """
         from sparsemap._lp_map import solve_map
+        if isinstance(eta_u, dict):
+            eta_u = self.scores(eta_u)
         return solve_map(self, eta_u, eta_v, max_iter=max_iter, tol=tol)
+
+    # -- variables and slices (issue 16): arrays of variables, scores per array ----------------
+    def add_variables(self, shape):
+        """Declare new binary variables, as an array of the given shape.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+
+        Returns
+        -------
+        VariableArray
+            Their ids, ``n_variables .. n_variables + prod(shape) - 1`` in C
+            order (``n_variables`` grows by their number). Index it like a
+            NumPy array to attach factors to slices: ``fg.add(factor, x[2:, 1])``.
+
+        Raises
+        ------
+        ValueError
+            ``shape`` is not a tuple of non-negative integers.
+
+        Examples
+        --------
+        A 2 x 3 grid: exactly one on per row, at most one per column.
+
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x = fg.add_variables((2, 3))
+        >>> for i in range(2):
+        ...     _ = fg.add(sm.XorFactor(3), x[i])
+        >>> for j in range(3):
+        ...     _ = fg.add(sm.AtMostOneFactor(2), x[:, j])
+        >>> r = fg.solve_map({x: [[1.0, 0.5, 0.0], [0.9, 0.2, 0.1]]})
+        >>> r.exact, r.lp_value
+        (True, 1.4)
+        >>> r.map.value(x)
+        array([[0, 1, 0],
+               [1, 0, 0]])
+        """
+        return _variables.add_variables(self, shape)
+
+    def scores(self, assignments):
+        """The graph's ``eta_u`` from scores given per variable array.
+
+        The structure of a graph is separate from its scores: build it once,
+        then score it for every problem of a batch.
+
+        Parameters
+        ----------
+        assignments : dict or sequence of pairs
+            ``{x: scores_x, ...}`` (or ``[(x, scores_x), ...]``), each
+            ``scores_x`` shaped like the VariableArray ``x``, or with the same
+            leading batch dimensions for every entry. A variable given scores
+            by several entries gets their sum; variables given none get 0.
+
+        Returns
+        -------
+        ndarray, shape ``batch + (n_variables,)``
+
+        Raises
+        ------
+        ValueError
+            A key that is not a VariableArray of this graph (or is negated),
+            scores of the wrong shape or non-finite.
+
+        Examples
+        --------
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x, y = fg.add_variables(2), fg.add_variables(1)
+        >>> fg.scores({x: [0.5, -1.0], y: [2.0]})
+        array([ 0.5, -1. ,  2. ])
+        >>> fg.scores({x: np.ones((4, 2))}).shape           # a batch of 4
+        (4, 3)
+        """
+        return _variables.scores(self, assignments)
 
 
 def _warn_not_converged(result, where, stacklevel):
@@ -1123,6 +1212,20 @@ class FactorGraphResult:
                           f"relative residual of {res:.3g} after {n_cg} iterations",
                           ConvergenceWarning, stacklevel=3)
         return y
+
+    def value(self, x):
+        """The marginals of a VariableArray (``1 - u`` where negated), shaped like it.
+
+        Examples
+        --------
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x = fg.add_variables(3)
+        >>> _ = fg.add(sm.XorFactor(3), x)
+        >>> fg.solve({x: [1.0, 0.5, -1.0]}).value(x[:2])
+        array([0.75, 0.25])
+        """
+        return _variables.read(self.u, x)
 
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.

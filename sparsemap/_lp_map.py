@@ -42,6 +42,7 @@ import warnings
 
 import numpy as np
 
+from sparsemap import _variables
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factors._base import _as_float_array, check_positive_int, check_real
 
@@ -52,6 +53,7 @@ _T0 = 10.0         # the first t, times max |eta|
 _GROWTH = 10.0
 _SOLVES = 6
 _RHO = 0.2         # the ADMM penalty, times t max |eta|: the scale of the scores
+_STABLE = 1e-7     # u moved less than this between two solves: it looks LP-optimal
 
 
 class MAPAssignment:
@@ -85,6 +87,10 @@ class MAPAssignment:
     def __repr__(self):
         return f"MAPAssignment(u={self.u!r}, score={self.score:.10g})"
 
+    def value(self, x):
+        """The 0/1 values of a VariableArray (``1 - u`` where negated), shaped like it."""
+        return _variables.read(self.u, x)
+
 
 class LPMAPResult:
     """Outcome of :meth:`FactorGraph.solve_map`: the LP-MAP solution and its certificate.
@@ -114,7 +120,7 @@ class LPMAPResult:
         Whether ``gap <= tol * max(max |eta|, |lp_value|)`` and
         ``primal_residual <= 1e-8``.
     integral : bool
-        Whether ``u`` is 0/1 (up to 1e-9).
+        Whether ``u`` is 0/1 (up to 1e-9; it is then rounded).
     map : MAPAssignment or None
         When ``integral``: the joint configuration ``u`` and the factors'
         structures. It is an exact MAP of the graph when ``exact``.
@@ -138,6 +144,10 @@ class LPMAPResult:
     >>> r.exact, r.map.u, round(r.lp_value, 9), r.gap < 1e-9
     (True, array([0, 1, 0, 1]), 0.4, True)
     """
+
+    def value(self, x):
+        """The LP solution on a VariableArray (``1 - u`` where negated), shaped like it."""
+        return _variables.read(self.u, x)
 
     def __repr__(self):
         return (f"LPMAPResult(converged={self.converged}, integral={self.integral}, "
@@ -202,7 +212,7 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
         return _separable(graph, links, eu, ev, scale, tol)
     s = scale if scale > 0 else 1.0
     t = _T0 / s
-    best, n_iter = None, 0
+    best, n_iter, prev_u = None, 0, None
     for k in range(_SOLVES):
         rho = _RHO * t * s
         with warnings.catch_warnings():
@@ -211,12 +221,18 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
                                             for e, f in zip(ev, graph.factors)],
                                    max_iter=max_iter, rho=rho)
         n_iter += r.n_iter
-        out = _from_solve(graph, links, r, t, eu, ev, scale, tol)
+        out, nu = _from_solve(graph, links, r, t, eu, ev, scale, tol)
+        # The cheap bound failed: tighten it when the point looks LP-optimal (it no longer
+        # moves as t grows), or at the last solve; otherwise a larger t is cheaper.
+        if not out.converged and (k == _SOLVES - 1 or (
+                prev_u is not None and np.abs(out.u - prev_u).max(initial=0.0) <= _STABLE)):
+            out = _tighten(graph, links, r, out, nu, eu, ev, scale, tol)
         if best is None or _rank(out) < _rank(best):
             best = out
         best.n_solves = k + 1
         if best.converged:
             break
+        prev_u = out.u
         t *= _GROWTH
     best.n_iter = n_iter
     if not best.converged:
@@ -235,6 +251,9 @@ def _rank(r):
 
 def _finish(graph, links, eu, ev, u, v, structures, weights, dual, residual, scale, tol):
     r = LPMAPResult()
+    r.integral = bool(np.all(np.abs(u - np.round(u)) <= INTEGRAL_TOL))
+    if r.integral:
+        u = np.round(u) + 0.0           # the round-off of an integral optimum, and -0.0, go
     r.u, r.v = u, [x.reshape(f.shape_v) for x, f in zip(v, graph.factors)]
     r.structures, r.weights = structures, weights
     r.lp_value = float(eu @ u + sum(float(e @ x) for e, x in zip(ev, v)))
@@ -242,7 +261,6 @@ def _finish(graph, links, eu, ev, u, v, structures, weights, dual, residual, sca
     r.gap = r.dual_bound - r.lp_value
     r.primal_residual = float(residual)
     r.converged = bool(r.gap <= tol * max(scale, abs(r.lp_value)) and residual <= PRIMAL_TOL)
-    r.integral = bool(np.all(np.abs(u - np.round(u)) <= INTEGRAL_TOL))
     r.map = _assignment(graph, links, eu, ev, u, structures) if r.integral else None
     r.exact = bool(r.integral and r.converged and r.map is not None
                    and r.map.score >= r.dual_bound - tol * max(scale, abs(r.lp_value)))
@@ -282,8 +300,13 @@ def _from_solve(graph, links, r, t, eu, ev, scale, tol):
     v = [x.reshape(-1) for x in r.v]
     nu = links.repair(r._engine.multipliers() / t, eu)
     dual = links.dual_bound(nu, eu, ev)
-    out = _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual, r.primal_residual,
-                  scale, tol)
+    return _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual, r.primal_residual,
+                   scale, tol), nu
+
+
+def _tighten(graph, links, r, out, nu, eu, ev, scale, tol):
+    """A better bound for the candidate out: refined multipliers, then cutting planes."""
+    u, v = out.u, [x.reshape(-1) for x in out.v]
     for step in (_refine, _cutting_planes):
         if out.converged or out.primal_residual > PRIMAL_TOL:
             break
