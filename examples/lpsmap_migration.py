@@ -90,13 +90,14 @@ def budget_loop_native(logits, lengths, ratio):
 
 
 def matching_graph(m, n):
-    ids = np.arange(m * n).reshape(m, n)
-    g = sm.FactorGraph(m * n)
+    """The structure only, built once: variables declared by shape, factors on slices."""
+    g = sm.FactorGraph()
+    z = g.add_variables((m, n))
     for i in range(m):
-        g.add(sm.XorFactor(n), ids[i])
+        g.add(sm.XorFactor(n), z[i, :])
     for j in range(n):
-        g.add(sm.AtMostOneFactor(m), ids[:, j])
-    return g
+        g.add(sm.AtMostOneFactor(m), z[:, j])
+    return g, z
 
 
 def constrained_tree_graph(n):
@@ -137,12 +138,12 @@ def main(seed=0, verbose=True):
 
     m, n = 4, 6
     scores = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    g = matching_graph(m, n)
+    g, z = matching_graph(m, n)
     diff["matching, solve"] = float(
         (matching(scores, False).reshape(-1) - smt.factor_graph(g, scores.reshape(-1))).abs().max())
-    r = g.solve_map(scores.reshape(-1).numpy())
-    diff["matching, solve_map"] = float(np.abs(matching(scores, True).reshape(-1).numpy()
-                                               - r.u).max())
+    r = g.solve_map({z: scores.numpy()})
+    diff["matching, solve_map"] = float(np.abs(matching(scores, True).numpy()
+                                               - r.value(z)).max())
     batch = torch.randn(16, m * n, generator=gen, dtype=torch.float64)
     u_batch = smt.factor_graph(g, batch)            # 16 matchings, one graph, one call
     diff["matching, batch of 16"] = max(
