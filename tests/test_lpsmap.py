@@ -293,6 +293,51 @@ def test_one_position(coupled):
     assert u.value.tolist() == [[1.0]]
 
 
+def brute_force_map(V, factors, eta_u):
+    """The best joint 0/1 assignment allowed by every factor, and its score."""
+    best, arg = -np.inf, None
+    for z in itertools.product((0.0, 1.0), repeat=V):
+        z = np.array(z)
+        total = float(np.asarray(eta_u, float).ravel() @ z)
+        for M, N, ids, ev in factors:
+            col = np.flatnonzero(np.all(M == z[np.asarray(ids).ravel()][:, None], 0))
+            if col.size == 0:
+                break
+            if N is not None and ev is not None:
+                total += float(np.asarray(ev, float).ravel() @ N[:, col[0]])
+        else:
+            if total > best:
+                best, arg = total, z
+    return arg, best
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_solve_map_coupled_tight_equals_brute_force(name):
+    """solve_map with shared variables, additional scores included: where the local
+    polytope is tight (HiGHS' LP optimum equals the brute-force MAP), the answer is that
+    MAP assignment."""
+    rng = np.random.default_rng(300 + CASE_NAMES.index(name))
+    _, shape, build, (M, N), ev = _cases(rng)[CASE_NAMES.index(name)]
+    k = int(np.prod(shape))
+    checked = 0
+    for trial in range(4):
+        x = rng.normal(size=shape)
+        factors = [(M, N, np.arange(k), ev), (*logic_cols("atmostone", 2), [0, 1], None)]
+        z, score = brute_force_map(k, factors, x)
+        if abs(lp_reference(k, factors, x) - score) > 1e-9:
+            continue                       # fractional LP optimum: not a MAP question
+        checked += 1
+        for cls, arr in ((FactorGraph, x), (TorchFactorGraph, torch.tensor(x))):
+            fg = cls()
+            u = fg.variable_from(arr)
+            fg.add(build(u))
+            fg.add(AtMostOne(u.__getitem__(np.unravel_index([0, 1], shape))))
+            fg.solve_map()
+            got = (u.value.numpy() if cls is TorchFactorGraph else u.value).ravel()
+            np.testing.assert_allclose(got, z, atol=1e-7)
+    assert checked >= 1
+
+
 def test_free_variables_and_several_variables():
     """Variables in no factor are clipped (MAP: on iff positive); a factor over two
     variables' slices; variables solved jointly in one graph."""
