@@ -22,14 +22,16 @@ except ModuleNotFoundError as exc:   # pragma: no cover - depends on how it was 
         f"from the repository root, or start Python from another folder to use an installed "
         f"sparsemap.") from exc
 from sparsemap._factors._generic import GenericFactor, OracleFactor
-from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor, OrFactor,
-                                       OrOutFactor, PairFactor, SequenceBudgetFactor, XorFactor,
-                                       XorOutFactor)
+from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor, ImplyFactor,
+                                       KnapsackFactor, OrFactor, OrOutFactor, PairFactor,
+                                       SequenceBudgetFactor, XorFactor, XorOutFactor)
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
 from sparsemap._exceptions import ConvergenceWarning
 from sparsemap._factor_graph import FactorGraph, FactorGraphResult
+from sparsemap._lp_map import LPMAPResult, MAPAssignment
+from sparsemap._variables import VariableArray
 from sparsemap._solve import SparseMAPResult, jvp_batch, solve, solve_batch, vjp_batch
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
@@ -38,8 +40,8 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "Factor", "SequenceFactor", "TreeFactor", "MatchingFactor", "GenericFactor", "OracleFactor",
     "XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor", "PairFactor", "OrOutFactor",
-    "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor",
+    "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor", "ImplyFactor", "KnapsackFactor",
     "solve", "solve_batch", "vjp_batch", "jvp_batch", "SparseMAPResult", "ConvergenceWarning",
-    "FactorGraph", "FactorGraphResult",
+    "FactorGraph", "FactorGraphResult", "LPMAPResult", "MAPAssignment", "VariableArray",
     "sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss",
 ]

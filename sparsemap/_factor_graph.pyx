@@ -41,6 +41,7 @@ from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import STATUS_CONVERGED
+from sparsemap import _variables
 from sparsemap._exceptions import warn
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
@@ -721,6 +722,16 @@ cdef class _Engine:
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
+    # -- LP-MAP decoding (sparsemap._lp_map): the multipliers behind its dual bound ----------------
+    def multipliers(self):
+        """Per link, in literal space, the multipliers nu of the constraints M_f p_f = l_f(u):
+        the certified ones when polished (then sum_j sigma_j nu_j = eta_i - u_i and every
+        support structure maximises nu_f . m_s + eta_v[f] . n_s), ADMM's otherwise."""
+        a = self._arrays
+        if self.polished:
+            return np.array(a["cmu"][:self.L])
+        return a["sig"][:self.L] * a["lam"][:self.L]
+
 
 def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, rho, polish,
                        arrays, scalars, workspaces):
@@ -836,8 +847,10 @@ class FactorGraph:
 
     Parameters
     ----------
-    n_variables : int
-        Number of binary variables (>= 1).
+    n_variables : int, optional
+        Number of binary variables (>= 1), numbered ``0 .. n_variables - 1``.
+        Omit it to declare them as arrays with :meth:`add_variables` (which
+        also adds to a given number).
 
     Attributes
     ----------
@@ -875,8 +888,9 @@ class FactorGraph:
     :doc:`/factor_graphs` for a parser with valency constraints.
     """
 
-    def __init__(self, n_variables):
-        self.n_variables = check_positive_int(n_variables, "n_variables")
+    def __init__(self, n_variables=None):
+        self.n_variables = 0 if n_variables is None else check_positive_int(n_variables,
+                                                                           "n_variables")
         self.factors = []
         self.variables = []
         self.negated = []
@@ -891,13 +905,16 @@ class FactorGraph:
         ----------
         factor : Factor
             Any factor: logic, tree, sequence, matching, generic or oracle.
-        variables : array_like of int, shape ``factor.shape_u``
-            The variable each unary part stands for, in ``[0, n_variables)``;
-            ``-1`` only where the factor ignores the part (the diagonal and
-            column 0 of a :class:`TreeFactor`).
+        variables : VariableArray or array_like of int, shape ``factor.shape_u``
+            The variable each unary part stands for: a slice of the arrays of
+            :meth:`add_variables` (``x[2:, 1]``, ``~x[0]`` for negated
+            literals), or the low-level form, variable indices in
+            ``[0, n_variables)`` with ``-1`` only where the factor ignores the
+            part (the diagonal and column 0 of a :class:`TreeFactor`).
         negated : array_like of bool, shape ``factor.shape_u``, optional
             Where True, the part stands for ``1 - u[i]`` instead of ``u[i]``
-            (default: no negation). Only on attached parts, and only where the
+            (default: no negation; with a VariableArray, it flips the
+            array's own negation). Only on attached parts, and only where the
             factor's parts lie in ``[0, 1]`` (a :class:`GenericFactor` row with
             other values is refused: ``1 - u`` would not be its complement).
 
@@ -916,6 +933,7 @@ class FactorGraph:
         """
         if not isinstance(factor, Factor):
             raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+        variables, negated = _variables.unpack(self, variables, negated)
         shape = factor.shape_u
         where = lambda: f" (factor.shape_u of {factor!r})"
         var = _typed_array(variables, "variables", shape, "iu", "integers", where)
@@ -968,9 +986,10 @@ class FactorGraph:
 
         Parameters
         ----------
-        eta_u : array_like, shape ``(n_variables,)``
+        eta_u : array_like, shape ``(n_variables,)``, or dict
             Unary scores of the variables (each counted once, whatever the
-            number of factors the variable is in).
+            number of factors the variable is in), or a dict
+            ``{VariableArray: scores}`` (see :meth:`scores`).
         eta_v : list, optional
             One entry per added factor, in order: its additional scores
             (shape ``factor.shape_v``), or None (zeros). Must be None for a
@@ -1008,6 +1027,8 @@ class FactorGraph:
             were reached within ``max_iter``; the last iterate is returned with
             ``converged=False``.
         """
+        if isinstance(eta_u, dict):
+            eta_u = self.scores(eta_u)
         result = self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish)
         if not result.converged:
             _warn_not_converged(result, "")
@@ -1029,6 +1050,158 @@ class FactorGraph:
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
         return result
+
+
+    # -- LP-MAP decoding (issue 16): the method; the algorithm is in sparsemap/_lp_map.py ------
+    def solve_map(self, eta_u, eta_v=None, max_iter=None, tol=1e-9):
+        """LP-MAP decoding: the LP relaxation of MAP over the local polytope, with a certificate.
+
+        Solves AD3's LP-MAP problem,
+
+            max  eta_u . u + sum_f eta_v[f] . v[f]
+            s.t. every factor's (literals of u, v[f]) in its marginal polytope,
+
+        exactly, and certifies the answer by a duality gap. Each factor step is
+        the factor's active set on a quadratic subproblem (AD3's QP step); see
+        :doc:`/factor_graphs`.
+
+        Parameters
+        ----------
+        eta_u : array_like, shape ``(n_variables,)``
+            Unary scores (each variable counted once).
+        eta_v : list, optional
+            One entry per factor, as for :meth:`solve`.
+        max_iter : int, optional
+            ADMM iteration limit of each inner LP-SparseMAP solve.
+        tol : float, default 1e-9
+            The answer is accepted when its duality gap is at most
+            ``tol * max(max |scores|, |lp_value|)``.
+
+        Returns
+        -------
+        LPMAPResult
+            ``u``, ``v``, ``lp_value``, ``dual_bound``, ``gap``,
+            ``primal_residual``, ``integral``, ``map`` (the joint
+            configuration when integral), ``exact`` (integral and certified:
+            an exact MAP).
+
+        Raises
+        ------
+        ValueError
+            Wrong shapes, non-finite scores, bad ``max_iter`` or ``tol``.
+
+        Warns
+        -----
+        ConvergenceWarning
+            When the gap stays above the tolerance; the best point is returned
+            with ``converged=False``.
+
+        Notes
+        -----
+        The relaxation is exact (``exact=True``) when no variable is in two
+        factors (the LP splits into one MAP per factor, solved directly) and
+        whenever its optimum is integral. When it is fractional, ``u`` is the
+        least-norm point of the optimal face and ``map`` is None.
+
+        Examples
+        --------
+        A frustrated cycle of three "at most one" constraints over three
+        variables with equal scores: the relaxation is fractional.
+
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph(3)
+        >>> for pair in ([0, 1], [1, 2], [0, 2]):
+        ...     _ = fg.add(sm.AtMostOneFactor(2), pair)
+        >>> r = fg.solve_map(np.ones(3))
+        >>> r.integral, round(r.lp_value, 9), r.gap < 1e-9
+        (False, 1.5, True)
+        >>> r.u
+        array([0.5, 0.5, 0.5])
+        >>> r = fg.solve_map(np.array([1.0, -0.2, 0.9]))    # tight here: an exact MAP
+        >>> r.exact, r.map.u, round(r.map.score, 9)
+        (True, array([1, 0, 0]), 1.0)
+        """
+        from sparsemap._lp_map import solve_map
+        if isinstance(eta_u, dict):
+            eta_u = self.scores(eta_u)
+        return solve_map(self, eta_u, eta_v, max_iter=max_iter, tol=tol)
+
+    # -- variables and slices (issue 16): arrays of variables, scores per array ----------------
+    def add_variables(self, shape):
+        """Declare new binary variables, as an array of the given shape.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+
+        Returns
+        -------
+        VariableArray
+            Their ids, ``n_variables .. n_variables + prod(shape) - 1`` in C
+            order (``n_variables`` grows by their number). Index it like a
+            NumPy array to attach factors to slices: ``fg.add(factor, x[2:, 1])``.
+
+        Raises
+        ------
+        ValueError
+            ``shape`` is not a tuple of non-negative integers.
+
+        Examples
+        --------
+        A 2 x 3 grid: exactly one on per row, at most one per column.
+
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x = fg.add_variables((2, 3))
+        >>> for i in range(2):
+        ...     _ = fg.add(sm.XorFactor(3), x[i])
+        >>> for j in range(3):
+        ...     _ = fg.add(sm.AtMostOneFactor(2), x[:, j])
+        >>> r = fg.solve_map({x: [[1.0, 0.5, 0.0], [0.9, 0.2, 0.1]]})
+        >>> r.exact, r.lp_value
+        (True, 1.4)
+        >>> r.map.value(x)
+        array([[0, 1, 0],
+               [1, 0, 0]])
+        """
+        return _variables.add_variables(self, shape)
+
+    def scores(self, assignments):
+        """The graph's ``eta_u`` from scores given per variable array.
+
+        The structure of a graph is separate from its scores: build it once,
+        then score it for every problem of a batch.
+
+        Parameters
+        ----------
+        assignments : dict or sequence of pairs
+            ``{x: scores_x, ...}`` (or ``[(x, scores_x), ...]``), each
+            ``scores_x`` shaped like the VariableArray ``x``, or with the same
+            leading batch dimensions for every entry. A variable given scores
+            by several entries gets their sum; variables given none get 0.
+
+        Returns
+        -------
+        ndarray, shape ``batch + (n_variables,)``
+
+        Raises
+        ------
+        ValueError
+            A key that is not a VariableArray of this graph (or is negated),
+            scores of the wrong shape or non-finite.
+
+        Examples
+        --------
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x, y = fg.add_variables(2), fg.add_variables(1)
+        >>> fg.scores({x: [0.5, -1.0], y: [2.0]})
+        array([ 0.5, -1. ,  2. ])
+        >>> fg.scores({x: np.ones((4, 2))}).shape           # a batch of 4
+        (4, 3)
+        """
+        return _variables.scores(self, assignments)
+
 
 
 def _warn_not_converged(result, where):
@@ -1129,6 +1302,20 @@ class FactorGraphResult:
             warn(f"FactorGraphResult: the backward conjugate gradient stopped at a "
                  f"relative residual of {res:.3g} after {n_cg} iterations")
         return y
+
+    def value(self, x):
+        """The marginals of a VariableArray (``1 - u`` where negated), shaped like it.
+
+        Examples
+        --------
+        >>> import numpy as np, sparsemap as sm
+        >>> fg = sm.FactorGraph()
+        >>> x = fg.add_variables(3)
+        >>> _ = fg.add(sm.XorFactor(3), x)
+        >>> fg.solve({x: [1.0, 0.5, -1.0]}).value(x[:2])
+        array([0.75, 0.25])
+        """
+        return _variables.read(self.u, x)
 
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.

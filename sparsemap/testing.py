@@ -59,6 +59,8 @@ def _candidate_values(factor):
     if isinstance(factor, sparsemap.MatchingFactor):
         low = -1 if factor.n_rows > factor.n_cols else 0
         return [range(low, factor.n_cols)] * factor.n_rows
+    if isinstance(factor, sparsemap.KnapsackFactor):   # codes: 2 is the fractional entry
+        return [(0, 1, 2)] * factor.struct_size
     if isinstance(factor, _BinaryFactor):   # the logic factors: 0/1 vectors
         return [(0, 1)] * factor.struct_size
     return None
@@ -547,9 +549,10 @@ def factors(families=None, max_size=None):
         ``"tree"`` (up to 4 words; projective or not, single root or not),
         ``"matching"`` (up to 4 x 4), ``"generic"`` (random 0/1 columns with
         zero columns, exact duplicates and columns equal in ``M`` but different
-        in ``N``), ``"logic"`` (the logic factors, :class:`~sparsemap.XorFactor`
-        to :class:`~sparsemap.SequenceBudgetFactor`, up to 6 variables, budgets
-        at most and exactly). Default: every family.
+        in ``N``), ``"logic"`` (the logic factors with 0/1 vertices,
+        :class:`~sparsemap.XorFactor` to :class:`~sparsemap.SequenceBudgetFactor`
+        and :class:`~sparsemap.ImplyFactor`, up to 6 variables, budgets at most
+        and exactly). Default: every family.
     max_size : int, optional
         Cap on the size parameters above (positions, words, rows, columns).
 
@@ -586,10 +589,10 @@ def factors(families=None, max_size=None):
     @st.composite
     def logic(draw):
         kind = draw(st.sampled_from(["xor", "at_most_one", "or", "budget", "pair", "or_out",
-                                     "and_out", "xor_out", "sequence_budget"]))
+                                     "and_out", "xor_out", "sequence_budget", "imply"]))
         if kind == "pair":
             return sparsemap.PairFactor()
-        low = {"or_out": 3, "and_out": 3, "xor_out": 2}.get(kind, 1)
+        low = {"or_out": 3, "and_out": 3, "xor_out": 2, "imply": 2}.get(kind, 1)
         n = draw(st.integers(low, max(low, cap(6))))
         if kind in ("budget", "sequence_budget"):
             exact = draw(st.booleans())
@@ -598,7 +601,8 @@ def factors(families=None, max_size=None):
             return cls(n, budget, exact=exact)
         return {"xor": sparsemap.XorFactor, "at_most_one": sparsemap.AtMostOneFactor,
                 "or": sparsemap.OrFactor, "or_out": sparsemap.OrOutFactor,
-                "and_out": sparsemap.AndOutFactor, "xor_out": sparsemap.XorOutFactor}[kind](n)
+                "and_out": sparsemap.AndOutFactor, "xor_out": sparsemap.XorOutFactor,
+                "imply": sparsemap.ImplyFactor}[kind](n)
 
     strategies = {
         "sequence": st.builds(sparsemap.SequenceFactor,

@@ -350,7 +350,7 @@ def _family(f):
     names = {c.__name__ for c in type(f).__mro__}
     for family in ("XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor",
                    "SequenceBudgetFactor", "PairFactor", "OrOutFactor", "AndOutFactor",
-                   "XorOutFactor"):
+                   "XorOutFactor", "ImplyFactor"):
         if family in names:
             return family
     raise AssertionError(f"not a logic factor: {f!r}")
@@ -376,6 +376,8 @@ def logic_allowed(f):
         return lambda z: z[-1] == int(any(z[:-1]))
     if family == "AndOutFactor":
         return lambda z: z[-1] == int(all(z[:-1]))
+    if family == "ImplyFactor":      # AD3's IMPLY: z[0] and ... and z[-2] => z[-1]
+        return lambda z: z[-1] >= int(all(z[:-1]))
     return lambda z: z[:-1].sum() <= 1 and z[-1] == z[:-1].sum()     # XorOutFactor
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import sparsemap
 import sparsemap.losses
+import sparsemap.lpsmap
 import sparsemap.plot
 import sparsemap.testing
 import sparsemap.torch
@@ -18,7 +19,8 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 def public_docstring_examples():
     """Every docstring with examples among the public names, each once."""
     finder = doctest.DocTestFinder()
-    modules = (sparsemap.losses, sparsemap.plot, sparsemap.testing, sparsemap.torch)
+    modules = (sparsemap.losses, sparsemap.lpsmap, sparsemap.plot, sparsemap.testing,
+               sparsemap.torch)
     found = [t for mod in modules for t in finder.find(mod)]
     found += [t for name in sparsemap.__all__
               for t in finder.find(getattr(sparsemap, name), name=f"sparsemap.{name}")]

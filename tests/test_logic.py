@@ -51,6 +51,10 @@ def closed_form(f, eta_u, eta_v=None):
         return or_out_projection(eta_u), None
     if isinstance(f, sm.AndOutFactor):
         return and_out_projection(eta_u), None
+    if isinstance(f, sm.ImplyFactor):
+        # an OR over the literals (1 - u[:-1], u[-1]): reflect, project, reflect back
+        w = box_sum_projection(np.r_[1.0 - eta_u[:-1], eta_u[-1:]], lo=1)
+        return np.r_[1.0 - w[:-1], w[-1:]], None
     if isinstance(f, sm.PairFactor):
         u1, u2, v = pairwise_closed_form(eta_u[0], eta_u[1], eta_v[0])
         return np.array([u1, u2]), np.array([v])
@@ -64,7 +68,8 @@ SMALL = [sm.XorFactor(1), sm.XorFactor(4), sm.AtMostOneFactor(1), sm.AtMostOneFa
          sm.OrOutFactor(5), sm.AndOutFactor(3), sm.AndOutFactor(5), sm.XorOutFactor(2),
          sm.XorOutFactor(5), sm.SequenceBudgetFactor(1, 1), sm.SequenceBudgetFactor(5, 2),
          sm.SequenceBudgetFactor(5, 2, exact=True), sm.SequenceBudgetFactor(4, 9),
-         sm.SequenceBudgetFactor(4, 0, exact=True), sm.SequenceBudgetFactor(6, 6, exact=True)]
+         sm.SequenceBudgetFactor(4, 0, exact=True), sm.SequenceBudgetFactor(6, 6, exact=True),
+         sm.ImplyFactor(2), sm.ImplyFactor(3), sm.ImplyFactor(5)]
 IDS = [repr(f) for f in SMALL]
 CLOSED = [f for f in SMALL if not isinstance(f, sm.SequenceBudgetFactor)]
 
@@ -244,13 +249,13 @@ def test_sparsemap_against_qp_and_closed_form(f):
 
 LARGE = [sm.XorFactor(200), sm.AtMostOneFactor(200), sm.OrFactor(200), sm.BudgetFactor(200, 20),
          sm.BudgetFactor(200, 150, exact=True), sm.XorOutFactor(200), sm.OrOutFactor(200),
-         sm.AndOutFactor(200)]
+         sm.AndOutFactor(200), sm.ImplyFactor(200)]
 
 
 @pytest.mark.parametrize("f", LARGE, ids=[repr(f) for f in LARGE])
 def test_sparsemap_large_against_closed_form(f):
     rng = np.random.default_rng(f.n_u)
-    shifts = {sm.OrFactor: -2.0, sm.AndOutFactor: 1.0}   # make the constraints bind
+    shifts = {sm.OrFactor: -2.0, sm.AndOutFactor: 1.0, sm.ImplyFactor: 1.0}   # constraints bind
     for scale in (0.1, 1.0, 10.0):
         eu = scale * rng.standard_normal(f.n_u) + shifts.get(type(f), 0.0)
         r = solve_quiet(f, eu)
@@ -427,6 +432,8 @@ def test_init_args_and_kwargs():
     (lambda: sm.OrOutFactor(2), r"n: expected an integer >= 3"),
     (lambda: sm.AndOutFactor(2), r"n: expected an integer >= 3"),
     (lambda: sm.XorOutFactor(1), r"n: expected an integer >= 2"),
+    (lambda: sm.ImplyFactor(1), r"n: expected an integer >= 2 \(at least one premise"),
+    (lambda: sm.ImplyFactor(3.0), "n: expected a positive integer"),
     (lambda: sm.BudgetFactor(3, -1), "budget: expected a non-negative integer"),
     (lambda: sm.BudgetFactor(3, 1.5), "budget: expected a non-negative integer"),
     (lambda: sm.BudgetFactor(3, True), "budget: expected a non-negative integer"),
@@ -464,6 +471,8 @@ def test_bad_arguments(make, match):
     (sm.XorOutFactor(3), [1, 1, 1], "s: expected at most one of the first n - 1 variables on"),
     (sm.XorOutFactor(3), [1, 0, 0], "s: expected the last variable on exactly when"),
     (sm.XorOutFactor(3), [0, 0, 1], "s: expected the last variable on exactly when"),
+    (sm.ImplyFactor(3), [1, 1, 0], r"s: expected the last variable on when all the others are"),
+    (sm.ImplyFactor(2), [1, 0], r"s: expected the last variable on when all the others are"),
     (sm.SequenceBudgetFactor(3, 1), [1, 1, 0], "s: expected at most budget=1 positions on"),
     (sm.SequenceBudgetFactor(3, 2, exact=True), [1, 0, 0], "s: expected exactly budget=2"),
 ])
@@ -530,3 +539,18 @@ def test_masks_infeasible(f, eu, ev):
     msg = rf"^eta_u(, eta_v)?: every structure of {type(f).__name__} uses a forbidden part"
     with pytest.raises(ValueError, match=msg):
         sm.solve(f, np.array(eu), ev)
+
+
+def test_imply_binding_against_closed_form():
+    """Premises mostly on and the conclusion off: the one forbidden configuration is near."""
+    rng = np.random.default_rng(17)
+    n_binding = 0
+    for n in (2, 3, 50):
+        f = sm.ImplyFactor(n)
+        for scale in (0.1, 0.5, 2.0):
+            eu = np.r_[2.0 + scale * rng.standard_normal(n - 1), -1.0 + scale * rng.standard_normal()]
+            r = solve_quiet(f, eu)
+            ref = closed_form(f, eu)[0]
+            n_binding += ref[:-1].sum() - ref[-1] >= n - 2 - 1e-12   # the constraint binds
+            np.testing.assert_allclose(r.u, ref, atol=1e-10)
+    assert n_binding >= 6

@@ -300,6 +300,10 @@ cdef class Factor:
     def _map_flat(self, double[::1] eu, double[::1] ev):
         """MAP on validated flat scores, as an intc array; ValueError when every
         structure uses a forbidden part (a -inf score)."""
+        return self._map_score(eu, ev)[0]
+
+    def _map_score(self, double[::1] eu, double[::1] ev):
+        """:meth:`_map_flat` and the score of the structure: ``(intc array, float)``."""
         cdef out = np.empty(self.struct_size, dtype=np.intc)
         cdef double[::1] work = np.empty(self.work_bytes // 8 + 2, dtype=np.float64)
         cdef int[::1] o = out
@@ -314,7 +318,7 @@ cdef class Factor:
         if rc != 0 or not (score > -INFINITY):
             raise _NoAllowedStructure(self._infeasible_message("eta_u" if self.n_v == 0 else "eta_u, eta_v",
                                                       score))
-        return out
+        return out, score
 
     def _infeasible_message(self, names, double score=-INFINITY):
         if score != score:

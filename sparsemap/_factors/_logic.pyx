@@ -2,7 +2,9 @@
 
 Every factor here has ``n`` binary variables scored by ``eta_u`` of shape
 ``(n,)``; a structure is an allowed configuration, in compact form the 0/1 int
-vector ``s`` of length ``n``, and its unary column is ``m_s = s``. The factors
+vector ``s`` of length ``n``, and its unary column is ``m_s = s``. The one
+exception is :class:`KnapsackFactor`, whose polytope has vertices with one
+fractional coordinate (see its docstring for their compact form). The factors
 differ in the configurations they allow (a first-order logic constraint, a
 budget) and in their additional parts: :class:`PairFactor` scores "both on",
 :class:`SequenceBudgetFactor` scores the transitions of a two-state chain.
@@ -18,10 +20,17 @@ floating point: sums of scores that are equal in exact arithmetic may differ
 by round-off.
 """
 
+import math
+
 import numpy as np
 
+from libc.float cimport DBL_EPSILON
+from libc.math cimport INFINITY
+from libc.stdlib cimport qsort
+
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import check_bool, check_positive_int
+from sparsemap._factors._base import (_real_array, _typed_array, check_bool, check_positive_int,
+                                     check_real)
 
 # The back-pointer table of SequenceBudgetFactor's MAP, n * (min(budget, n) + 1)
 # bytes, must stay below this size.
@@ -720,6 +729,76 @@ cdef class XorOutFactor(_BinaryFactor):
         return 0
 
 
+cdef class ImplyFactor(_BinaryFactor):
+    """ImplyFactor(n)
+
+    The first ``n - 1`` binary variables, all on, imply the last.
+
+    The configurations are those with ``AND(s[:-1]) <= s[-1]``: every one
+    except "all of the first ``n - 1`` on and the last off". This is AD3's
+    (and lp-sparsemap's) ``IMPLY`` factor, ``s[0] and ... and s[n - 2] =>
+    s[n - 1]``: an :class:`OrFactor` over the literals ``1 - s[0], ...,
+    1 - s[n - 2], s[n - 1]``. For ``n = 2`` it reads ``s[0] <= s[1]``.
+
+    Parameters
+    ----------
+    n : int
+        Number of variables, the ``n - 1`` premises and the conclusion (>= 2).
+
+    Attributes
+    ----------
+    n : int
+
+    Notes
+    -----
+    Scores: ``eta_u`` of shape ``(n,)``; no ``eta_v``. Compact form: the 0/1
+    int vector ``s`` of length ``n`` with ``s[-1] >= min(s[:-1])``. MAP
+    switches on every variable with a positive score; when that is the one
+    forbidden configuration, it either switches the conclusion on or the
+    worst premise off, whichever costs less (the premise on ties, the
+    highest index among equal worst premises); O(n).
+
+    SparseMAP is the Euclidean projection onto
+    ``{u in [0, 1]^n : sum(1 - u[:-1]) + u[-1] >= 1}``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.ImplyFactor(3)
+    >>> f.map(np.array([1.0, 2.0, -0.5]))        # both premises on: the conclusion follows
+    array([1, 1, 1])
+    >>> f.map(np.array([0.4, 2.0, -0.5]))        # cheaper to drop the weaker premise
+    array([0, 1, 0])
+    """
+
+    def __init__(self, n):
+        self._set_n(n, 2, "at least one premise and the conclusion")
+
+    def _constraint_error(self, s):
+        K = self.n - 1
+        if s[K] < s[:K].min():
+            return "expected the last variable on when all the others are"
+
+    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
+                   char* work) except -1 nogil:
+        cdef int i, K = self.n - 1, worst = 0
+        cdef bint all_on = True
+        for i in range(K):
+            out[i] = eta_u[i] > 0
+            if not out[i]:
+                all_on = False
+            if eta_u[i] <= eta_u[worst]:
+                worst = i        # the last of the smallest
+        out[K] = eta_u[K] > 0
+        if all_on and not out[K]:
+            # forbidden: the conclusion on (eta_u[K] <= 0), or the worst premise off
+            if -eta_u[worst] >= eta_u[K]:
+                out[worst] = 0
+            else:
+                out[K] = 1
+        return 0
+
+
 cdef class SequenceBudgetFactor(_Budgeted):
     """SequenceBudgetFactor(n, budget, exact=False)
 
@@ -873,4 +952,296 @@ cdef class SequenceBudgetFactor(_Budgeted):
         if v != NULL:
             for i in range(self.n - 1):
                 v[(i * 2 + s[i]) * 2 + s[i + 1]] += w
+        return 0
+
+
+# -- the relaxed knapsack polytope ---------------------------------------------------------
+
+cdef struct _Item:
+    double key
+    int idx
+
+
+cdef int _by_key(const void* a, const void* b) noexcept nogil:
+    """qsort order of items: larger key first, then lower index."""
+    cdef const _Item* x = <const _Item*> a
+    cdef const _Item* y = <const _Item*> b
+    if x.key > y.key:
+        return -1
+    if x.key < y.key:
+        return 1
+    return (x.idx > y.idx) - (x.idx < y.idx)
+
+
+# In the compact form of a knapsack vertex, the code of the fractional entry.
+cdef int FRACTIONAL = 2
+
+
+cdef class KnapsackFactor(Factor):
+    """KnapsackFactor(costs, budget)
+
+    The relaxed knapsack polytope ``{u in [0, 1]^n : costs . u <= budget}``.
+
+    AD3's (and lp-sparsemap's) ``KNAPSACK`` factor. Unlike the other logic
+    factors, its polytope is not the convex hull of 0/1 configurations: a
+    vertex has every entry at 0 or 1 except at most one, which fills what is
+    left of the budget. MAP over it is a linear program, solved by the
+    fractional-knapsack greedy.
+
+    Parameters
+    ----------
+    costs : array_like of float, shape (n,)
+        Non-negative cost of each variable (n >= 1). A variable of cost 0 is
+        free: only the box ``[0, 1]`` limits it.
+    budget : float
+        Non-negative budget.
+
+    Attributes
+    ----------
+    n : int
+    costs : ndarray of float64, shape (n,)
+        A read-only copy.
+    budget : float
+
+    Notes
+    -----
+    Scores: ``eta_u`` of shape ``(n,)``; no ``eta_v``.
+
+    Compact form: the vertex itself, a float64 array ``s`` of shape ``(n,)``
+    with ``m_s = s``: entries 0 or 1 where ``costs . s <= budget`` holds, or
+    additionally one entry ``j`` in ``(0, 1)`` equal to
+    ``(budget - costs . [s == 1]) / costs[j]``, which makes the budget tight.
+    Sums of costs are compared with the budget up to round-off,
+    ``4 n eps (budget + sum(costs))``: a fraction that close to 0 or 1 is
+    that 0/1 vertex.
+    Methods that take a structure also accept an entry ``2`` in place of the
+    fractional value (they compute it); a fractional value given by hand must
+    match it to 1e-9. ``score``, ``overlap`` and ``add_column`` are O(n).
+    A budget of ``sum(costs)`` or more leaves the box ``[0, 1]^n``.
+
+    MAP is the fractional-knapsack greedy, O(n log n): among the variables
+    with a positive score, in decreasing order of ``score / cost`` (free
+    variables first, the lowest index on ties), switch each on while it fits,
+    and the first that does not fit takes the rest of the budget.
+
+    SparseMAP is the Euclidean projection of ``eta_u`` onto the polytope,
+    ``clip(eta_u - tau * costs, 0, 1)`` with the smallest ``tau >= 0`` that
+    meets the budget.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.KnapsackFactor([1.0, 2.0, 2.0], 2.5)
+    >>> f.map(np.array([1.0, 3.0, 1.0]))       # ratios 1, 1.5, 0.5
+    array([0.5, 1. , 0. ])
+    >>> f.vertex([1, 0, 2])[0]                   # 2: compute the fractional entry
+    array([1.  , 0.  , 0.75])
+    >>> print(np.round(sm.solve(f, np.array([1.0, 1.0, 1.0])).u, 6))   # clip(1 - tau costs, 0, 1)
+    [0.722222 0.444444 0.444444]
+    """
+    cdef readonly int n
+    cdef readonly double budget
+    cdef object _costs
+    cdef const double* c
+    cdef double slack
+
+    def __init__(self, costs, budget):
+        arr = _real_array(costs, "costs")
+        if arr.ndim != 1 or arr.shape[0] == 0:
+            raise ValueError(f"costs: expected a non-empty 1-d array of non-negative floats, "
+                             f"got shape {arr.shape}")
+        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise ValueError(f"costs: expected finite non-negative values, got "
+                             f"{_show(arr)}")
+        arr = np.array(arr, dtype=np.float64)   # our own copy
+        arr.setflags(write=False)
+        self.budget = check_real(budget, "budget")
+        self._costs = arr
+        cdef const double[::1] cv = arr
+        self.c = &cv[0]
+        self.n = arr.shape[0]
+        self.slack = 4 * DBL_EPSILON * self.n * (self.budget + math.fsum(arr))
+        self._set_shapes((self.n,), (0,), self.n, self.n * sizeof(_Item))
+
+    @property
+    def costs(self):
+        return self._costs
+
+    def _init_args(self):
+        return (self._costs, self.budget)
+
+    def __repr__(self):
+        costs = self._costs.tolist() if self.n <= 8 else f"<{self.n} array>"
+        return f"KnapsackFactor({costs}, {self.budget!r})"
+
+    # -- compact form: codes 0, 1 and FRACTIONAL ------------------------------------------
+    cdef double _fraction(self, const int* s, int* j) noexcept nogil:
+        """Value of the fractional entry of s (written to j[0], -1 if none; then 0)."""
+        cdef int i
+        cdef double spent = 0.0, x
+        j[0] = -1
+        for i in range(self.n):
+            if s[i] == 1:
+                spent += self.c[i]
+            elif s[i] == FRACTIONAL:
+                j[0] = i
+        if j[0] < 0:
+            return 0.0
+        x = (self.budget - spent) / self.c[j[0]]
+        return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
+
+    def _fraction_of(self, s):
+        """(j, value) of the fractional entry of an intc code array (j = -1: none)."""
+        cdef const int[::1] sv = np.ascontiguousarray(s, dtype=np.intc)
+        cdef int j
+        cdef double x = self._fraction(&sv[0], &j)
+        return j, x
+
+    def _to_public(self, s):
+        j, x = self._fraction_of(s)
+        out = (np.asarray(s) == 1).astype(np.float64)
+        if j >= 0:
+            out[j] = x
+        return out
+
+    def _from_dense(self, m, n):
+        return m
+
+    def check_structure(self, s, name="s"):
+        """Validate a vertex and return its codes (0, 1 or 2 = fractional) as a C int array.
+
+        Parameters
+        ----------
+        s : array_like of float, shape (n,)
+            A vertex of the polytope (see the class docstring); an entry 2
+            stands for the fractional entry, whose value is then computed.
+        name : str
+            Argument name used in error messages.
+
+        Returns
+        -------
+        ndarray of intc, shape (n,)
+
+        Raises
+        ------
+        ValueError
+            Wrong shape, entries outside ``[0, 1]`` (other than 2), more than
+            one fractional entry, or a point that is not a vertex of the
+            polytope.
+        """
+        arr = _typed_array(s, name, None, "biuf", "a vertex (numbers in [0, 1])")
+        arr = arr.reshape(-1) if arr.ndim == 0 else arr
+        if arr.shape != (self.n,):
+            raise ValueError(f"{name}: expected shape {(self.n,)}, got {arr.shape}")
+        a = arr.astype(np.float64)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{name}: contains non-finite values (nan or inf)")
+        frac = ((a > 0) & (a < 1)) | (a == FRACTIONAL)
+        if np.any(~((a == 0) | (a == 1) | frac)):
+            raise ValueError(f"{name}: expected entries in [0, 1] (or 2 for the fractional "
+                             f"entry), got {_show(a)}")
+        codes = (a == 1).astype(np.intc)
+        codes[frac] = FRACTIONAL
+        self._validate_structure(codes, name)
+        j = np.flatnonzero(frac)
+        if j.size and a[j[0]] != FRACTIONAL:
+            _, x = self._fraction_of(codes)
+            if abs(a[j[0]] - x) > 1e-9:
+                raise ValueError(f"{name}: not a vertex: entry {int(j[0])} is {float(a[j[0]])!r}, where "
+                                 f"the budget left by the entries at 1 gives {x!r}")
+        return codes
+
+    def _validate_structure(self, s, name):
+        frac = np.flatnonzero(s == FRACTIONAL)
+        if frac.size > 1:
+            raise ValueError(f"{name}: not a vertex: {frac.size} fractional entries (at most one)")
+        spent = 0.0
+        for i in np.flatnonzero(s == 1):   # the order of _fraction, for the same round-off
+            spent += float(self._costs[i])
+        if frac.size == 0:
+            if spent > self.budget + self.slack:
+                raise ValueError(f"{name}: costs . s = {spent!r} exceeds budget={self.budget!r}")
+            return
+        j = int(frac[0])
+        left = self.budget - spent
+        if not (self.slack < left < self._costs[j] - self.slack):
+            raise ValueError(f"{name}: not a vertex: a fractional entry {j} needs 0 < budget - "
+                             f"costs . [s == 1] < costs[{j}] (beyond round-off), got {left!r} "
+                             f"and costs[{j}] = {float(self._costs[j])!r}")
+
+    # -- the C interface ------------------------------------------------------------------
+    cdef int c_map(self, const double* eta_u, const double* eta_v, int* out,
+                   char* work) except -1 nogil:
+        cdef _Item* items = <_Item*> work
+        cdef int i, k, m = 0, j = -1
+        cdef double left = self.budget, x
+        for i in range(self.n):
+            out[i] = 0
+            if eta_u[i] > 0:
+                items[m].key = eta_u[i] / self.c[i] if self.c[i] > 0 else INFINITY
+                items[m].idx = i
+                m += 1
+        qsort(items, m, sizeof(_Item), _by_key)
+        for k in range(m):
+            i = items[k].idx
+            if self.c[i] <= left + self.slack:
+                out[i] = 1
+                left -= self.c[i]
+            else:
+                if left > 0:
+                    j = i
+                break
+        if j >= 0:
+            # the budget left, summed in index order as the other methods do; a
+            # fraction within round-off of 0 or 1 is that (a 0/1 vertex)
+            out[j] = FRACTIONAL
+            x = self.budget
+            for i in range(self.n):
+                if out[i] == 1:
+                    x -= self.c[i]
+            if not (x > self.slack):
+                out[j] = 0
+            elif x >= self.c[j] - self.slack:
+                out[j] = 1
+        return 0
+
+    cdef int c_score(self, const int* s, const double* eta_u, const double* eta_v,
+                     double* out) except -1 nogil:
+        cdef int i, j
+        cdef double acc = 0.0, x = self._fraction(s, &j)
+        for i in range(self.n):
+            if s[i] == 1:
+                acc += eta_u[i]
+        if j >= 0 and x > 0.0:      # 0 * -inf would be nan
+            acc += x * eta_u[j]
+        out[0] = acc
+        return 0
+
+    cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil:
+        cdef int i, js, jt, k = 0
+        cdef double xs = self._fraction(s, &js), xt = self._fraction(t, &jt), acc
+        for i in range(self.n):
+            k += (s[i] == 1) & (t[i] == 1)
+        acc = k
+        if js >= 0:
+            if t[js] == 1:
+                acc += xs
+            elif js == jt:
+                acc += xs * xt
+        if jt >= 0 and s[jt] == 1:
+            acc += xt
+        out[0] = acc
+        return 0
+
+    cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil:
+        cdef int i, j
+        cdef double x
+        if u == NULL:
+            return 0
+        for i in range(self.n):
+            if s[i] == 1:
+                u[i] += w
+        x = self._fraction(s, &j)
+        if j >= 0:
+            u[j] += w * x
         return 0
