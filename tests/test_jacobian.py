@@ -62,7 +62,8 @@ def test_jvp_vjp_match_dense_prop1(problem):
     factor, eta_u, eta_v = problem
     n_u, n = factor.n_u, factor.n_u + factor.n_v
     r = sm.solve(factor, eta_u, eta_v)
-    J_ref = prop1_dense(factor, r.structures)
+    # Prop. 1 on the backward set: the support and its completion to the optimal face
+    J_ref = prop1_dense(factor, r._backward_structures())
     # the whole Jacobian, one basis direction at a time, through jvp and through vjp
     J = np.array([r.jvp(e[:n_u].reshape(factor.shape_u), e[n_u:].reshape(factor.shape_v))
                   .ravel() for e in np.eye(n)]).T
