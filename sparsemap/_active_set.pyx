@@ -1141,7 +1141,8 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     n_pos = ws.nI
     face = FACE_CERTIFIED
     if status == CONVERGED or status == STALLED:
-        face = _complete(ws, max_iter, gap)
+        # max_iter bounds the loop's iterations and the completion's MAP calls together
+        face = _complete(ws, max_iter - n_iter, gap)
         if face == FACE_BUDGET and status == CONVERGED:
             status = FACE_INCOMPLETE
     _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)

@@ -37,8 +37,9 @@ _MESSAGES = {
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
     STATUS_STOPPED: "stopped by the callback",
-    STATUS_FACE_INCOMPLETE: "u converged, but max_iter MAP calls did not certify that the "
-                            "backward set spans the optimal face (jvp/vjp may be inexact)",
+    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out before the MAP calls certified "
+                            "that the backward set spans the optimal face (jvp/vjp may be "
+                            "inexact)",
 }
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
