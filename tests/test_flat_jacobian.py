@@ -252,3 +252,30 @@ def test_distribution_at_flat_scores():
     np.testing.assert_allclose(Ms @ dy, proj, atol=1e-8)
     assert r._sol.n_backward > r._sol.n_support       # the face is larger than the support
     assert np.abs(proj - r.jvp(d).ravel()).max() > 1e-3
+
+
+# -- the torch layers -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", ["tree", "tree-single-root", "matching"])
+def test_torch_gradcheck_at_flat_scores(layer):
+    """torch.autograd.gradcheck at scale 0.1 in float64, of the layer restricted to a random
+    8-dimensional affine subspace of scores and read through 8 random outputs (so that its
+    central differences, input by input, and its backward passes, output by output, stay
+    few): z -> C u(x0 + B z)."""
+    torch = pytest.importorskip("torch")
+    import sparsemap.torch as smt
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 16, 16) if layer.startswith("tree") else (2, 12, 13)
+    x0 = 0.1 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+    n = x0.numel()
+    B = torch.randn(n, 8, generator=gen, dtype=torch.float64)
+    C = torch.randn(8, n, generator=gen, dtype=torch.float64)
+
+    def fn(z):
+        x = x0 + (B @ z).reshape(shape)
+        u = smt.tree(x, single_root=layer.endswith("root")) if layer.startswith("tree") \
+            else smt.matching(x)
+        return C @ u.reshape(-1)
+
+    z = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5, rtol=1e-4)
