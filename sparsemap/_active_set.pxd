@@ -30,6 +30,8 @@ cdef class _Workspace:
     cdef double* u
     cdef double* v
     cdef double* adj           # eta_u - u
+    cdef double* dvec          # face completion: the probing direction (n_u)
+    cdef double* pert          # face completion: perturbed scores (n_u)
     cdef int* snew
     cdef char* work
     cdef const double* eta_u
@@ -59,7 +61,13 @@ cdef class _Workspace:
     cdef void _drop_below(self, double threshold) noexcept nogil
     cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil
     cdef void _jacobian(self, double* x) noexcept nogil
+    cdef int _append_face(self, const int* s) except -1 nogil
     cdef object _export(self)
+
+
+# Face completion after a converged solve (weight-0 rows appended): returns
+# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED.
+cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
 
 
 # The loop: runs until converged, stalled or max_iter; hist (or NULL) gets

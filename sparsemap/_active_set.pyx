@@ -61,10 +61,12 @@ cdef enum:
     STALLED = 3   # no further progress possible in double precision
     INFEASIBLE = 4  # every structure uses a forbidden (-inf) part: nothing was solved
     STOPPED = 5   # the callback asked to stop
+    FACE_INCOMPLETE = 6   # converged, but max_iter MAP calls did not certify the face
 
 STATUS_CONVERGED, STATUS_MAX_ITER, STATUS_STALLED = CONVERGED, MAX_ITER, STALLED
 STATUS_INFEASIBLE = INFEASIBLE
 STATUS_STOPPED = STOPPED
+STATUS_FACE_INCOMPLETE = FACE_INCOMPLETE
 
 
 cdef extern from *:
@@ -158,9 +160,12 @@ cdef class _Workspace:
         self.hash = 0
         self.callback = NULL
         self.S = NULL
+        self.dvec = self.pert = NULL
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
+        self.dvec = <double*> malloc((self.n_u + 1) * sizeof(double))
+        self.pert = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
         self.abs_eu = <double*> malloc((self.n_u + self.n_v + 1) * sizeof(double))
         self.abs_ev = (self.abs_eu + self.n_u) if self.n_v else NULL
@@ -168,6 +173,7 @@ cdef class _Workspace:
         # 16-byte aligned scratch for c_map
         self.work = <char*> malloc(f.work_bytes + 16)
         if (self.u == NULL or self.adj == NULL or self.v == NULL or self.snew == NULL
+                or self.dvec == NULL or self.pert == NULL
                 or self.work == NULL or self.abs_eu == NULL):
             raise MemoryError()
         self._grow(cap if cap > 4 else 4)
@@ -175,7 +181,7 @@ cdef class _Workspace:
     def __dealloc__(self):
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
-        free(self.snew); free(self.work); free(self.abs_eu)
+        free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
 
     cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
         """Point at the scores (the caller keeps them alive; either may be NULL when
@@ -528,6 +534,28 @@ cdef class _Workspace:
             x[t] -= a * self.w2[t]
         self._solve_upper(x)
 
+    cdef int _append_face(self, const int* s) except -1 nogil:
+        """Append s at weight 0 if its column is affinely independent of the rows'.
+
+        Returns 1 if appended, 0 if dependent (nothing changes: unlike
+        ``_insert``, no weight moves, since s is to join the backward set only).
+        """
+        cdef Py_ssize_t t, n = self.nI
+        cdef double g, d, delta
+        if n + 1 >= self.cap:
+            self._grow(2 * self.cap)
+        for t in range(n):
+            self.f.c_overlap(s, self.S + t * self.k, &g)
+            self.x1[t] = g + self.c
+        self.f.c_overlap(s, s, &d)
+        d += self.c
+        self._solve_lower(self.x1)
+        delta = d - _dot(self.x1, self.x1, n)
+        if not (delta > DEP_TOL * d):
+            return 0
+        self._append(s, self.x1, sqrt(delta), 0.0)
+        return 1
+
     cdef object _export(self):
         """Support, weights and Cholesky factor as NumPy arrays."""
         cdef Py_ssize_t n = self.nI, i
@@ -680,24 +708,158 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     return status
 
 
+# -- face completion --------------------------------------------------------------
+# The Jacobian of u is the projection onto the directions of the optimal face: the
+# face of the marginal polytope whose vertices all score the maximum at the adjusted
+# scores eta - [u; 0]. A converged support lies in that face but may span only part
+# of it (flat scores), so after a solve the backward set is completed: weight-0 rows
+# are appended until their affine hull spans the face, certified by MAP calls along
+# random directions orthogonal to the rows' span (see _complete).
+
+cdef enum:
+    FACE_CERTIFIED = 0    # both signs of a random direction found nothing new
+    FACE_BUDGET = 1       # the MAP budget ran out first
+    FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
+
+FACE_STATUS_CERTIFIED, FACE_STATUS_BUDGET, FACE_STATUS_UNRESOLVED = (
+    FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED)
+
+# Scores within FACE_TIE * max(1, |score|) (plus the solve's gap) of the maximum tie.
+cdef double FACE_TIE = 1e-10
+# First perturbation size, relative to max(1, |score|); shrunk when a probe leaves the face.
+cdef double FACE_EPS = 1e-6
+# A probe must move a score by more than FACE_SEE tie tolerances to count; the
+# perturbation is never shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
+cdef double FACE_SEE = 4.0
+cdef double FACE_MIN = 64.0
+# Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
+cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
+
+
+cdef inline double _uniform(unsigned long long* state) noexcept nogil:
+    """A uniform draw in [-1, 1) (splitmix64)."""
+    cdef unsigned long long z
+    state[0] += 0x9e3779b97f4a7c15ULL
+    z = state[0]
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL
+    z = z ^ (z >> 31)
+    return <double> (z >> 11) * (2.0 / 9007199254740992.0) - 1.0
+
+
+cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil:
+    """Append weight-0 rows to a solved workspace until they span the optimal face.
+
+    With theta = eta_u - u (eta_v unchanged), every face vertex scores the
+    maximum s*, which the rows (the support) attain. Each round draws a random
+    g, projects it to d = g - J g (J: Prop. 1 on the rows, the orthogonal
+    projector onto the span of their differences; so d . m_t is one constant
+    over the rows' affine hull) and calls MAP at theta + eps d, then at
+    theta - eps d. A returned vertex that still ties at theta and moves the
+    score by more than the tie tolerance lies in the face outside the rows'
+    affine hull: it is appended (weight 0) and a new round starts. When both
+    signs return nothing new, the span is certified (a random d orthogonal to
+    the rows' span is orthogonal to the face's only if the spans coincide).
+    A vertex that does not tie at theta means eps was too large: it shrinks
+    (and stays shrunk). At most ``budget`` MAP calls; ws.n_map counts them.
+    """
+    cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0
+    cdef unsigned long long rng = FACE_SEED
+    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt
+    cdef double* d = ws.dvec
+    cdef double* p = ws.pert
+    cdef int sign
+    cdef bint found
+    if ws.nI == 0 or n_u == 0:
+        return FACE_CERTIFIED
+    ws._compute_u(ws.y, False)
+    for j in range(n_u):
+        ws.adj[j] = ws.eta_u[j] - ws.u[j]
+        p[j] = fabs(ws.adj[j]) if ws.adj[j] > -INFINITY else 0.0
+    for t in range(ws.nI):
+        ws.f.c_score(ws.S + t * k, ws.adj, ws.eta_v, &s)
+        if s > s_ref:
+            s_ref = s
+        ws.f.c_score(ws.S + t * k, p, ws.abs_ev, &s)
+        if s > big:
+            big = s
+    big = big if big > 1.0 else 1.0
+    tau = FACE_TIE * big + (gap if gap > 0 else 0.0)
+    eps = FACE_EPS * big
+    if eps < FACE_MIN * tau:
+        eps = FACE_MIN * tau
+    while True:
+        # d = g - J g, scaled to unit max-norm (0 on forbidden parts)
+        for j in range(n_u):
+            d[j] = _uniform(&rng) if ws.adj[j] > -INFINITY else 0.0
+        for t in range(ws.nI):
+            ws.f.c_score(ws.S + t * k, d, NULL, &ws.x1[t])
+        ws._jacobian(ws.x1)
+        for t in range(ws.nI):
+            ws.f.c_add(ws.S + t * k, -ws.x1[t], d, NULL)
+        dmax = 0.0
+        for j in range(n_u):
+            if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
+                dmax = fabs(d[j])
+        if dmax == 0.0:
+            return FACE_CERTIFIED
+        c_d = 0.0
+        for j in range(n_u):
+            d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
+        for t in range(ws.nI):
+            ws.f.c_score(ws.S + t * k, d, NULL, &s)
+            c_d += s
+        c_d /= ws.nI
+        found = False
+        for sign in range(1, -2, -2):
+            while True:
+                if n_calls >= budget:
+                    return FACE_BUDGET
+                for j in range(n_u):
+                    p[j] = ws.adj[j] + sign * eps * d[j]
+                ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
+                ws.n_map += 1
+                n_calls += 1
+                ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
+                st -= s_ref
+                ws.f.c_score(ws.snew, d, NULL, &dt)
+                dt = sign * (dt - c_d)
+                if st < -tau:
+                    # not in the face: the perturbation reached past the face's margin
+                    eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
+                    if eps < FACE_MIN * tau:
+                        return FACE_UNRESOLVED
+                    continue
+                if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
+                    found = ws._append_face(ws.snew) == 1
+                break
+            if found:
+                break
+        if not found:
+            return FACE_CERTIFIED
+
+
 # ---------------------------------------------------------------------------
 # Solving problems: setup with the GIL, then every problem a thread claims in
 # one block without it, the outcome left in C buffers until asked for.
 # ---------------------------------------------------------------------------
 
 cdef struct _Sol:
-    # Outcome of one solve. The support S, weights y and Cholesky factor L (n x n,
-    # row-major lower triangular) are in the solver's order, which the backward pass
-    # uses as it is; u and v are flat. A solution of a solver that keeps no factor (CG)
-    # has no L. One malloc'ed block, buf, holds them all (NULL: nothing solved).
+    # Outcome of one solve. The backward set S, weights y and Cholesky factor L
+    # (n_support x n_support, row-major lower triangular) are in the solver's order,
+    # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
+    # the support (weights > 0); the rest, weight 0, complete it to span the optimal
+    # face. A solution of a solver that keeps no factor (CG) has no L. One malloc'ed
+    # block, buf, holds them all (NULL: nothing solved).
     void* buf
     int* S
     double* y
     double* L
     double* u
     double* v
-    Py_ssize_t n_support, n_iter, n_map
+    Py_ssize_t n_support, n_pos, n_iter, n_map
     int status
+    int face            # FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED
     double gap, objective
     double seconds       # spent in the solve without the GIL (benchmarks)
     bint has_cholesky
@@ -718,6 +880,7 @@ cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, bint with_L) except -1 no
     sol.v = sol.u + f.n_u
     sol.S = <int*> (sol.v + f.n_v)
     sol.n_support = n
+    sol.n_pos = n
     sol.has_cholesky = with_L
     return 0
 
@@ -732,6 +895,7 @@ cdef int _sol_copy(_Sol* dst, const _Sol* src, Factor f) except -1 nogil:
         dst.buf = NULL
         return 0
     _sol_alloc(dst, f, src.n_support, src.has_cholesky)
+    dst.n_pos = src.n_pos
     memcpy(dst.buf, src.buf, (<char*> (src.S + src.n_support * f.struct_size))
                              - <char*> src.buf)
     return 0
@@ -748,7 +912,18 @@ cdef class _Solution:
 
     @property
     def n_support(self):
+        """The support's size (weights > 0)."""
+        return self.s.n_pos
+
+    @property
+    def n_backward(self):
+        """The backward set's size: the support and its completion to the optimal face."""
         return self.s.n_support
+
+    @property
+    def face_status(self):
+        """``FACE_STATUS_CERTIFIED``, ``FACE_STATUS_BUDGET`` or ``FACE_STATUS_UNRESOLVED``."""
+        return self.s.face
 
     @property
     def n_iter(self):
@@ -779,17 +954,19 @@ cdef class _Solution:
     def has_cholesky(self):
         return self.s.has_cholesky
 
-    def structures_array(self):
-        """The support, ``(n_support, struct_size)`` intc, solver's order."""
+    def structures_array(self, bint backward=False):
+        """The support (or with ``backward`` the backward set), ``(n, struct_size)`` intc,
+        solver's order."""
         cdef Py_ssize_t k = self.factor.struct_size
-        out = np.empty((self.s.n_support, k), dtype=np.intc)
+        cdef Py_ssize_t n = self.s.n_support if backward else self.s.n_pos
+        out = np.empty((n, k), dtype=np.intc)
         cdef int[:, ::1] o = out
-        if self.s.n_support:
-            memcpy(&o[0, 0], self.s.S, self.s.n_support * k * sizeof(int))
+        if n:
+            memcpy(&o[0, 0], self.s.S, n * k * sizeof(int))
         return out
 
-    def weights_array(self):
-        return _copy_out(self.s.y, self.s.n_support)
+    def weights_array(self, bint backward=False):
+        return _copy_out(self.s.y, self.s.n_support if backward else self.s.n_pos)
 
     def u_array(self):
         return _copy_out(self.s.u, self.factor.n_u)
@@ -806,9 +983,10 @@ cdef class _Solution:
 
     def __reduce__(self):
         return (solution_from_arrays,
-                (self.factor, self.structures_array(), self.weights_array(), self.cholesky_array(),
-                 self.u_array(), self.v_array(), self.s.n_iter, self.s.n_map, self.s.status,
-                 self.s.gap, self.s.objective, self.history))
+                (self.factor, self.structures_array(True), self.weights_array(True),
+                 self.cholesky_array(), self.u_array(), self.v_array(), self.s.n_iter,
+                 self.s.n_map, self.s.status, self.s.gap, self.s.objective, self.history,
+                 self.s.n_pos, self.s.face))
 
 
 cdef class _Solutions:
@@ -864,8 +1042,13 @@ cdef class _Solutions:
 
 
 def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssize_t n_map,
-                         int status, double gap, double objective, history=None):
-    """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling)."""
+                         int status, double gap, double objective, history=None,
+                         n_pos=None, int face=FACE_CERTIFIED):
+    """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling).
+
+    ``S``, ``y`` and ``L`` are the backward set; its first ``n_pos`` rows (None: all)
+    are the support.
+    """
     cdef _Solution sol = _Solution.__new__(_Solution)
     cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc).reshape(
         -1, factor.struct_size)
@@ -885,6 +1068,11 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     memcpy(sol.s.u, &uv[0], factor.n_u * sizeof(double))
     if factor.n_v:
         memcpy(sol.s.v, &vv[0], factor.n_v * sizeof(double))
+    if n_pos is not None:
+        if not 0 <= n_pos <= n:
+            raise ValueError(f"n_pos: expected an int in [0, {n}], got {n_pos!r}")
+        sol.s.n_pos = n_pos
+    sol.s.face = face
     sol.s.n_iter = n_iter
     sol.s.n_map = n_map
     sol.s.status = status
@@ -895,11 +1083,14 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
 
 
 cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, double gap,
-                    double obj) except -1 nogil:
-    """Copy a finished solve out of the workspace (which the next problem reuses)."""
+                    double obj, Py_ssize_t n_pos, int face) except -1 nogil:
+    """Copy a finished solve out of the workspace (which the next problem reuses); its
+    first n_pos rows are the support, the rest (weight 0) the face completion."""
     cdef Py_ssize_t n = ws.nI, i
     ws._compute_u(ws.y, True)
     _sol_alloc(sol, ws.f, n, True)
+    sol.n_pos = n_pos
+    sol.face = face
     memcpy(sol.S, ws.S, n * ws.k * sizeof(int))
     memcpy(sol.y, ws.y, n * sizeof(double))
     for i in range(n):
@@ -926,8 +1117,10 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
                     double tol) except -1 nogil:
-    """One active-set solve into sol; status INFEASIBLE when every structure is forbidden."""
-    cdef Py_ssize_t n_iter = 0
+    """One active-set solve into sol, its support completed to span the optimal face;
+    status INFEASIBLE when every structure is forbidden."""
+    cdef Py_ssize_t n_iter = 0, n_pos
+    cdef int face
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
     _point(ws, eta_u, eta_v)
@@ -945,7 +1138,14 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
             sol.seconds = _now() - t0
             return 0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
-    _export_to(sol, ws, n_iter, status, gap, obj)
+    n_pos = ws.nI
+    face = FACE_CERTIFIED
+    if status == CONVERGED or status == STALLED:
+        # max_iter bounds the loop's iterations and the completion's MAP calls together
+        face = _complete(ws, max_iter - n_iter, gap)
+        if face == FACE_BUDGET and status == CONVERGED:
+            status = FACE_INCOMPLETE
+    _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
     sol.seconds = _now() - t0
     return 0
 
@@ -1812,29 +2012,40 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose,
 
 
 def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
-                   const double[::1] eta_u, const double[::1] eta_v):
+                   const double[::1] eta_u, const double[::1] eta_v, double gap=0.0,
+                   Py_ssize_t budget=0):
     """Affinely independent support with the same ``u``, and its Cholesky factor.
 
     Used for the backward pass of solvers (conditional gradient) whose final
     support may be affinely dependent. Structures are inserted one at a time
     with their weights; a dependent one shifts weight along the null direction
-    (Caratheodory), exactly as when the active set meets one.
+    (Caratheodory), exactly as when the active set meets one. With
+    ``budget > 0`` the support is then completed to span the optimal face
+    (weight-0 rows, as after an active-set solve; ``gap``: the solve's).
 
     Returns
     -------
-    structures, weights, L
+    structures, weights, L, n_pos, face_status
+        The backward set (its first ``n_pos`` rows are the support).
     """
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
     cdef Py_ssize_t t
     cdef double wmax = 0.0
+    cdef Py_ssize_t n_pos
+    cdef int face
     _point(ws, &eta_u[0] if factor.n_u else NULL, &eta_v[0] if factor.n_v else NULL)
     ws._start(&structures[0, 0], structures.shape[0], &weights[0])
     # exact ties in the ratio tests leave round-off weights behind
     for t in range(ws.nI):
         wmax = max(wmax, ws.y[t])
     ws._drop_below(1e-14 * wmax)
+    n_pos = ws.nI
+    face = FACE_CERTIFIED
+    if budget > 0:
+        with nogil:
+            face = _complete(ws, budget, gap)
     S, y, L = ws._export()
-    return S, y / y.sum(), L
+    return S, y / y.sum(), L, n_pos, face
 
 
 cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noexcept nogil:

@@ -18,8 +18,8 @@ import threading
 import numpy as np
 
 from sparsemap import _active_set
-from sparsemap._active_set import (STATUS_CONVERGED, STATUS_INFEASIBLE, STATUS_MAX_ITER,
-                                   STATUS_STALLED, STATUS_STOPPED, _Solutions,
+from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
+                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED, _Solutions,
                                    solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
@@ -36,6 +36,9 @@ _MESSAGES = {
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
     STATUS_STOPPED: "stopped by the callback",
+    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out before the MAP calls certified "
+                            "that the backward set spans the optimal face (jvp/vjp may be "
+                            "inexact)",
 }
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
@@ -189,13 +192,25 @@ class SparseMAPResult:
     def _backward_solution(self):
         if self._backward is None:
             # CG may end on an affinely dependent support: reduce it (same u).
-            eu, ev = self._eta
-            S, y, L = _active_set.reduce_support(
+            eu, ev, max_iter = self._eta
+            S, y, L, n_pos, face = _active_set.reduce_support(
                 self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
-                np.zeros(self.factor.n_v) if ev is None else ev)
+                np.zeros(self.factor.n_v) if ev is None else ev, max(self._sol.gap, 0.0),
+                max_iter)
             self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
-                                                  self._sol.v_array(), 0, 0, 0, 0.0, 0.0)
+                                                  self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
+                                                  None, n_pos, face)
+            if face == _active_set.FACE_STATUS_BUDGET:
+                warnings.warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
+                              "that the backward set spans the optimal face; jvp/vjp may be "
+                              "inexact. Raise max_iter.", ConvergenceWarning, stacklevel=4)
         return self._backward
+
+    def _backward_structures(self):
+        """The backward set in compact public form, solver's order: the support, then
+        the weight-0 structures completing it to span the optimal face (tests)."""
+        S = self._backward_solution().structures_array(True)
+        return [self.factor._to_public(s) for s in S]
 
     def jvp(self, d_eta_u, d_eta_v=None):
         """Jacobian of ``u`` with respect to ``(eta_u, eta_v)`` applied to a direction.
@@ -413,7 +428,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
                           tol, bool(return_history), callback=callback)[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
-    result = SparseMAPResult(factor, sol, method, (eu, ev))
+    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter))
     if verbose:
         callback.summary(result)
     if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
@@ -783,7 +798,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     if method == "active_set":   # the scores are kept for CG's backward pass only
         results = [SparseMAPResult(f, sol, method) for f, sol in zip(fs, sols)]
     else:
-        results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i)))
+        results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter))
                    for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:

@@ -9,7 +9,9 @@ SparseMAP QP (eq. 6), so they are usable for a factor you wrote yourself:
 - :func:`check_kkt` checks a result against the optimality (KKT) conditions
   over all structures;
 - :func:`check_jacobian` compares ``result.jvp`` with central finite
-  differences and checks ``result.vjp`` against it (adjoint identity);
+  differences wherever ``u`` is locally linear (decided by one-sided
+  differences at two step sizes) and checks ``result.vjp`` against it
+  (adjoint identity);
 - :func:`factors`, :func:`scores` and :func:`problems` are
   `hypothesis <https://hypothesis.readthedocs.io>`_ strategies drawing small
   factors of every built-in family and scores at many scales.
@@ -382,8 +384,9 @@ class JacobianReport:
     n_checked : int
         Directions compared against finite differences.
     skipped : list of bool
-        Per direction, whether the support changed within the step (then the
-        finite difference is not a derivative and the direction is skipped).
+        Per direction, whether it was skipped: ``u`` is not linear along it
+        within the steps (its one-sided differences at two step sizes
+        disagree: a kink, where no derivative exists to compare with).
     max_error : float
         Largest ``max |fd - jvp|`` over checked directions.
     max_adjoint_error : float
@@ -392,7 +395,10 @@ class JacobianReport:
         Largest ``max |vjp(g)_u - jvp(g, 0)|``: the Jacobian of ``u`` with
         respect to ``eta_u`` is symmetric (a Hessian of a convex function).
     step : float
-        The absolute finite-difference step.
+        The smaller absolute finite-difference step ``h`` (the other is ``10 h``).
+    max_nonlinearity : list of float
+        Per direction, the largest disagreement between its one-sided
+        differences (what decided whether it was skipped).
     """
     n_directions: int
     n_checked: int
@@ -401,26 +407,36 @@ class JacobianReport:
     max_adjoint_error: float = 0.0
     max_symmetry_error: float = 0.0
     step: float = 0.0
+    max_nonlinearity: list = field(default_factory=list)
 
     @property
     def n_skipped(self):
-        """Directions skipped because the support changed within the step."""
+        """Directions skipped because ``u`` is not linear along them within the steps."""
         return int(sum(self.skipped))
+
+    def __str__(self):
+        return (f"checked {self.n_checked} of {self.n_directions} directions against finite "
+                f"differences (max error {self.max_error:.3g}); {self.n_skipped} skipped "
+                f"(u not locally linear along them)")
 
 
 def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_directions=3,
-                   rng=None, method="active_set", **solve_kwargs):
+                   rng=None, method="active_set", min_checked=1, **solve_kwargs):
     """Check ``result.jvp`` and ``result.vjp`` of a factor at given scores.
 
     For each of ``n_directions`` random directions ``d = (d_eta_u, d_eta_v)``
     (standard normal, scaled to unit max-norm):
 
-    1. solve at ``eta`` and at ``eta +/- h d`` with
-       ``h = eps * max(1, max |eta|)``; if the support at either end differs
-       from the centre's (compared as sets of structures), the direction is
-       *skipped*: ``u`` is piecewise affine and the difference would straddle
-       a kink;
-    2. otherwise require ``max |fd - jvp(d)| <= atol + rtol * max |jvp(d)|``;
+    1. solve at ``eta`` and at ``eta +/- h d`` and ``eta +/- 10 h d`` with
+       ``h = eps * max(1, max |eta|)``, giving four one-sided differences
+       (forward and backward, at both steps). ``u`` is piecewise affine in
+       ``eta``: it is linear along ``d`` within the steps exactly when they
+       agree, up to ``atol + rtol * max |fd|``. Otherwise ``d`` crosses a kink
+       (a change of the optimal face) within ``10 h``, no derivative exists
+       to compare with, and the direction is *skipped*. This decides by ``u``
+       alone, never by comparing supports (which need not be unique);
+    2. otherwise require ``max |fd - jvp(d)| <= atol + rtol * max |jvp(d)|``,
+       with ``fd`` the central difference at step ``h``;
     3. for a random ``g``, require the adjoint identity
        ``<vjp(g), d> == <g, jvp(d)>`` and the symmetry
        ``vjp(g)_u == jvp(g, 0)`` (the Jacobian of ``u`` in ``eta_u`` is the
@@ -440,30 +456,53 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
         Source of the random directions.
     method : str, default "active_set"
         Passed to :func:`sparsemap.solve`, with ``solve_kwargs``.
+    min_checked : int, default 1
+        Fewest directions that must be checked against finite differences:
+        fewer (every direction on a kink) raise AssertionError saying so,
+        rather than report a check that did not happen. Pass 0 at scores
+        chosen on kinks.
 
     Returns
     -------
     JacobianReport
-        Check ``report.n_checked`` (or ``report.n_skipped``) if you need a
-        minimum number of finite-difference comparisons: a direction whose
-        support changes is skipped, not failed.
+        ``str(report)`` says how many directions were checked and skipped.
 
     Raises
     ------
     AssertionError
-        On a mismatch, with the direction and both values in the message.
+        On a mismatch, with the direction and both values in the message; or
+        when fewer than ``min_checked`` directions could be checked.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import check_jacobian
+    >>> f = sm.TreeFactor(6)
+    >>> eta = 0.1 * np.random.default_rng(0).standard_normal(f.shape_u)
+    >>> print(check_jacobian(f, eta, rng=0))     # doctest: +ELLIPSIS
+    checked 3 of 3 directions against finite differences (max error ...); 0 skipped ...
     """
     if isinstance(n_directions, bool) or not isinstance(n_directions, (int, np.integer)) \
             or n_directions < 1:
         raise ValueError(f"n_directions: expected a positive integer, got {n_directions!r}")
+    if isinstance(min_checked, bool) or not isinstance(min_checked, (int, np.integer)) \
+            or not 0 <= min_checked <= n_directions:
+        raise ValueError(f"min_checked: expected an integer in [0, n_directions], "
+                         f"got {min_checked!r}")
     if not (np.isfinite(eps) and eps > 0):
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
     rng = np.random.default_rng(rng)
     eu, ev = factor.check_scores(eta_u, eta_v)
     shp_u, shp_v = factor.shape_u, factor.shape_v
+
+    def u_at(t, du_dir, dv_dir):
+        return sparsemap.solve(factor, (eu + t * du_dir).reshape(shp_u),
+                               (ev + t * dv_dir).reshape(shp_v), method=method,
+                               **solve_kwargs).u.reshape(-1)
+
     r0 = sparsemap.solve(factor, eu.reshape(shp_u), ev.reshape(shp_v), method=method,
                          **solve_kwargs)
-    key0 = support_key(r0.structures)
+    u0 = r0.u.reshape(-1)
     eta_max = max(float(np.abs(eu).max(initial=0.0)), float(np.abs(ev).max(initial=0.0)))
     h = eps * max(1.0, eta_max)
     report = JacobianReport(n_directions=int(n_directions), n_checked=0, step=h)
@@ -474,11 +513,13 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
         du_dir /= norm
         dv_dir /= norm
         jvp = np.asarray(r0.jvp(du_dir.reshape(shp_u), dv_dir.reshape(shp_v))).reshape(-1)
-        fd, r_minus, r_plus = finite_difference_jvp(
-            factor, eu.reshape(shp_u), ev.reshape(shp_v), du_dir.reshape(shp_u),
-            dv_dir.reshape(shp_v), eps=h, method=method, return_results=True, **solve_kwargs)
-        fd = fd.reshape(-1)
-        skipped = support_key(r_minus.structures) != key0 or support_key(r_plus.structures) != key0
+        u_p, u_m = u_at(h, du_dir, dv_dir), u_at(-h, du_dir, dv_dir)
+        u_P, u_M = u_at(10 * h, du_dir, dv_dir), u_at(-10 * h, du_dir, dv_dir)
+        sides = [(u_p - u0) / h, (u0 - u_m) / h, (u_P - u0) / (10 * h), (u0 - u_M) / (10 * h)]
+        fd = (u_p - u_m) / (2 * h)
+        spread = max(float(np.abs(a - fd).max(initial=0.0)) for a in sides)
+        report.max_nonlinearity.append(spread)
+        skipped = spread > atol + rtol * float(np.abs(fd).max(initial=0.0))
         report.skipped.append(bool(skipped))
         if not skipped:
             report.n_checked += 1
@@ -507,6 +548,13 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
         if err > atol + rtol * max(1.0, float(np.abs(g).max(initial=0.0))):
             raise AssertionError(f"the Jacobian of u in eta_u is not symmetric for {factor!r}: "
                                  f"jvp(g)={jg!r} != vjp(g)_u={gu!r} (g={g!r})")
+    if report.n_checked < min_checked:
+        raise AssertionError(
+            f"check_jacobian checked {report.n_checked} of {report.n_directions} directions "
+            f"against finite differences (min_checked={min_checked}) for {factor!r}: u is not "
+            f"linear along the others within the steps (a kink; largest disagreement of "
+            f"one-sided differences {max(report.max_nonlinearity):.3g}). Nothing was checked "
+            f"there; pass min_checked=0 to allow it, or other scores.")
     return report
 
 

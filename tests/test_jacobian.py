@@ -22,7 +22,7 @@ def test_jvp_matches_finite_differences(family):
            st.integers(0, 2 ** 32 - 1))
     def run(problem, seed):
         factor, eta_u, eta_v = problem
-        rep = check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed)
+        rep = check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed, min_checked=0)
         counts["draws"] += rep.n_directions
         counts["skipped"] += rep.n_skipped
         assert rep.max_adjoint_error <= 1e-10 * max(1.0, factor.n_u)
@@ -37,7 +37,7 @@ def test_jvp_matches_finite_differences(family):
 def test_jacobian_checks_hold_at_ties(problem, seed):
     """Ties put many draws on kinks (skipped); the adjoint and symmetry checks still hold."""
     factor, eta_u, eta_v = problem
-    check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed)
+    check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed, min_checked=0)
 
 
 def prop1_dense(factor, structures):
@@ -62,7 +62,8 @@ def test_jvp_vjp_match_dense_prop1(problem):
     factor, eta_u, eta_v = problem
     n_u, n = factor.n_u, factor.n_u + factor.n_v
     r = sm.solve(factor, eta_u, eta_v)
-    J_ref = prop1_dense(factor, r.structures)
+    # Prop. 1 on the backward set: the support and its completion to the optimal face
+    J_ref = prop1_dense(factor, r._backward_structures())
     # the whole Jacobian, one basis direction at a time, through jvp and through vjp
     J = np.array([r.jvp(e[:n_u].reshape(factor.shape_u), e[n_u:].reshape(factor.shape_v))
                   .ravel() for e in np.eye(n)]).T
@@ -116,7 +117,7 @@ def test_check_jacobian_report():
     assert rep.max_error <= 1e-6 and rep.step > 0
     # a point on a kink: sparsemax with a tie at the support's edge
     g = sm.GenericFactor(np.eye(3))
-    rep = check_jacobian(g, [1.0, 0.0, 0.0], n_directions=6, rng=0)
+    rep = check_jacobian(g, [1.0, 0.0, 0.0], n_directions=6, rng=0, min_checked=0)
     assert rep.n_skipped >= 1
 
 
@@ -167,3 +168,22 @@ def test_testing_tools_bad_input():
         factors(families=["sequence", "lattice"])
     with pytest.raises(ValueError, match="kinds"):
         scores(f, kinds=("uniform",))
+
+
+def test_check_jacobian_checks_flat_trees():
+    """At flat scores the support changes under any perturbation, yet u is locally linear:
+    check_jacobian must compare there (it used to skip every direction and report 0)."""
+    f = sm.TreeFactor(20)
+    eta = 0.1 * np.random.default_rng(0).standard_normal(f.shape_u)
+    rep = check_jacobian(f, eta, rng=0)
+    assert rep.n_checked == rep.n_directions == 3 and "checked 3 of 3" in str(rep)
+    assert rep.max_error <= 1e-6
+
+
+def test_check_jacobian_says_when_nothing_was_checked():
+    """sparsemax at z = (1, 0): u = (1, 0) sits on a kink along every direction moving z1 - z2."""
+    f = sm.GenericFactor(np.eye(2))
+    with pytest.raises(AssertionError, match="checked 0 of 2 directions"):
+        check_jacobian(f, [1.0, 0.0], n_directions=2, rng=0)
+    rep = check_jacobian(f, [1.0, 0.0], n_directions=2, rng=0, min_checked=0)
+    assert rep.n_checked == 0 and rep.n_skipped == 2 and "checked 0 of 2" in str(rep)

@@ -303,7 +303,7 @@ def test_jacobian_finite_differences(f):
     n_checked = 0
     for trial in range(4):
         eu, ev = draw_scores(f, rng, scale=[0.5, 2.0][trial % 2])
-        rep = check_jacobian(f, eu, ev, n_directions=3, rng=trial)
+        rep = check_jacobian(f, eu, ev, n_directions=3, rng=trial, min_checked=0)
         n_checked += rep.n_checked
     assert n_checked >= 6
 

@@ -1,0 +1,281 @@
+"""Exact derivatives at flat scores (small, nearly equal scores: a freshly initialised model).
+
+There the optimal face (every structure tied at the adjusted scores ``eta - u``) is
+large, and a support that spans only part of it gives the right ``u`` with a wrong
+Jacobian. The references here know nothing of supports:
+
+- finite differences of ``u``: ``u`` is piecewise affine, so where it is locally
+  linear (one-sided differences at two step sizes, forward and backward, agree)
+  the central difference is the derivative up to the solve's round-off;
+- the permutahedron, whose SparseMAP is the Euclidean projection onto it: isotonic
+  regression (SciPy), with the Jacobian ``I - (averaging within pooled blocks)``;
+- brute-force enumeration of the tied face of small factors.
+
+The finite differences use default solves: ``u`` of a ``tol=0`` solve agrees with
+the default one to ~1e-13 (its gap is at most 1e-12 of the score scale), while a
+``tol=0`` solve at flat scores runs until it stalls (seconds for a 20-word tree), too
+slow for this suite. Steps ``h`` and ``10 h`` with ``h = 1e-6 max(1, max |eta|)``.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+import sparsemap as sm
+from sparsemap.testing import dense_columns, enumerate_structures
+
+H = 1e-6
+
+
+def _u(f, eu, ev, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.ConvergenceWarning)
+        return sm.solve(f, eu, ev, **kw).u.ravel()
+
+
+def fd_check(f, eta_u, eta_v=None, n_dirs=3, seed=0, rtol=1e-5, atol=1e-6, **kw):
+    """(n_checked, max error of jvp and vjp against finite differences, worst scale).
+
+    A direction is checked when u is linear along it within 10 h (forward and backward
+    differences at h and 10 h agree); then jvp(d) must equal the central difference,
+    and <vjp(g), d> must equal <g, fd> for a random g.
+    """
+    rng = np.random.default_rng(seed)
+    ev = np.zeros(f.shape_v) if eta_v is None else eta_v
+    h = H * max(1.0, float(np.abs(eta_u).max()), float(np.abs(ev).max(initial=0.0)))
+    r = sm.solve(f, eta_u, ev, **kw)     # differentiated (kw: another solver)
+    u0 = _u(f, eta_u, ev)                # differences of active-set solves
+    n_checked = 0
+    for _ in range(n_dirs):
+        du = rng.standard_normal(f.shape_u)
+        dv = rng.standard_normal(f.shape_v) if f.n_v else np.zeros(f.shape_v)
+        ups = {t: _u(f, eta_u + t * du, ev + t * dv) for t in (h, -h, 10 * h, -10 * h)}
+        fd = (ups[h] - ups[-h]) / (2 * h)
+        sides = [(ups[h] - u0) / h, (u0 - ups[-h]) / h, (ups[10 * h] - u0) / (10 * h),
+                 (u0 - ups[-10 * h]) / (10 * h)]
+        tol = atol + rtol * np.abs(fd).max()
+        if max(np.abs(s - fd).max() for s in sides) > tol:
+            continue     # a kink within 10 h: no derivative to compare with
+        n_checked += 1
+        jvp = r.jvp(du, dv if f.n_v else None).ravel()
+        np.testing.assert_allclose(jvp, fd, rtol=0, atol=tol, err_msg="jvp vs finite differences")
+        g = rng.standard_normal(f.shape_u)
+        gu, gv = r.vjp(g)
+        lhs = gu.ravel() @ du.ravel() + (gv.ravel() @ dv.ravel() if f.n_v else 0.0)
+        assert abs(lhs - g.ravel() @ fd) <= tol * np.abs(g).sum(), "vjp vs finite differences"
+    return n_checked
+
+
+def flat(f, scale, seed, with_v=True):
+    rng = np.random.default_rng(seed)
+    eu = scale * rng.standard_normal(f.shape_u)
+    ev = scale * rng.standard_normal(f.shape_v) if (with_v and f.n_v) else None
+    return eu, ev
+
+
+TREES = [(n, proj, single, scale)
+         for scale, ns in [(0.01, (12, 20, 12)), (0.1, (20, 15, 16)), (0.3, (25, 18, 20)),
+                           (1.0, (25, 20, 16)), (5.0, (25, 20, 16))]
+         for n, proj, single in zip(ns, (False, True, False), (False, False, True))]
+
+
+@pytest.mark.parametrize("n, projective, single_root, scale", TREES)
+def test_tree_jacobian_at_flat_scores(n, projective, single_root, scale):
+    f = sm.TreeFactor(n, projective=projective, single_root=single_root)
+    eu, _ = flat(f, scale, seed=n)
+    assert fd_check(f, eu, n_dirs=2, seed=n) >= 1
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.1, 0.3, 1.0, 5.0])
+@pytest.mark.parametrize("make", [lambda: sm.SequenceFactor(12, 4),
+                                  lambda: sm.MatchingFactor(12, 13),
+                                  lambda: sm.BudgetFactor(14, 4),
+                                  lambda: sm.SequenceBudgetFactor(10, 3)],
+                         ids=["sequence", "matching", "budget", "sequence-budget"])
+def test_other_families_at_flat_scores(make, scale):
+    f = make()
+    eu, ev = flat(f, scale, seed=3)
+    assert fd_check(f, eu, ev, n_dirs=2, seed=1) >= 1
+
+
+# -- the permutahedron: a user's OracleFactor with a closed form ---------------------------
+
+class Permutahedron(sm.OracleFactor):
+    """Structures are permutations s; the column of s is w[s] with w = (n, ..., 1) / n.
+    MAP is a sort; SparseMAP is the Euclidean projection onto the permutahedron."""
+
+    def __init__(self, n):
+        super().__init__(shape_u=n, structure_size=n)
+        self.w = np.arange(n, 0, -1) / n
+
+    def oracle_map(self, eta_u, eta_v):
+        return np.argsort(np.argsort(-eta_u, kind="stable"), kind="stable")
+
+    def oracle_vertex(self, s):
+        return self.w[s]
+
+    def oracle_score(self, s, eta_u, eta_v):
+        return float(eta_u @ self.w[s])
+
+    def oracle_overlap(self, s, t):
+        return float(self.w[s] @ self.w[t])
+
+
+def permutahedron_projection(eta, w):
+    """Projection onto conv{w[s]} by isotonic regression, and its Jacobian.
+
+    In the order sorting eta decreasingly, u = z - v with v the decreasing isotonic
+    regression of z - w; v is the mean of z - w over each pooled block, so
+    du = dz - (block means of dz).
+    """
+    from scipy.optimize import isotonic_regression
+    order = np.argsort(-eta, kind="stable")
+    z = eta[order]
+    res = isotonic_regression(z - w, increasing=False)
+    u = np.empty_like(eta)
+    u[order] = z - res.x
+    J = np.eye(len(eta))
+    for a, b in zip(res.blocks[:-1], res.blocks[1:]):
+        idx = order[a:b]
+        J[np.ix_(idx, idx)] -= 1.0 / (b - a)
+    return u, J
+
+
+@pytest.mark.parametrize("n", [30, 50])
+@pytest.mark.parametrize("scale", [0.1, 1.0])
+def test_permutahedron_oracle(n, scale):
+    f = Permutahedron(n)
+    eta = scale * np.random.default_rng(n).standard_normal(n)
+    r = sm.solve(f, eta)
+    u_ref, J_ref = permutahedron_projection(eta, f.w)
+    np.testing.assert_allclose(r.u, u_ref, atol=1e-10)
+    J = np.array([r.jvp(e) for e in np.eye(n)]).T
+    np.testing.assert_allclose(J, J_ref, atol=1e-8)
+    np.testing.assert_allclose(np.array([r.vjp(e)[0] for e in np.eye(n)]), J_ref, atol=1e-8)
+    assert fd_check(f, eta, n_dirs=1, seed=0) == 1
+
+
+# -- the face by enumeration -----------------------------------------------------------------
+
+def face_projector(f, eta_u, eta_v, u, structures, tol=1e-9):
+    """Orthogonal projector onto the directions of the tied face, by enumeration."""
+    M, N = dense_columns(f, structures)
+    ev = np.zeros(f.n_v) if eta_v is None else np.ravel(eta_v)
+    adj = M.T @ (np.ravel(eta_u) - np.ravel(u)) + N.T @ ev
+    F = M[:, adj >= adj.max() - tol * max(1.0, np.abs(adj).max())]
+    D = F[:, 1:] - F[:, :1]
+    if D.shape[1] == 0:
+        return np.zeros((f.n_u, f.n_u))
+    U, s, _ = np.linalg.svd(D, full_matrices=False)
+    B = U[:, s > 1e-9 * s.max()]
+    return B @ B.T
+
+
+@pytest.mark.parametrize("make, scale", [
+    (lambda: sm.TreeFactor(4), 0.01), (lambda: sm.TreeFactor(4, projective=True), 0.1),
+    (lambda: sm.SequenceFactor(4, 3), 0.01), (lambda: sm.MatchingFactor(4, 4), 0.01),
+    (lambda: sm.BudgetFactor(6, 2), 0.01)])
+def test_jacobian_is_the_projection_onto_the_tied_face(make, scale):
+    """The eta_u block of the Jacobian is the projector onto the face's directions; on
+    exact ties (a kink) too, where it is the one of the whole tied face (documented)."""
+    f = make()
+    S = enumerate_structures(f)
+    for seed, eta_u in enumerate([scale * np.random.default_rng(0).standard_normal(f.shape_u),
+                                  np.zeros(f.shape_u)]):
+        r = sm.solve(f, eta_u)
+        P = face_projector(f, eta_u, None, r.u, S)
+        J = np.array([r.jvp(e.reshape(f.shape_u)).ravel() for e in np.eye(f.n_u)]).T
+        np.testing.assert_allclose(J, P, atol=1e-8)
+
+
+# -- batches, CG and pickling use the same backward set ------------------------------------
+
+def test_batch_and_cg_backward_match_at_flat_scores():
+    import pickle
+    f = sm.TreeFactor(12)
+    rng = np.random.default_rng(5)
+    etas = 0.1 * rng.standard_normal((4,) + f.shape_u)
+    gs = rng.standard_normal((4,) + f.shape_u)
+    rs = sm.solve_batch(f, etas, n_jobs=2)
+    serial = [sm.solve(f, e) for e in etas]
+    batch = sm.vjp_batch(rs, gs, n_jobs=2)
+    for r, s, (gu, _), g in zip(rs, serial, batch, gs):
+        np.testing.assert_array_equal(gu, s.vjp(g)[0])     # bitwise, as the contract says
+        np.testing.assert_array_equal(pickle.loads(pickle.dumps(r)).vjp(g)[0], gu)
+    np.testing.assert_array_equal(sm.jvp_batch(rs, gs, n_jobs=2)[1], serial[1].jvp(gs[1]))
+    assert fd_check(f, etas[0], n_dirs=2, seed=2) >= 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.ConvergenceWarning)
+        assert fd_check(f, etas[0], n_dirs=1, seed=2, method="pairwise_cg", max_iter=3000) >= 1
+
+
+def test_face_completion_budget_warns():
+    """max_iter bounds the completion's MAP calls; running out says so."""
+    f = sm.TreeFactor(12)
+    eta = 0.01 * np.random.default_rng(0).standard_normal(f.shape_u)
+    r = sm.solve(f, eta)
+    assert r.converged and r.n_map >= r.n_iter + 2
+    with pytest.warns(sm.ConvergenceWarning, match="optimal face"):
+        r2 = sm.solve(f, eta, max_iter=r.n_iter + 1)
+    assert not r2.converged and "optimal face" in r2.message
+    np.testing.assert_allclose(r2.u, r.u, atol=1e-12)
+
+
+# -- the distribution at flat scores ----------------------------------------------------------
+
+def test_distribution_at_flat_scores():
+    """y* is not unique on a large face: the weights are one optimal distribution (the
+    active set's, on an affinely independent support), and their derivative holds that
+    support fixed, so sum_k dy_k m_k is the projection of d onto the support's directions,
+    not du (the projection onto the whole face)."""
+    torch = pytest.importorskip("torch")
+    import sparsemap.torch as smt
+    f = sm.TreeFactor(10)
+    eta = 0.05 * np.random.default_rng(1).standard_normal(f.shape_u)
+    r = sm.solve(f, eta)
+    M, _ = dense_columns(f, r.structures)
+    adj = M.T @ (eta - r.u).ravel()
+    np.testing.assert_allclose(adj, adj.max(), atol=1e-10)       # every structure in the face
+    np.testing.assert_allclose(M @ r.weights, r.u.ravel(), atol=1e-12)
+    et = torch.tensor(eta, requires_grad=True)
+    structures, weights = smt.distribution(f, et)
+    d = np.random.default_rng(2).standard_normal(f.shape_u)
+    J = np.array([torch.autograd.grad(weights[k], et, retain_graph=True)[0].numpy().ravel()
+                  for k in range(len(weights))])          # dy / d eta_u, (K, n_u)
+    dy = J @ d.ravel()
+    assert abs(dy.sum()) < 1e-10
+    S = [f._to_public(s) for s in structures.numpy()]
+    Ms, _ = dense_columns(f, S)
+    # the projection onto the support's directions, by least squares
+    D = Ms[:, 1:] - Ms[:, :1]
+    proj = D @ np.linalg.lstsq(D, d.ravel(), rcond=None)[0]
+    np.testing.assert_allclose(Ms @ dy, proj, atol=1e-8)
+    assert r._sol.n_backward > r._sol.n_support       # the face is larger than the support
+    assert np.abs(proj - r.jvp(d).ravel()).max() > 1e-3
+
+
+# -- the torch layers -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", ["tree", "tree-single-root", "matching"])
+def test_torch_gradcheck_at_flat_scores(layer):
+    """torch.autograd.gradcheck at scale 0.1 in float64, of the layer restricted to a random
+    8-dimensional affine subspace of scores and read through 8 random outputs (so that its
+    central differences, input by input, and its backward passes, output by output, stay
+    few): z -> C u(x0 + B z)."""
+    torch = pytest.importorskip("torch")
+    import sparsemap.torch as smt
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 16, 16) if layer.startswith("tree") else (2, 12, 13)
+    x0 = 0.1 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+    n = x0.numel()
+    B = torch.randn(n, 8, generator=gen, dtype=torch.float64)
+    C = torch.randn(8, n, generator=gen, dtype=torch.float64)
+
+    def fn(z):
+        x = x0 + (B @ z).reshape(shape)
+        u = smt.tree(x, single_root=layer.endswith("root")) if layer.startswith("tree") \
+            else smt.matching(x)
+        return C @ u.reshape(-1)
+
+    z = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5, rtol=1e-4)
