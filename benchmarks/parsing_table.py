@@ -1,16 +1,20 @@
 """Table 1 (Vietnamese column) and Figure 4 of the paper, rerun with examples/parsing.py.
 
 Trains the parser of ``examples/parsing.py`` with each of the four losses and the
-same seeds and settings, then writes
+same seeds and settings, on the full training set and on its first ``--subset``
+sentences (a small treebank: same dev and test sets, dev sparsity not measured),
+then writes
 
-* ``DOCS/parsing_results.inc``: the test UAS table (mean and spread over the
-  seeds, each seed, the paper's figure), the training-epoch times and the dev
-  sparsity at the first and the selected epoch, included by ``docs/parsing.rst``;
+* ``DOCS/parsing_results.inc``: the test UAS tables of both training sizes (mean
+  and spread over the seeds, each seed, the paper's figure for the full set, the
+  spread between the losses), the training-epoch times and the dev sparsity at
+  the first and the selected epoch, included by ``docs/parsing.rst``;
 * ``DOCS/figures/parsing_sparsity.png``: the SparseMAP support on the dev set over
   training (mean trees per sentence, mean heads per word), as in Figure 4;
 * ``OUT/summary.json``: the same numbers.
 
-Each run writes ``OUT/LOSS-seedS/results.json`` and is skipped when that file
+Each run writes ``OUT/LOSS-seedS/results.json`` (``OUT/subN-LOSS-seedS/`` on the
+subset) and is skipped when that file
 exists (delete it, or pass ``--force``, to rerun), so an interrupted table
 resumes where it stopped. Runs go one after the other unless ``--jobs`` > 1;
 wall times are comparable only between runs made under the same load (each epoch also
@@ -19,8 +23,9 @@ records its CPU time, which other jobs disturb less).
 Usage::
 
     python benchmarks/parsing_table.py --data /path/to/UD_Vietnamese-VTB \\
-        [--epochs 15] [--seeds 0 1 2] [--out out/parsing] [--docs docs] \\
-        [--threads 1] [--jobs 1] [--force] [-- extra options for parsing.py]
+        [--epochs 15] [--seeds 0 1 2] [--subset 500] [--subset-seeds 0 1 2] \\
+        [--out out/parsing] [--docs docs] [--threads 1] [--jobs 1] [--force] \\
+        [-- extra options for parsing.py]
 """
 import argparse
 import glob
@@ -54,21 +59,38 @@ def treebank_files(data):
     return found
 
 
-def run_one(files, loss, seed, args, extra):
-    out = os.path.join(args.out, f"{loss}-seed{seed}")
+def subset_file(train, n, out):
+    """The first n sentences of the CoNLL-U file train, written to out/subN/train.conllu."""
+    path = os.path.join(out, f"sub{n}", "train.conllu")
+    with open(train, encoding="utf-8") as f:
+        blocks = [b for b in f.read().split("\n\n") if b.strip()]
+    if len(blocks) < n:
+        raise ValueError(f"--subset: the training set has {len(blocks)} sentences, fewer "
+                         f"than {n}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(b.strip("\n") for b in blocks[:n]) + "\n\n")
+    return path
+
+
+def run_one(files, loss, seed, args, extra, subset=0):
+    name = f"{loss}-seed{seed}" if not subset else f"sub{subset}-{loss}-seed{seed}"
+    out = os.path.join(args.out, name)
     path = os.path.join(out, "results.json")
     if os.path.exists(path) and not args.force:
-        print(f"{loss} seed {seed}: reusing {path}", flush=True)
+        print(f"{name}: reusing {path}", flush=True)
     else:
         train, dev, test = files
         cmd = [sys.executable, SCRIPT, "--train", train, "--dev", dev, "--test", test,
                "--loss", loss, "--epochs", str(args.epochs), "--out", out,
                "--seed", str(seed), "--threads", str(args.threads)] + extra
+        if subset:
+            cmd.append("--no-sparsity")
         os.makedirs(out, exist_ok=True)
         start = time.perf_counter()
         with open(os.path.join(out, "log.txt"), "w") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
-        print(f"{loss} seed {seed}: done in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{name}: done in {time.perf_counter() - start:.0f} s", flush=True)
     with open(path) as f:
         return json.load(f)
 
@@ -101,6 +123,26 @@ def summarize(results, seeds):
     return summary
 
 
+def subset_summary(results, seeds):
+    """Per loss on the subset: test UAS per seed, mean, standard deviation, best epochs."""
+    out = {}
+    for loss in LOSSES:
+        runs = [results[loss, s] for s in seeds]
+        uas = [r["test_uas"] for r in runs]
+        out[loss] = {"test_uas": uas, "mean": statistics.mean(uas), "std": spread(uas),
+                     "best_epochs": [r["best_epoch"] for r in runs],
+                     "dev_uas": [r["dev_uas"] for r in runs],
+                     "median_epoch_cpu_seconds": statistics.median(
+                         e["cpu_seconds"] for r in runs for e in r["epochs"])}
+    return out
+
+
+def loss_spread(summary):
+    """Largest difference between the losses' mean test UAS."""
+    means = [summary[loss]["mean"] for loss in LOSSES]
+    return max(means) - min(means)
+
+
 def rst_table(header, rows):
     cols = list(zip(header, *rows))
     widths = [max(len(c) for c in col) for col in cols]
@@ -127,6 +169,7 @@ def results_rst(summary, seeds, args, settings):
                           f"{fmt(s['trees_first'])} → {fmt(s['trees_best'])}",
                           f"{s['heads_first']:.2f} → {s['heads_best']:.2f}"])
     uas_rows.append(["UDPipe baseline (paper)", "", "", f"{PAPER_UDPIPE:.2f}", "", ""])
+    uas_rows.append(["spread between the losses", f"{loss_spread(summary):.2f}", "", "", "", ""])
     opts = " ".join(settings)
     return "\n".join([
         f".. Generated by benchmarks/parsing_table.py on {time.strftime('%Y-%m-%d')}; "
@@ -152,6 +195,24 @@ def results_rst(summary, seeds, args, settings):
         rst_table(["loss", "wall s / epoch", "ratio", "CPU s / epoch", "ratio",
                    "trees / sentence (dev)",
                    "heads / word (dev)"], time_rows),
+        "",
+    ])
+
+
+def subset_rst(sub, n, seeds, args):
+    rows = [[NAMES[loss], f"{s['mean']:.2f} ± {s['std']:.2f}",
+             ", ".join(f"{u:.2f}" for u in s["test_uas"]),
+             ", ".join(str(b) for b in s["best_epochs"]),
+             f"{s['median_epoch_cpu_seconds']:.1f}"]
+            for loss, s in sub.items()]
+    rows.append(["spread between the losses", f"{loss_spread(sub):.2f}", "", "", ""])
+    return "\n".join([
+        f"A small treebank: the first {n} training sentences only (the same dev and test "
+        f"sets, the same options), over seeds {', '.join(map(str, seeds))}; "
+        f"{args.epochs} epochs. Test UAS, mean ± sample standard deviation over the "
+        "seeds, and the median CPU time of a training epoch.",
+        "",
+        rst_table(["loss", "test UAS", "per seed", "best epochs", "CPU s / epoch"], rows),
         "",
     ])
 
@@ -187,6 +248,10 @@ def main(argv=None):
     p.add_argument("--data", required=True, help="UD treebank folder with train/dev/test")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--subset", type=int, default=500,
+                   help="also train on the first SUBSET training sentences (0: not)")
+    p.add_argument("--subset-seeds", type=int, nargs="+", default=None,
+                   help="seeds of the subset runs (default: --seeds)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "parsing"))
     p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
     p.add_argument("--threads", type=int, default=1, help="threads of each run")
@@ -194,16 +259,31 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="rerun runs that have results")
     args = p.parse_args(argv)
     files = treebank_files(args.data)
+    sub_seeds = args.subset_seeds or args.seeds
+    sub_files = None
+    if args.subset:
+        sub_files = [subset_file(files[0], args.subset, args.out)] + files[1:]
 
-    jobs = [(loss, seed) for seed in args.seeds for loss in LOSSES]
+    # the quick subset runs first
+    jobs = [(args.subset, loss, seed) for seed in sub_seeds for loss in LOSSES] \
+        if args.subset else []
+    jobs += [(0, loss, seed) for seed in args.seeds for loss in LOSSES]
     with ThreadPoolExecutor(max_workers=args.jobs) as ex:
-        done = ex.map(lambda job: run_one(files, job[0], job[1], args, extra), jobs)
-        results = dict(zip(jobs, done))
+        done = ex.map(lambda job: run_one(sub_files if job[0] else files, job[1], job[2],
+                                          args, extra, job[0]), jobs)
+        everything = dict(zip(jobs, done))
+    results = {(loss, seed): r for (n, loss, seed), r in everything.items() if not n}
     summary = summarize(results, args.seeds)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"epochs": args.epochs, "seeds": args.seeds, "options": extra,
-                   "losses": summary}, f, indent=1)
+    record = {"epochs": args.epochs, "seeds": args.seeds, "options": extra,
+              "losses": summary}
     text = results_rst(summary, args.seeds, args, extra)
+    if args.subset:
+        sub = subset_summary({(loss, seed): r for (n, loss, seed), r in everything.items()
+                              if n}, sub_seeds)
+        record["subset"] = {"sentences": args.subset, "seeds": sub_seeds, "losses": sub}
+        text += "\n" + subset_rst(sub, args.subset, sub_seeds, args)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(record, f, indent=1)
     with open(os.path.join(args.docs, "parsing_results.inc"), "w") as f:
         f.write(text)
     sparsity_figure(results, args.seeds, os.path.join(args.docs, "figures",

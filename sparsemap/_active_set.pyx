@@ -38,7 +38,7 @@ from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.string cimport memcpy, memmove, memset
 from scipy.linalg.cython_blas cimport dtrsv
 
-from sparsemap._factors._base cimport HAS_BAD, Factor, _scan
+from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, Factor, _scan
 
 cnp.import_array()
 
@@ -1269,6 +1269,8 @@ cdef struct _Problem:
     double* hist             # history rows, or NULL
     Py_ssize_t slot          # which distinct factor (workspaces are per thread and factor)
     Py_ssize_t index         # the problem's index in the batch
+    const int* target        # a loss batch: the target structure
+    double* value            # a loss batch: where the loss goes
 
 
 cdef inline const double* _data(object arrays, Py_ssize_t i) except NULL:
@@ -1392,6 +1394,13 @@ cdef enum:
     SOLVE = 0
     JVP = 1
     VJP = 2
+    LOSS = 3
+
+# A loss batch's flags beside HAS_NEGINF and HAS_BAD, and what report() says of them
+cdef enum:
+    _MAP_INFEASIBLE = 4
+    _TARGET_FORBIDDEN = 8
+TARGET_FORBIDDEN = -2    # the target uses a part its scores forbid: infinite loss
 
 # A problem of a padded batch whose input block the run refused (nan or +inf in scores; any
 # non-finite value in a gradient or direction): not solved, zeros in its outputs.
@@ -1444,6 +1453,9 @@ cdef class _Batch:
     cdef Py_ssize_t* shapes      # per slot: its factor's shape_u, then shape_v (MAX_DIMS each)
     cdef Py_ssize_t max_nu, max_nv
     cdef unsigned char* flags    # per problem (claim order): flags of its input blocks
+    # loss batches
+    cdef double margin           # scale of the Hamming cost added to eta_u
+    cdef bint sparse             # SparseMAP (else MAP) at the cost-augmented scores
 
     def __cinit__(self):
         self.P = NULL
@@ -1572,9 +1584,10 @@ cdef class _Batch:
         cdef const Py_ssize_t* shape_u = NULL
         cdef const Py_ssize_t* shape_v = NULL
         cdef int flags = 0
+        cdef bint ok
         cdef Py_ssize_t n_v = (<Factor> p.factor).n_v
         cdef double t0
-        if self.kind == SOLVE and ws[p.slot] == NULL:
+        if (self.kind == SOLVE or self.kind == LOSS) and ws[p.slot] == NULL:
             t0 = sm_thread_cpu() if _timing else 0.0
             with gil:
                 self._new_workspace(t, p.slot)
@@ -1596,7 +1609,19 @@ cdef class _Batch:
             out_u = buf
             out_v = buf + self.max_nu if (p.out_v != NULL and n_v) else NULL
             buf += self.max_nu + self.max_nv
-        if self.kind == SOLVE:
+        if self.kind == LOSS:
+            # in_u is this thread's copy of the block: the cost is added there
+            if not (flags & HAS_BAD):
+                flags |= self._loss(<_Workspace> ws[p.slot], p, <double*> in_u, in_v,
+                                    out_u, out_u + self.max_nu)
+                self.flags[j] = flags
+            ok = flags == 0 or flags == HAS_NEGINF
+            _scatter(out_u if ok else NULL, <char*> p.out_u, self.isz_out_u, self.pad_u,
+                     shape_u, self.ndim_u)
+            if p.out_v != NULL:
+                _scatter(out_u + self.max_nu if ok and n_v else NULL, <char*> p.out_v,
+                         self.isz_out_v, self.pad_v, shape_v, self.ndim_v)
+        elif self.kind == SOLVE:
             if not (flags & HAS_BAD):
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
                            self.max_iter, self.tol)
@@ -1613,6 +1638,64 @@ cdef class _Batch:
                 if p.out_v != NULL:
                     _scatter(out_v if flags == 0 else NULL, <char*> p.out_v, self.isz_out_v,
                              self.pad_v, shape_v, self.ndim_v)
+        return 0
+
+    cdef int _loss(self, _Workspace ws, _Problem* p, double* eu, const double* ev,
+                   double* gu, double* gv) except -1 nogil:
+        """One loss of a loss batch: ``p.value`` and its gradient ``(gu, gv)`` at the
+        scores ``eu`` (a scratch copy, cost-augmented in place) and ``ev``; 0, or the
+        flag _MAP_INFEASIBLE or _TARGET_FORBIDDEN (outputs unset).
+
+        As :mod:`sparsemap.losses` computes them for a 0/1 target ``t`` (the same
+        operations, so the same bits, except for the value's sums): with
+        ``eu' = eu + margin (1 - m_t)``, SparseMAP (``sparse``) or MAP at
+        ``(eu', ev)`` gives ``(u, v)``; the gradient is ``(u - m_t, v - n_t)`` and
+        the value ``1/2 |g_u|^2 + eu'.g_u + ev.g_v - u.g_u`` (for a vertex ``u``:
+        ``a_s . eta' - a_t . eta'``), products skipping the parts where the gradient
+        is 0 (forbidden parts are -inf there), clipped at 0.
+        """
+        cdef Py_ssize_t n_u = ws.f.n_u, n_v = ws.f.n_v, j
+        cdef double[1] score
+        cdef double value = 0.0, g
+        cdef const double* u = NULL
+        ws.f.c_score(p.target, eu, ev, score)
+        if score[0] == -INFINITY:
+            return _TARGET_FORBIDDEN
+        memset(gu, 0, n_u * sizeof(double))
+        if n_v:
+            memset(gv, 0, n_v * sizeof(double))
+        ws.f.c_add(p.target, 1.0, gu, gv if n_v else NULL)      # (m_t, n_t)
+        if self.margin > 0:
+            for j in range(n_u):
+                eu[j] += self.margin * (1.0 - gu[j])            # -inf stays -inf
+        if self.sparse:
+            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol)
+            if p.sol.status == INFEASIBLE:
+                return _MAP_INFEASIBLE
+            u = p.sol.u
+            for j in range(n_u):
+                gu[j] = u[j] - gu[j]
+            for j in range(n_v):
+                gv[j] = p.sol.v[j] - gv[j]
+        else:
+            if ws.f.c_map(eu, ev, ws.snew, ws.work) != 0:
+                return _MAP_INFEASIBLE
+            for j in range(n_u):
+                gu[j] = -gu[j]
+            for j in range(n_v):
+                gv[j] = -gv[j]
+            ws.f.c_add(ws.snew, 1.0, gu, gv if n_v else NULL)   # m_s - m_t, n_s - n_t
+        for j in range(n_u):
+            g = gu[j]
+            if g != 0:
+                value += eu[j] * g
+                if u != NULL:
+                    value += 0.5 * g * g - u[j] * g
+        if ev != NULL:
+            for j in range(n_v):
+                if gv[j] != 0:
+                    value += ev[j] * gv[j]
+        p.value[0] = value if value > 0 else 0.0
         return 0
 
     def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
@@ -1691,8 +1774,17 @@ cdef class _Batch:
         cdef int status
         out = []
         for j in range(self.n):
-            if self.flags != NULL and (self.flags[j] & HAS_BAD if self.kind == SOLVE
-                                       else self.flags[j]):
+            if self.kind == LOSS:
+                if self.flags[j] & HAS_BAD:
+                    out.append((self.P[j].index, REFUSED))
+                elif self.flags[j] & _TARGET_FORBIDDEN:
+                    out.append((self.P[j].index, TARGET_FORBIDDEN))
+                elif self.flags[j] & _MAP_INFEASIBLE:
+                    out.append((self.P[j].index, INFEASIBLE))
+                elif self.sparse and self.P[j].sol.status != CONVERGED:
+                    out.append((self.P[j].index, self.P[j].sol.status))
+            elif self.flags != NULL and (self.flags[j] & HAS_BAD if self.kind == SOLVE
+                                         else self.flags[j]):
                 out.append((self.P[j].index, REFUSED))
             elif self.kind == SOLVE:
                 status = self.P[j].sol.status
@@ -2106,3 +2198,124 @@ def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ss
                          ws.snew, ws.work)
             times[i] = _now() - t0
     return float(np.median(times))
+
+
+def prepare_loss(factors, etas_u, etas_v, targets, double margin, bint sparse,
+                 Py_ssize_t max_iter, double tol, Py_ssize_t n_threads, out_u, out_v, values):
+    """A padded :class:`_Batch` of losses (the PyTorch losses' path; private).
+
+    Problem ``i`` reads its blocks of ``etas_u`` / ``etas_v`` as
+    :func:`prepare_solve` does with ``out_u``, adds ``margin`` times the
+    Hamming cost of its target to the unary scores, and solves SparseMAP
+    (``sparse``; its outcome is kept in the batch's ``outputs``, a
+    ``_Solutions``) or MAP there. It writes the loss of :mod:`sparsemap.losses`
+    into ``values[i]`` and its gradient into its slots of ``out_u`` and (if
+    given) ``out_v``, zero-padded; see :meth:`_Batch._loss`.
+
+    Parameters
+    ----------
+    factors : Factor or list of Factor
+    etas_u, etas_v : padded arrays, as for :func:`prepare_solve` (etas_v may be None)
+    targets : ndarray of intc, shape ``(n, k)``, C-contiguous
+        Row ``i`` starts with problem ``i``'s target structure (``k`` at least
+        its ``struct_size``), validated by the caller: the threads read it
+        without checks.
+    margin : float
+        The cost's scale, >= 0.
+    sparse : bool
+    max_iter, tol, n_threads
+        As for :func:`prepare_solve`.
+    out_u : padded array shaped like ``etas_u``
+    out_v : padded array ``(n, *pad_v)``, or None
+    values : float64 array of shape ``(n,)``, C-contiguous
+
+    :meth:`_Batch.report` then lists problems refused (nan or +inf in a
+    block), whose target uses a forbidden part (``TARGET_FORBIDDEN``), whose
+    structures all do (``STATUS_INFEASIBLE``), or whose SparseMAP solve did
+    not converge; their outputs are zeros (the last: the best iterate's).
+    """
+    cdef _Batch b = _Batch.__new__(_Batch)
+    cdef Py_ssize_t n = len(etas_u), j, i
+    cdef Factor f
+    cdef bint shared = isinstance(factors, Factor)
+    cdef _Solutions sols = _Solutions(factors, n)
+    cdef _Order by_cost
+    cdef const Py_ssize_t[::1] claim
+    cdef const int[:, ::1] tg = targets
+    cdef double[::1] vals = values
+    cdef const double* zeros = NULL
+    cdef char* in_u
+    cdef char* in_v
+    cdef char* o_u
+    cdef char* o_v
+    cdef Py_ssize_t st_u = 0, st_v = 0, st_ou = 0, st_ov = 0, max_nv = 0, max_k = 0
+    cdef _Problem* p
+    if tg.shape[0] != n or vals.shape[0] != n:
+        raise ValueError(f"targets, values: expected {n} rows")
+    b._setup(n, n_threads, LOSS)
+    b.max_iter = max_iter
+    b.tol = tol
+    b.margin = margin
+    b.sparse = sparse
+    b.hists = None
+    b.outputs = sols
+    slots = {}
+    if shared:
+        b.slot_factors.append(factors)
+        max_nv = (<Factor> factors).n_v
+        max_k = (<Factor> factors).struct_size
+    else:
+        for f in factors:
+            b._slot(slots, f)
+            max_nv = max(max_nv, f.n_v)
+            max_k = max(max_k, f.struct_size)
+    if max_k > tg.shape[1]:
+        raise ValueError(f"targets: expected rows of at least {max_k} ints, got {tg.shape[1]}")
+    if max_nv and etas_v is None:
+        zero_buf = np.zeros(max_nv)
+        b.keep.append(zero_buf)
+        zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
+    b.isz_in_u = _check_padded(etas_u, "etas_u", n)
+    b.isz_out_u = _check_padded(out_u, "out_u", n, etas_u)
+    b.v_in_padded = etas_v is not None
+    if b.v_in_padded:
+        b.isz_in_v = _check_padded(etas_v, "etas_v", n)
+    if out_v is not None:
+        b.isz_out_v = _check_padded(out_v, "out_v", n, etas_v)
+    b._set_pads(etas_u, etas_v)
+    in_u = _base(etas_u, &st_u)
+    in_v = _base(etas_v, &st_v)
+    o_u = _base(out_u, &st_ou)
+    o_v = _base(out_v, &st_ov)
+    b.keep.extend((etas_u, etas_v, targets, out_u, out_v, values))
+    by_cost = _Order(n)
+    if n_threads > 1 and not shared:
+        for i in range(n):
+            f = factors[i]
+            by_cost.keys[i].cost = f.n_u + f.n_v
+    claim = by_cost.indices(n_threads > 1 and not shared)
+    for j in range(n):
+        i = claim[j]
+        p = &b.P[j]
+        p.index = i
+        f = factors if shared else factors[i]
+        p.factor = <PyObject*> f
+        p.slot = 0 if shared else slots[id(f)]
+        p.sol = &sols.items[i]
+        p.in_u = <const double*> (in_u + i * st_u)
+        p.out_u = <double*> (o_u + i * st_ou)
+        if f.n_v == 0:
+            p.in_v = NULL
+        elif in_v == NULL:
+            p.in_v = zeros
+        else:
+            p.in_v = <const double*> (in_v + i * st_v)
+        if o_v != NULL:
+            p.out_v = <double*> (o_v + i * st_ov)
+        p.target = &tg[i, 0]
+        p.value = &vals[i]
+        vals[i] = 0.0
+    b._alloc_workspaces()
+    b._set_shapes(("etas_u", "etas_v"))
+    b._alloc_scratch(2 * (b.max_nu + b.max_nv))
+    return b

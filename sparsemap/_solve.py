@@ -25,6 +25,7 @@ from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
+from sparsemap._factors._generic import OracleFactor
 
 METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 DEFAULT_TOL = 1e-12
@@ -475,9 +476,21 @@ def _default_jobs():
         return os.cpu_count() or 1
 
 
-def _check_n_jobs(n_jobs):
+def _holds_gil(factors):
+    """Whether solving for ``factors`` (one Factor or a sequence) runs Python with the GIL
+    held: an :class:`OracleFactor`'s MAP, scores and columns are Python callbacks, so
+    threads would only queue for the GIL (and pay to hand it over)."""
+    if isinstance(factors, Factor):
+        return isinstance(factors, OracleFactor)
+    return any(isinstance(f, OracleFactor) for f in factors)
+
+
+def _check_n_jobs(n_jobs, factors=None):
+    """Threads for a batch: ``n_jobs``, validated; the default (None) is every core this
+    process may run on, or 1 when ``factors`` (if given) hold the GIL (:func:`_holds_gil`),
+    so that the default is never slower than a serial run."""
     if n_jobs is None:
-        return _default_jobs()
+        return 1 if factors is not None and _holds_gil(factors) else _default_jobs()
     if type(n_jobs) is int and n_jobs >= 1:
         return n_jobs
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs < 1:
@@ -706,10 +719,13 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         The additional scores, likewise; entries of a sequence may be None
         (zeros).
     n_jobs : int, optional
-        Threads to use, the calling thread included: None means every core
-        this process may run on, 1 runs serially in the calling thread. The
-        solves run without the GIL, so threads scale with the cores (except
-        for an :class:`OracleFactor`, whose callbacks hold the GIL).
+        Threads to use, the calling thread included; 1 runs serially in the
+        calling thread. The solves run without the GIL, so threads scale with
+        the cores. None (the default) means every core this process may run
+        on, except when a factor is an :class:`OracleFactor`: its callbacks
+        are Python and hold the GIL, so threads could only wait for each
+        other, and the default is then 1 (pass ``n_jobs`` to override, or an
+        ``executor`` of processes to run oracles in parallel).
     executor : concurrent.futures.Executor, optional
         Run the problems there instead of in threads: a
         ``ProcessPoolExecutor``, or the executor of a Dask or Ray cluster
@@ -760,7 +776,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     return_history = bool(solve_kw.get("return_history", False))
-    n_jobs = _check_n_jobs(n_jobs)
+    jobs = _check_n_jobs(n_jobs)
     if executor is not None and not callable(getattr(executor, "submit", None)):
         raise ValueError(f"executor: expected a concurrent.futures.Executor (an object with "
                          f"submit), got {type(executor).__name__}")
@@ -781,10 +797,10 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     fs = [factors] * B if shared else factors
     if executor is None:
         sols = _solve_problems(factors, eus, evs, inits, method, max_iter, tol, return_history,
-                               n_jobs)
+                               _check_n_jobs(n_jobs, factors))
     else:
         order = _order(B, None if shared else [f.n_u + f.n_v for f in factors])
-        chunks = _chunks(order, CHUNKS_PER_JOB * n_jobs)
+        chunks = _chunks(order, CHUNKS_PER_JOB * jobs)
         futures = [executor.submit(
             _solve_problems, factors if shared else _take(factors, idx), _take(eus, idx),
             _take(evs, idx), _take(inits, idx), method, max_iter, tol, return_history)
@@ -858,8 +874,8 @@ def vjp_batch(results, dus, *, n_jobs=None):
         Bitwise equal to ``r.vjp(du)`` for each pair.
     """
     rs = _check_results(results)
-    n_jobs = _check_n_jobs(n_jobs)
     factors = [r.factor for r in rs]
+    n_jobs = _check_n_jobs(n_jobs, factors)
     B = len(rs)
     if _batch_size("dus", dus) != B:
         raise ValueError(f"dus: expected {B} entries (one per result), got {len(dus)}")
@@ -888,8 +904,8 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
         ``du`` for each result, bitwise equal to ``r.jvp(d_eta_u, d_eta_v)``.
     """
     rs = _check_results(results)
-    n_jobs = _check_n_jobs(n_jobs)
     factors = [r.factor for r in rs]
+    n_jobs = _check_n_jobs(n_jobs, factors)
     B = len(rs)
     for name, x in (("d_etas_u", d_etas_u), ("d_etas_v", d_etas_v)):
         if x is not None and _batch_size(name, x) != B:
@@ -954,8 +970,10 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
-    if method != "active_set" or set(solve_kw) - {"method", "max_iter", "tol"}:
-        # the general path: blocks through solve_batch (CG solvers, warm starts, ...), from
+    if method != "active_set" or set(solve_kw) - {"method", "max_iter", "tol"} or \
+            _holds_gil(factors):
+        # the general path: blocks through solve_batch (CG solvers, warm starts, oracles
+        # whose results then tell the backward pass its default n_jobs, ...), from
         # copies (CG's results keep their scores for the backward pass)
         etas_u = np.array(etas_u, dtype=np.float64)
         etas_v = None if etas_v is None else np.array(etas_v, dtype=np.float64)
@@ -1036,7 +1054,9 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         ``d_etas_u[i]`` / ``d_etas_v[i]`` (jvp).
     """
     B = ins_u.shape[0]
-    n_threads = max(1, min(_check_n_jobs(n_jobs), B))
+    # a _Solutions holds no oracle (_solve_padded sends them down the general path)
+    n_threads = max(1, min(_check_n_jobs(
+        n_jobs, None if isinstance(handles, _Solutions) else [h.factor for h in handles]), B))
     sols = handles if isinstance(handles, _Solutions) else \
         [h._backward_solution() for h in handles]
     batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,

@@ -25,8 +25,10 @@ import re
 
 import numpy as np
 
+from sparsemap import _active_set
 from sparsemap._factors._base import Factor
-from sparsemap._solve import SparseMAPResult, solve
+from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options, _run,
+                              solve)
 
 __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]
 
@@ -413,6 +415,71 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
     if reduction == "none":
         return losses, gus, gvs
     return float(losses.mean() if reduction == "mean" else losses.sum()), gus, gvs
+
+
+# -- padded batches: the PyTorch losses' path ------------------------------------------
+def _target_rows(factors, targets, B):
+    """Compact targets as a C-contiguous ``(B, k)`` intc array, each row's leading
+    ``struct_size`` entries validated by its factor (the threads read them unchecked).
+
+    ``targets`` is an integer array ``(B, k)`` (``(B,)`` when structures are one
+    int); a ValueError names ``targets[i]`` and says what is wrong.
+    """
+    arr = np.asarray(targets)
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    if arr.dtype.kind not in "iu" or arr.ndim != 2 or arr.shape[0] != B:
+        raise ValueError(f"targets: expected integers of shape ({B}, structure size), got "
+                         f"{arr.dtype} {arr.shape}")
+    rows = np.ascontiguousarray(arr, dtype=np.intc)
+    if arr.size and (arr.min() < np.iinfo(np.intc).min or arr.max() > np.iinfo(np.intc).max):
+        raise ValueError("targets: values out of range for a structure")
+    shared = isinstance(factors, Factor)
+    k = rows.shape[1]
+    for i in range(B):
+        f = factors if shared else factors[i]
+        if f.struct_size > k:
+            raise ValueError(f"targets[{i}]: expected at least {f.struct_size} entries "
+                             f"(the structure size), got {k}")
+        if shared and f.struct_size != k:
+            raise ValueError(f"targets[{i}]: expected {f.struct_size} entries "
+                             f"(the structure size), got {k}")
+        f._validate_structure(rows[i, :f.struct_size], f"targets[{i}]")
+    return rows
+
+
+def _loss_padded(factors, etas_u, etas_v, targets, margin, sparse, n_jobs, solve_kw,
+                 out_u, out_v, values, fallback):
+    """The losses of a padded batch in the batch runner's threads (private).
+
+    Problem ``i`` reads the leading blocks of ``etas_u[i]`` and ``etas_v[i]``
+    (as :func:`sparsemap._solve._solve_padded` does) and its target, row ``i``
+    of the intc array ``targets`` from :func:`_target_rows`; its loss
+    (:func:`sparsemap_loss` with ``margin`` when ``sparse``, else
+    :func:`structured_svm_loss`) goes to ``values[i]`` and its gradient into
+    its slots of ``out_u`` and ``out_v`` (None: not wanted), zero-padded. No
+    Python object is made per problem, except for the few the run reports
+    (scores with nan or +inf, an impossible target, no allowed structure, a
+    solve that did not converge): ``fallback(i)`` returns their ``(loss, g_u,
+    g_v)`` through the NumPy loss, which raises or warns as it does.
+    """
+    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+                                           solve_kw.get("max_iter"),
+                                           solve_kw.get("tol", DEFAULT_TOL))
+    B = etas_u.shape[0]
+    n_threads = max(1, min(_check_n_jobs(n_jobs, factors), B))
+    batch = _active_set.prepare_loss(factors, etas_u, etas_v, targets, float(margin),
+                                     bool(sparse), max_iter, tol, n_threads, out_u, out_v,
+                                     values)
+    _run(batch, n_threads)
+    shared = isinstance(factors, Factor)
+    for i, _ in batch.report():
+        f = factors if shared else factors[i]
+        values[i], g_u, g_v = fallback(i)
+        block = (i,) + tuple(slice(0, d) for d in f.shape_u)
+        out_u[block] = g_u
+        if out_v is not None and f.n_v:
+            out_v[(i,) + tuple(slice(0, d) for d in f.shape_v)] = g_v
 
 
 def _name_example(message, i, kwargs):

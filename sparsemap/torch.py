@@ -46,7 +46,7 @@ import torch
 import sparsemap as sm
 from sparsemap import Factor
 from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _order, _solve_padded
-from sparsemap.losses import _check_reduction
+from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
 __all__ = [
     "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
@@ -911,10 +911,11 @@ def _parallel(fn, B, costs, n_jobs):
 
 
 def _targets(target, layout):
-    """``(targets, dense)``: per-problem compact structures from a (padded) integer
-    tensor (``dense=False``), or dense 0/1 columns from a float tensor shaped like
-    ``eta_u`` (``dense=True``; the loss converts them with :meth:`Factor.from_vertex`,
-    as the NumPy losses cannot always tell the two forms apart by shape)."""
+    """``(targets, dense)``: compact structures as an integer array ``(B, k)`` (``k``: the
+    padded structure size, ``(B,)`` for one-int structures; ``dense=False``), or dense 0/1
+    columns from a float tensor shaped like ``eta_u``, as a list of per-problem blocks
+    (``dense=True``; the loss converts them with :meth:`Factor.from_vertex`, as the NumPy
+    losses cannot always tell the two forms apart by shape)."""
     if isinstance(target, torch.Tensor):
         arr = target.detach().cpu()
         arr = (arr.double() if arr.is_floating_point() else arr).numpy()
@@ -937,15 +938,7 @@ def _targets(target, layout):
     if arr.shape[:nb] != layout.batch_shape or arr.ndim - nb > 1:
         raise ValueError(f"target: expected shape {layout.batch_shape} + (structure size,) "
                          f"(the batch dims, then one compact structure), got {arr.shape}")
-    flat = arr.reshape((layout.B,) + arr.shape[nb:])
-    out = []
-    for b in range(layout.B):
-        t = flat[b]
-        if t.ndim == 0:
-            out.append(int(t))
-        else:   # padded: a ragged element reads its leading struct_size entries
-            out.append(t[:layout.factor_of(b).struct_size] if layout.ragged else t)
-    return out, False
+    return arr.reshape((layout.B,) + arr.shape[nb:]), False
 
 
 class _LossFunction(torch.autograd.Function):
@@ -968,32 +961,81 @@ class _LossFunction(torch.autograd.Function):
         return out[0], out[1], None, None, None
 
 
+# The losses the batch runner computes itself (a 0/1 target, the active set): whether
+# each solves SparseMAP (else MAP), and its margin when not given
+_PADDED_LOSSES = {sm.sparsemap_loss: (True, 0.0), sm.structured_svm_loss: (False, 1.0),
+                  sm.perceptron_loss: (False, 0.0)}
+
+
 def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     _check_reduction(reduction)
     layout = _Layout(factor, eta_u, eta_v)
     targets, dense = _targets(target, layout)
-    eus = layout.split_u(_to_host(eta_u))
-    evs = None if eta_v is None else layout.split_v(_to_host(eta_v))
+    factors = layout.factors if layout.ragged else layout.factor
+    host = {}
 
     def one(b):
+        """Element b's loss through the NumPy loss, ``(loss, g_u, g_v)``."""
+        if not host:
+            host["u"] = layout.split_u(_to_host(eta_u))
+            host["v"] = None if eta_v is None else layout.split_v(_to_host(eta_v))
         f = layout.factor_of(b)
         try:
-            t = f.from_vertex(targets[b], names=("target", "target")) if dense else targets[b]
-            return numpy_loss(f, eus[b], t, None if evs is None else evs[b], **kw)
+            if dense:
+                t = f.from_vertex(targets[b], names=("target", "target"))
+            else:
+                t = int(targets[b]) if targets.ndim == 1 else targets[b, :f.struct_size]
+            return numpy_loss(f, host["u"][b], t, None if host["v"] is None else host["v"][b],
+                              **kw)
         except ValueError as exc:
             if not layout.batch_shape:
                 raise
             raise ValueError(f"{exc}{_where(layout, b)}") from None
 
-    costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
-    out = _parallel(one, layout.B, costs, n_jobs)
-    losses = np.array([o[0] for o in out], dtype=np.float64).reshape(layout.batch_shape)
-    g_u = layout.join([o[1] for o in out], "u")
-    g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
+    sparse, margin = _PADDED_LOSSES[numpy_loss]
+    solve_kw = {k: v for k, v in kw.items() if k != "margin"}
+    if not dense and layout.B and kw.get("method", "active_set") == "active_set" and \
+            set(solve_kw) <= {"method", "max_iter", "tol"}:
+        g_u, g_v, losses = _padded_losses(layout, factors, eta_u, eta_v, targets,
+                                          kw.get("margin", margin), sparse, n_jobs, solve_kw,
+                                          one)
+    else:
+        costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
+        out = _parallel(one, layout.B, costs, n_jobs)
+        losses = np.array([o[0] for o in out], dtype=np.float64)
+        g_u = layout.join([o[1] for o in out], "u")
+        g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
+    losses = losses.reshape(layout.batch_shape)
     per = _LossFunction.apply(eta_u, eta_v, losses, g_u, g_v)
     if reduction == "none":
         return per
     return per.mean() if reduction == "mean" else per.sum()
+
+
+def _padded_losses(layout, factors, eta_u, eta_v, targets, margin, sparse, n_jobs, solve_kw,
+                   one):
+    """``(g_u, g_v, losses)`` of a batch by :func:`sparsemap.losses._loss_padded`: the
+    scores read where they are, one target array, the outputs written in the threads."""
+    margin = _check_nonneg(margin, "margin")
+    try:
+        rows = _target_rows(factors, targets, layout.B)
+    except ValueError as exc:
+        m = re.match(r"targets\[(\d+)\]", str(exc))
+        if m is None:
+            raise ValueError(f"target{str(exc)[len('targets'):]}") from None
+        raise ValueError(f"target{str(exc)[m.end():]}{_where(layout, int(m[1]))}") from None
+    eu = layout.host(eta_u, "u")
+    ev = None if eta_v is None else layout.host(eta_v, "v")
+    g_u = np.empty(eu.shape)
+    g_v = None if eta_v is None else np.empty(ev.shape)
+    losses = np.empty(layout.B)
+    try:
+        _loss_padded(factors, eu, ev, rows, margin, sparse, n_jobs, solve_kw, g_u, g_v,
+                     losses, one)
+    except ValueError as exc:
+        raise _batch_error(exc, layout) from None
+    return (g_u.reshape(layout.batch_shape + layout.pad_u),
+            None if g_v is None else g_v.reshape(layout.batch_shape + layout.pad_v), losses)
 
 
 _LOSS_PARAMS = """factor : Factor or list of Factor
