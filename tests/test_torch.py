@@ -710,3 +710,19 @@ def test_training_brings_the_loss_down(kind, margin):
         opt.step()
         history.append(loss.item())
     assert history[-1] < 0.3 * history[0], history
+
+
+def test_default_n_jobs_of_the_torch_layer_and_losses_for_oracles(monkeypatch):
+    import threading
+
+    from sparsemap import _solve
+    from test_batch import _thread_recording_oracle
+    monkeypatch.setattr(_solve, "_default_jobs", lambda: 4)
+    seen = set()
+    oracle = _thread_recording_oracle(5, seen)
+    x = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    smt.sparsemap(oracle, x).sum().backward()
+    smt.sparsemap_loss(oracle, x, torch.zeros(40, dtype=torch.long)).backward()
+    smt.structured_svm_loss([oracle] * 40, x, torch.zeros(40, dtype=torch.long)).backward()
+    assert seen == {threading.get_ident()}
