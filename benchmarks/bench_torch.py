@@ -30,8 +30,18 @@ again into the downstream loss (the same pass with a stand-in layer that costs
 nothing: cloning the scores, the loss, autograd) and what the layer itself adds.
 The share that threads can run in parallel bounds the 2-thread speedup (Amdahl).
 
+A third table compares the training losses of ``sparsemap.torch`` (forward, and
+backward of their mean) with the tree layer's forward and backward on the same
+batch, gold trees drawn at random: the SparseMAP and margin SparseMAP losses
+(one SparseMAP solve each, at the cost-augmented scores for the margin) and the
+structured SVM and perceptron (one MAP each). It gives CPU milliseconds on one
+thread (medians of ``--repeats`` passes, the configurations sampled in turn) and
+wall milliseconds with the default ``n_jobs`` (torch on one thread), and the
+ratios loss / layer; targets: at most 1.2 for the SparseMAP losses, at most 1.0
+for the MAP losses.
+
 Usage: python benchmarks/bench_torch.py [--repeats 15] [--batch 32] [--seed 0]
-       [--breakdown-only]
+       [--breakdown-only | --losses-only]
 """
 import argparse
 import statistics
@@ -180,12 +190,93 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--breakdown-only", action="store_true",
-                   help="only the CPU-time breakdown (the second table)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--breakdown-only", action="store_true",
+                      help="only the CPU-time breakdown (the second table)")
+    only.add_argument("--losses-only", action="store_true",
+                      help="only the losses against the layer (the third table)")
     args = p.parse_args(argv)
-    if not args.breakdown_only:
+    if not (args.breakdown_only or args.losses_only):
         throughput(args)
-    breakdown(args)
+    if not args.losses_only:
+        breakdown(args)
+    if not args.breakdown_only:
+        losses(args)
+
+
+def random_heads(rng, lengths, n1):
+    """A random single-root dependency tree per sentence (each word's head drawn among
+    the words before it, or the root for the first), in random word order, padded with
+    -1."""
+    heads = torch.full((len(lengths), n1), -1, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        order = rng.permutation(n) + 1
+        h = np.empty(n + 1, dtype=np.int64)
+        h[0], h[order[0]] = -1, 0
+        for k in range(1, n):
+            h[order[k]] = order[rng.integers(0, k)]
+        heads[b, :n + 1] = torch.from_numpy(h)
+    return heads
+
+
+LOSSES = (("SparseMAP", smt.sparsemap_loss, {}, 1.2),
+          ("margin SparseMAP", smt.sparsemap_loss, {"margin": 1.0}, 1.2),
+          ("structured SVM", smt.structured_svm_loss, {}, 1.0),
+          ("perceptron", smt.perceptron_loss, {}, 1.0))
+
+
+def losses(args):
+    """The third table: each loss's pass against the tree layer's, CPU and wall ms."""
+    print(f"\nlosses against the tree layer (forward + backward, batches of {args.batch} "
+          f"trees of 10 to 40 words, float32 scores, torch on 1 thread; median of "
+          f"{args.repeats}): CPU ms with n_jobs=1, wall ms with the default n_jobs")
+    print(f"{'scale':>6}  {'pass':<17}{'CPU ms':>8}{'ratio':>7}{'wall ms':>9}{'ratio':>7}"
+          f"{'target':>8}")
+    torch.set_num_threads(1)
+    for scale in SCALES:
+        rng = np.random.default_rng(args.seed)
+        scores, lengths = tree_batch(rng, args.batch, scale)
+        g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+        heads = random_heads(rng, lengths, scores.shape[1])
+        factors = [sm.TreeFactor(int(n)) for n in lengths]
+
+        def layer(n_jobs):
+            def run():
+                x = scores.clone().requires_grad_()
+                (smt.tree(x, lengths, n_jobs=n_jobs) * g).sum().backward()
+            return run
+
+        def loss(fn, kw, n_jobs):
+            def run():
+                x = scores.clone().requires_grad_()
+                fn(factors, x, heads, n_jobs=n_jobs, **kw).backward()
+            return run
+
+        rows = [("tree layer", layer, None)] + [
+            (name, lambda n_jobs, fn=fn, kw=kw: loss(fn, kw, n_jobs), target)
+            for name, fn, kw, target in LOSSES]
+        serial = [make(1) for _, make, _ in rows]
+        default = [make(None) for _, make, _ in rows]
+        for fn in serial + default:
+            fn()
+        cpu = cpu_medians(serial, args.repeats)
+        wall = median_times(default, args.repeats)
+        for (name, _, target), c, w in zip(rows, cpu, wall):
+            ratio = "" if target is None else f"{c / cpu[0]:>7.2f}"
+            wratio = "" if target is None else f"{w / wall[0]:>7.2f}"
+            print(f"{scale:>6}  {name:<17}{1e3 * c:>8.2f}{ratio:>7}{1e3 * w:>9.2f}{wratio:>7}"
+                  f"{'' if target is None else f'<= {target}':>8}", flush=True)
+
+
+def cpu_medians(fns, repeats):
+    """Median CPU seconds (this process, all threads) of each function, sampled in turn."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.process_time()
+            fn()
+            ts.append(time.process_time() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def throughput(args):

@@ -264,10 +264,10 @@ def main(argv=None):
     if args.subset:
         sub_files = [subset_file(files[0], args.subset, args.out)] + files[1:]
 
-    # the quick subset runs first
-    jobs = [(args.subset, loss, seed) for seed in sub_seeds for loss in LOSSES] \
-        if args.subset else []
-    jobs += [(0, loss, seed) for seed in args.seeds for loss in LOSSES]
+    # the long runs first, so that the short ones fill the gaps at the end
+    jobs = [(0, loss, seed) for seed in args.seeds for loss in LOSSES]
+    if args.subset:
+        jobs += [(args.subset, loss, seed) for seed in sub_seeds for loss in LOSSES]
     with ThreadPoolExecutor(max_workers=args.jobs) as ex:
         done = ex.map(lambda job: run_one(sub_files if job[0] else files, job[1], job[2],
                                           args, extra, job[0]), jobs)

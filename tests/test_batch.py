@@ -558,3 +558,46 @@ def test_jvp_batch_empty_v_directions_of_factors_without_v():
     for n_jobs in (1, 2):
         for d, r, du, dv in zip(sm.jvp_batch(rs, dus, dvs, n_jobs=n_jobs), rs, dus, dvs):
             assert np.array_equal(d, r.jvp(du, dv))
+
+
+def _thread_recording_oracle(d, seen):
+    """Sparsemax over d items as an OracleFactor whose callbacks record their thread."""
+    import threading
+
+    def map_fn(eu, ev):
+        seen.add(threading.get_ident())
+        return int(np.argmax(eu))
+
+    def vertex_fn(s):
+        seen.add(threading.get_ident())
+        return np.eye(d)[s]
+
+    return sm.OracleFactor(map_fn, vertex_fn, shape_u=d)
+
+
+def test_default_n_jobs_is_chosen_from_what_the_factors_are(monkeypatch):
+    """n_jobs=None: every core for factors whose MAP runs without the GIL, 1 when a
+    factor is an OracleFactor (its Python callbacks hold the GIL, so threads could only
+    slow the batch); an explicit n_jobs is kept."""
+    import threading
+
+    from sparsemap import _solve
+    monkeypatch.setattr(_solve, "_default_jobs", lambda: 4)   # as on a 4-core machine
+    seen = set()
+    oracle = _thread_recording_oracle(5, seen)
+    tree = sm.TreeFactor(3)
+    assert _solve._check_n_jobs(None, tree) == 4
+    assert _solve._check_n_jobs(None, [tree, sm.SequenceFactor(3, 2)]) == 4
+    assert _solve._check_n_jobs(None, oracle) == 1
+    assert _solve._check_n_jobs(None, [tree, oracle, tree]) == 1
+    assert _solve._check_n_jobs(3, oracle) == 3
+    # what a batch does: with the default, every callback runs in the calling thread,
+    # forward and backward
+    etas = np.random.default_rng(0).standard_normal((48, 5))
+    rs = sm.solve_batch(oracle, etas)
+    sm.vjp_batch(rs, etas)
+    sm.jvp_batch(rs, etas)
+    assert seen == {threading.get_ident()}
+    for r, eta in zip(rs, etas):
+        np.testing.assert_array_equal(r.u, sm.solve(oracle, eta).u)
+

@@ -60,6 +60,8 @@ FAMILIES = {
     "xor_out": [sm.XorOutFactor(4), sm.XorOutFactor(3)],
     "sequence_budget": [sm.SequenceBudgetFactor(5, 2), sm.SequenceBudgetFactor(3, 1, exact=True),
                         sm.SequenceBudgetFactor(1, 1)],
+    "imply": [sm.ImplyFactor(3), sm.ImplyFactor(2)],
+    "knapsack": [sm.KnapsackFactor([0.5, 1.0, 2.0, 0.3], 1.2), sm.KnapsackFactor([1.0, 1.0], 1.5)],
 }
 
 
@@ -710,3 +712,19 @@ def test_training_brings_the_loss_down(kind, margin):
         opt.step()
         history.append(loss.item())
     assert history[-1] < 0.3 * history[0], history
+
+
+def test_default_n_jobs_of_the_torch_layer_and_losses_for_oracles(monkeypatch):
+    import threading
+
+    from sparsemap import _solve
+    from test_batch import _thread_recording_oracle
+    monkeypatch.setattr(_solve, "_default_jobs", lambda: 4)
+    seen = set()
+    oracle = _thread_recording_oracle(5, seen)
+    x = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    smt.sparsemap(oracle, x).sum().backward()
+    smt.sparsemap_loss(oracle, x, torch.zeros(40, dtype=torch.long)).backward()
+    smt.structured_svm_loss([oracle] * 40, x, torch.zeros(40, dtype=torch.long)).backward()
+    assert seen == {threading.get_ident()}
