@@ -236,7 +236,7 @@ cdef class AtMostOneFactor(_BinaryFactor):
     >>> f = sm.AtMostOneFactor(3)
     >>> f.map(np.array([-0.2, -0.5, -1.0]))
     array([0, 0, 0])
-    >>> sm.solve(f, np.array([0.3, -0.5, 0.1])).u      # clip to [0, 1]: sum <= 1
+    >>> sm.solve(f, np.array([0.3, -0.5, 0.1])).u   # clipped: sum <= 1
     array([0.3, 0. , 0.1])
     """
 
