@@ -56,12 +56,17 @@ html_theme = "pydata_sphinx_theme"
 html_title = "sparsemap"
 html_theme_options = {
     "navigation_with_keys": False,
+    # four page links and "More" fit the header on one line at 1400 pixels
+    "header_links_before_dropdown": 4,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version", "theme-version"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The left sidebar lists every page (docs/_templates/sidebar-site-nav.html): the
+# theme's default lists only the sub-pages of the current top-level page, which
+# the narrative pages do not have, so it was empty there.
+html_sidebars = {"**": ["sidebar-site-nav"]}
 # No external inventories (intersphinx): the build needs no network.
 
 # -- autodoc / autosummary -------------------------------------------------------
