@@ -11,7 +11,8 @@ it so). The site lands in ``docs/_build/html`` (git-ignored). The API reference
 (``docs/api/``: its index from ``__all__`` here, one page per name by
 autosummary) and the gallery's figures (``docs/_generated/``) are written at
 the start of the build and are git-ignored too. The examples in
-the pages are doctests, run by ``tests/test_docs.py``.
+the pages are doctests, run by ``tests/test_docs.py``; those in the public
+docstrings by ``tests/test_docstrings.py``.
 """
 import importlib
 import importlib.util

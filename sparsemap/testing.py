@@ -26,8 +26,8 @@ Examples
 >>> rng = np.random.default_rng(0)
 >>> eta_u, eta_v = rng.normal(size=f.shape_u), rng.normal(size=f.shape_v)
 >>> r = sm.solve(f, eta_u, eta_v)
->>> report = check_kkt(f, r, eta_u, eta_v)           # AssertionError if not
->>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # AssertionError if not
+>>> report = check_kkt(f, r, eta_u, eta_v)           # or AssertionError
+>>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # or AssertionError
 """
 import itertools
 from dataclasses import dataclass, field
@@ -221,7 +221,8 @@ class KKTReport:
     >>> import numpy as np, sparsemap as sm
     >>> from sparsemap.testing import check_kkt
     >>> eta = np.array([1.0, 0.5, -1.0])
-    >>> report = check_kkt(sm.XorFactor(3), sm.solve(sm.XorFactor(3), eta), eta)
+    >>> f = sm.XorFactor(3)
+    >>> report = check_kkt(f, sm.solve(f, eta), eta)
     >>> print(round(report.tau, 12), report.n_structures)
     0.25 3
     >>> report.support_spread < 1e-12, report.gap < 1e-12

@@ -26,7 +26,7 @@ import re
 import pytest
 
 import sparsemap
-from _doctests import API_CODE_WIDTH, run, too_wide
+from _doctests import API_CODE_WIDTH, METHOD_CODE_WIDTH, run, too_wide
 
 
 def public_modules():
@@ -133,6 +133,12 @@ def test_summary_line_formulas_are_math(name, obj):
 def test_member_examples_run(name, doc):
     n, report = run(doc, name)
     assert n > 0 and report == "", report
+
+
+@pytest.mark.parametrize("name,doc", MEMBERS, ids=[n for n, _ in MEMBERS])
+def test_member_code_fits(name, doc):
+    wide = too_wide(doc, width=METHOD_CODE_WIDTH)
+    assert not wide, "\n".join(wide)
 
 
 @pytest.mark.parametrize("name,obj", CONSTANTS, ids=[n for n, _ in CONSTANTS])

@@ -396,7 +396,7 @@ cdef class Factor:
         >>> m, _ = f.vertex([-1, 2, 0, 2])
         >>> f.from_vertex(m)
         array([-1,  2,  0,  2])
-        >>> m[1, 2] = 1.0                     # word 2 gets a second head, word 1
+        >>> m[1, 2] = 1.0                # word 2 gets a second head, word 1
         >>> f.from_vertex(m)
         Traceback (most recent call last):
             ...

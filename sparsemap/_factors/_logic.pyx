@@ -461,7 +461,8 @@ cdef class BudgetFactor(_Budgeted):
     >>> f = sm.BudgetFactor(4, 2)
     >>> f.map(np.array([0.5, -1.0, 2.0, 0.5]))
     array([1, 0, 1, 0])
-    >>> sm.BudgetFactor(4, 2, exact=True).map(np.array([-0.5, -1.0, -2.0, 0.5]))
+    >>> eta = np.array([-0.5, -1.0, -2.0, 0.5])
+    >>> sm.BudgetFactor(4, 2, exact=True).map(eta)
     array([1, 0, 0, 1])
     >>> print(sm.solve(f, np.array([0.9, 0.8, 0.7, -0.5])).u)
     [0.76666667 0.66666667 0.56666667 0.        ]
