@@ -12,7 +12,9 @@ it so). The site lands in ``docs/_build/html`` (git-ignored). The API reference
 autosummary) and the gallery's figures (``docs/_generated/``) are written at
 the start of the build and are git-ignored too. The examples in
 the pages are doctests, run by ``tests/test_docs.py``; those in the public
-docstrings by ``tests/test_docstrings.py``.
+docstrings by ``tests/test_docstrings.py``. ``python docs/check_layout.py
+docs/_build/html`` (needs Chromium) lists the code blocks and formulas that a
+browser cuts off at the right edge of the built pages.
 """
 import importlib
 import importlib.util
