@@ -64,7 +64,8 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=1400, help="window width in pixels")
     args = ap.parse_args(argv)
     pages = args.pages or sorted(str(p.relative_to(args.site)) for p in args.site.rglob("*.html")
-                                 if "_static" not in p.parts and "_sources" not in p.parts)
+                                 if "_static" not in p.parts and "_sources" not in p.parts
+                                 and not p.name.endswith(".layout-check.html"))
     total = 0
     for page in pages:
         for line in cut_off(args.site, page, args.width):

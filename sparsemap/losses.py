@@ -170,9 +170,9 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
 
     .. math::
 
-        \ell = [\eta_u'\cdot u^* + \eta_v\cdot v^* - \tfrac12\|u^*\|^2]
-               - [\eta_u'\cdot m_t + \eta_v\cdot n_t - \tfrac12\|m_t\|^2]
-             = \eta\cdot(a^* - a_t) + \mathrm{margin}\,(1-m_t)\cdot(u^*-m_t)
+        \ell &= [\eta_u'\cdot u^* + \eta_v\cdot v^* - \tfrac12\|u^*\|^2]
+               - [\eta_u'\cdot m_t + \eta_v\cdot n_t - \tfrac12\|m_t\|^2] \\
+             &= \eta\cdot(a^* - a_t) + \mathrm{margin}\,(1-m_t)\cdot(u^*-m_t)
                + \tfrac12\|m_t\|^2 - \tfrac12\|u^*\|^2 .
 
     Each bracket is the cost-augmented SparseMAP objective, at its maximiser and
