@@ -11,7 +11,10 @@ it so). The site lands in ``docs/_build/html`` (git-ignored). The API reference
 (``docs/api/``: its index from ``__all__`` here, one page per name by
 autosummary) and the gallery's figures (``docs/_generated/``) are written at
 the start of the build and are git-ignored too. The examples in
-the pages are doctests, run by ``tests/test_docs.py``.
+the pages are doctests, run by ``tests/test_docs.py``; those in the public
+docstrings by ``tests/test_docstrings.py``. ``python docs/check_layout.py
+docs/_build/html`` (needs Chromium) lists the code blocks and formulas that a
+browser cuts off at the right edge of the built pages.
 """
 import importlib
 import importlib.util
@@ -56,12 +59,17 @@ html_theme = "pydata_sphinx_theme"
 html_title = "sparsemap"
 html_theme_options = {
     "navigation_with_keys": False,
+    # four page links and "More" fit the header on one line at 1400 pixels
+    "header_links_before_dropdown": 4,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version", "theme-version"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The left sidebar lists every page (docs/_templates/sidebar-site-nav.html): the
+# theme's default lists only the sub-pages of the current top-level page, which
+# the narrative pages do not have, so it was empty there.
+html_sidebars = {"**": ["sidebar-site-nav"]}
 # No external inventories (intersphinx): the build needs no network.
 
 # -- autodoc / autosummary -------------------------------------------------------

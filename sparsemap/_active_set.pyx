@@ -4,7 +4,8 @@ The solver keeps the support ``I`` as compact structures and the Cholesky factor
 ``L`` of ``G_c = M_I^T M_I + c 1 1^T`` (``c > 0``). On the simplex ``1^T y = 1``
 the shift changes neither the solution nor the Jacobian, and ``G_c`` is positive
 definite exactly when the active columns are *affinely* independent, which is
-the condition under which the KKT system (eq. 12) is nonsingular (DESIGN.md).
+the condition under which the KKT system (eq. 12) is nonsingular
+(docs/solvers.rst, "The relaxed problem").
 
 A structure entering appends a row to ``L`` (one triangular solve); one leaving
 deletes a row and restores triangular form with Givens rotations. A structure

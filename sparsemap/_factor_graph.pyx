@@ -2,17 +2,17 @@
 
 Binary variables ``u`` in ``[0, 1]^V`` are shared by factors; part ``j`` of
 factor ``f`` stands for the literal ``l_fj(u) = u_i`` (or ``1 - u_i`` when
-negated). The problem (``LP_SPARSEMAP.md``, section 1) is
+negated). The problem (docs/lp_sparsemap.rst, "The problem") is
 
     max_{u, p}  eta_u . u - 1/2 ||u||^2 + sum_f eta_v[f] . N_f p_f
     s.t.        M_f p_f = l_f(u),  p_f in the simplex      (every factor f)
                 0 <= u_i <= 1                              (variables in no factor)
 
-and is solved by ADMM with splitting B of the spec (section 2.3): every factor
-step is a plain, warm-started SparseMAP call on the factor's own active-set
-workspace, so any factor works at its native cost. In the variable space (a
-link's value ``y^_j = sigma_j (y_j - s_j)``, its multiplier ``lam^_j``), with
-over-relaxed values ``r_j = alpha y^_j + (1 - alpha) u_i``:
+and is solved by ADMM, split so that every factor step is a plain, warm-started
+SparseMAP call on the factor's own active-set workspace, so any factor works at
+its native cost (docs/lp_sparsemap.rst derives the steps and says why). In the
+variable space (a link's value ``y^_j = sigma_j (y_j - s_j)``, its multiplier
+``lam^_j``), with over-relaxed values ``r_j = alpha y^_j + (1 - alpha) u_i``:
 
     factor step  p_f = SparseMAP(eta_u' = l_f(u + lam^/rho), eta_v' = eta_v[f] / rho)
     u step       u_i = (eta_i - sum_j lam^_j + rho sum_j r_j) / (1 + rho d_i)
@@ -26,10 +26,11 @@ solved directly (polishing: a projection onto an affine set, by conjugate
 gradient) and accepted only if its KKT conditions hold: then ``u`` is exact up
 to round-off. Otherwise ADMM goes on, and stops on its residuals.
 
-The backward pass is exact (spec, section 3.3): ``du/deta_u`` is the orthogonal
-projector onto ``{v : sigma_f C_f v in T_f for all f}``, with ``T_f`` the
-directions of factor ``f``'s final face, applied by conjugate gradient over the
-per-factor projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
+The backward pass is exact (docs/lp_sparsemap.rst, "The exact backward
+pass"): ``du/deta_u`` is the orthogonal projector onto
+``{v : sigma_f C_f v in T_f for all f}``, with ``T_f`` the directions of
+factor ``f``'s final face, applied by conjugate gradient over the per-factor
+projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
 final support, two triangular solves with the kept Cholesky factor).
 """
 
@@ -208,7 +209,7 @@ cdef class _Engine:
         self.try_polish = polish
         self.status = RUNNING
 
-    # -- forward: ADMM, splitting B of LP_SPARSEMAP.md (section 2.3) ---------------------------
+    # -- forward: ADMM (docs/lp_sparsemap.rst, "The ADMM iteration") --------------------------
     cdef void _set_scores(self, Py_ssize_t f) noexcept nogil:
         """The factor's eta_u for the current u and lam: l_f(u + lam / rho)."""
         cdef Py_ssize_t j
@@ -1264,6 +1265,24 @@ class FactorGraphResult:
     support and Cholesky factor), so one solved on a process pool or a Dask
     worker comes back with :meth:`jvp` and :meth:`vjp` exact, without a new
     solve.
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> fg = sm.FactorGraph(3)
+    >>> fg.add(sm.XorFactor(2), [0, 1])
+    0
+    >>> fg.add(sm.PairFactor(), [1, 2])
+    1
+    >>> r = fg.solve(np.array([0.2, 0.5, 0.9]), [None, np.array([0.5])])
+    >>> r.converged, r.polished
+    (True, True)
+    >>> print(np.round(r.u, 6))
+    [0.1 0.9 0.9]
+    >>> print(r.v[1], [s.tolist() for s in r.structures[1]], r.weights[1])
+    [0.9] [[1, 1], [0, 0]] [0.9 0.1]
+    >>> g_eta_u, g_eta_v = r.vjp(np.array([0.0, 0.0, 1.0]))
+    >>> print(np.round(g_eta_u, 6), np.round(g_eta_v[1], 6))
+    [-0.333333  0.333333  0.333333] [0.333333]
     """
 
     def __init__(self, graph, engine, eta_u, eta_v):
@@ -1335,7 +1354,7 @@ class FactorGraphResult:
         ``du = Proj_S(d_eta_u + sum_f sigma_f C_f^T J_f^v d_eta_v[f])``, where
         ``Proj_S`` projects onto the directions that keep every factor on its
         final face and ``J_f^v`` is the single-factor Jacobian with respect to
-        the additional scores (``LP_SPARSEMAP.md``, section 3.1). Variables in
+        the additional scores (see :doc:`/lp_sparsemap`). Variables in
         no factor get ``d_eta_u[i] * 1[0 < eta_u[i] < 1]``.
         """
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
@@ -1367,7 +1386,7 @@ class FactorGraphResult:
         (stopped when ``y``'s distance from ``S`` is ``1e-13 ||du||``; see
         ``backward_info``), and ``g_eta_v[f] = N_S delta_f`` with
         ``delta_f`` the single-factor backward of ``sigma_f C_f y`` at the final
-        support (``LP_SPARSEMAP.md``, section 3.3).
+        support (see :doc:`/lp_sparsemap`).
         """
         g = _as_float_array(du, "du", (self.n_variables,))
         y = self._project(g)

@@ -343,7 +343,7 @@ def _warn_not_converged(result, where):
 
 def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
           init=None, return_history=False, callback=None, verbose=False):
-    """Solve SparseMAP: ``argmax_{y in simplex} eta^T A y - 1/2 ||M y||^2`` (eq. 6).
+    r"""Solve SparseMAP, :math:`\max_{y \in \triangle} \eta^\top A y - \tfrac12 \|M y\|^2` (eq. 6).
 
     Parameters
     ----------
@@ -414,6 +414,31 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     See Also
     --------
     solve_batch : many problems at once, in threads.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = np.array([[1.0, 0.8], [0.0, 0.1], [0.5, 0.5]])
+    >>> r = sm.solve(f, eta_u)
+    >>> r.converged, len(r.structures)
+    (True, 4)
+    >>> for s, w in zip(r.structures, r.weights):
+    ...     print(s.tolist(), round(float(w), 3))
+    [0, 1, 0] 0.5
+    [1, 0, 1] 0.35
+    [0, 0, 1] 0.1
+    [1, 1, 1] 0.05
+    >>> print(np.round(r.u, 3))
+    [[0.6  0.4 ]
+     [0.45 0.55]
+     [0.5  0.5 ]]
+
+    The conditional-gradient variants reach the same ``u``:
+
+    >>> r2 = sm.solve(f, eta_u, method="pairwise_cg")
+    >>> bool(np.allclose(r2.u, r.u, atol=1e-6))
+    True
     """
     _check_factor(factor)
     method, max_iter, tol = _check_options(method, max_iter, tol)
@@ -766,7 +791,8 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     >>> f = sm.SequenceFactor(5, 3)
     >>> etas_u = rng.standard_normal((8, 5, 3))         # 8 problems, stacked
     >>> rs = sm.solve_batch(f, etas_u, n_jobs=2)
-    >>> len(rs), all(np.array_equal(r.u, sm.solve(f, e).u) for r, e in zip(rs, etas_u))
+    >>> len(rs), all(np.array_equal(r.u, sm.solve(f, e).u)
+    ...              for r, e in zip(rs, etas_u))
     (8, True)
     """
     unknown = set(solve_kw) - {"method", "max_iter", "tol", "init", "return_history"}
@@ -872,6 +898,17 @@ def vjp_batch(results, dus, *, n_jobs=None):
     -------
     list of (g_eta_u, g_eta_v)
         Bitwise equal to ``r.vjp(du)`` for each pair.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> results = sm.solve_batch(sm.XorFactor(3), np.array([[1.0, 0.5, -1.0],
+    ...                                                     [0.0, 0.2, 0.1]]))
+    >>> grads = sm.vjp_batch(results, [np.array([1.0, 0.0, 0.0])] * 2)
+    >>> for g_eta_u, g_eta_v in grads:
+    ...     print(np.round(g_eta_u, 3))
+    [ 0.5 -0.5  0. ]
+    [ 0.667 -0.333 -0.333]
     """
     rs = _check_results(results)
     factors = [r.factor for r in rs]
@@ -902,6 +939,16 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
     -------
     list of ndarray
         ``du`` for each result, bitwise equal to ``r.jvp(d_eta_u, d_eta_v)``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> results = sm.solve_batch(sm.XorFactor(3), np.array([[1.0, 0.5, -1.0],
+    ...                                                     [0.0, 0.2, 0.1]]))
+    >>> for du in sm.jvp_batch(results, [np.array([1.0, 0.0, 0.0])] * 2):
+    ...     print(np.round(du, 3))
+    [ 0.5 -0.5  0. ]
+    [ 0.667 -0.333 -0.333]
     """
     rs = _check_results(results)
     factors = [r.factor for r in rs]

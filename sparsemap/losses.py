@@ -172,9 +172,9 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
 
     .. math::
 
-        \ell = [\eta_u'\cdot u^* + \eta_v\cdot v^* - \tfrac12\|u^*\|^2]
-               - [\eta_u'\cdot m_t + \eta_v\cdot n_t - \tfrac12\|m_t\|^2]
-             = \eta\cdot(a^* - a_t) + \mathrm{margin}\,(1-m_t)\cdot(u^*-m_t)
+        \ell &= [\eta_u'\cdot u^* + \eta_v\cdot v^* - \tfrac12\|u^*\|^2]
+               - [\eta_u'\cdot m_t + \eta_v\cdot n_t - \tfrac12\|m_t\|^2] \\
+             &= \eta\cdot(a^* - a_t) + \mathrm{margin}\,(1-m_t)\cdot(u^*-m_t)
                + \tfrac12\|m_t\|^2 - \tfrac12\|u^*\|^2 .
 
     Each bracket is the cost-augmented SparseMAP objective, at its maximiser and
@@ -284,6 +284,21 @@ def perceptron_loss(factor, eta_u, target, eta_v=None):
     -----
     The loss is not differentiable where MAP has ties; the subgradient then
     uses the factor's deterministic tie-breaking.
+
+    Examples
+    --------
+    The target scores 2, the best sequence 2.5:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = np.array([[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
+    >>> loss, g_u, g_v = sm.perceptron_loss(f, eta_u, np.array([0, 0, 0]))
+    >>> loss
+    0.5
+    >>> g_u                              # MAP's column minus the target's
+    array([[ 0.,  0.],
+           [-1.,  1.],
+           [ 0.,  0.]])
     """
     # The structured SVM without its cost term.
     return structured_svm_loss(factor, eta_u, target, eta_v, margin=0.0)
@@ -325,6 +340,21 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
         ``m_s - m_t``.
     grad_eta_v : ndarray, shape ``factor.shape_v``
         ``n_s - n_t``.
+
+    Examples
+    --------
+    The target is the best sequence, but another one is within the margin:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = np.array([[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
+    >>> loss, g_u, g_v = sm.structured_svm_loss(f, eta_u, np.array([0, 1, 0]))
+    >>> loss
+    0.5
+    >>> g_u
+    array([[ 0.,  0.],
+           [ 1., -1.],
+           [ 0.,  0.]])
     """
     eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
     margin = _check_nonneg(margin, "margin")
@@ -376,7 +406,8 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
     --------
     >>> import numpy as np, sparsemap as sm
     >>> f = sm.GenericFactor(np.eye(3))
-    >>> loss, gu, gv = sm.batch_loss(sm.sparsemap_loss, f, np.eye(3) * 2, [0, 1, 0])
+    >>> loss, gu, gv = sm.batch_loss(sm.sparsemap_loss, f, np.eye(3) * 2,
+    ...                              [0, 1, 0])
     >>> round(loss, 6), gu.shape
     (0.666667, (3, 3))
     """

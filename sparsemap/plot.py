@@ -15,7 +15,8 @@ The pictures of the paper, for your own models:
 Each function takes either arrays or a :class:`~sparsemap.SparseMAPResult`,
 draws on the Axes given by ``ax`` (a new figure when ``None``) and returns
 what it drew on. ``import sparsemap`` does not import this module, so
-matplotlib is needed only here: ``pip install "sparsemap[plot]"``.
+matplotlib is needed only here: ``pip install -e ".[plot]"`` in the
+repository's clone.
 """
 import math
 import numbers
@@ -29,7 +30,8 @@ try:
     from matplotlib.path import Path
     from matplotlib.ticker import MaxNLocator
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("sparsemap.plot needs matplotlib: pip install 'sparsemap[plot]'") from exc
+    raise ImportError("sparsemap.plot needs matplotlib: pip install matplotlib, or "
+                      "pip install -e '.[plot]' in the repository's clone") from exc
 
 from sparsemap import SparseMAPResult, TreeFactor
 
@@ -575,8 +577,9 @@ def sparsity_over_training(runs, metrics=("mean_trees", "mean_heads_per_word"), 
     Examples
     --------
     >>> import sparsemap.plot as smp
-    >>> runs = {"sparsemap": [{"epoch": 1, "mean_trees": 3.0, "mean_heads_per_word": 1.4},
-    ...                       {"epoch": 2, "mean_trees": 1.5, "mean_heads_per_word": 1.1}]}
+    >>> runs = {"sparsemap": [
+    ...     {"epoch": 1, "mean_trees": 3.0, "mean_heads_per_word": 1.4},
+    ...     {"epoch": 2, "mean_trees": 1.5, "mean_heads_per_word": 1.1}]}
     >>> fig = smp.sparsity_over_training(runs)
     >>> [line.get_label() for line in fig.axes[0].get_lines()]
     ['sparsemap']

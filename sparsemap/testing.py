@@ -17,7 +17,8 @@ SparseMAP QP (eq. 6), so they are usable for a factor you wrote yourself:
   factors of every built-in family and scores at many scales.
 
 Hypothesis is needed only by the strategies and is imported when one of them
-is called; it is part of the ``test`` extra (``pip install sparsemap[test]``).
+is called; it is part of the ``test`` extra (``pip install -e ".[test]"`` in
+the repository's clone).
 
 Examples
 --------
@@ -27,8 +28,8 @@ Examples
 >>> rng = np.random.default_rng(0)
 >>> eta_u, eta_v = rng.normal(size=f.shape_u), rng.normal(size=f.shape_v)
 >>> r = sm.solve(f, eta_u, eta_v)
->>> report = check_kkt(f, r, eta_u, eta_v)          # raises AssertionError if violated
->>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # raises AssertionError on mismatch
+>>> report = check_kkt(f, r, eta_u, eta_v)           # or AssertionError
+>>> report = check_jacobian(f, eta_u, eta_v, rng=0)  # or AssertionError
 """
 import itertools
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ def enumerate_structures(factor, values=None, max_candidates=1_000_000):
     Examples
     --------
     >>> import sparsemap as sm
+    >>> from sparsemap.testing import enumerate_structures
     >>> len(enumerate_structures(sm.SequenceFactor(3, 2)))
     8
     """
@@ -142,6 +144,22 @@ def dense_columns(factor, structures):
         Column ``j`` is ``m_s`` of ``structures[j]``, flattened.
     N : ndarray, shape ``(factor.n_v, len(structures))``
         Column ``j`` is ``n_s``, flattened.
+
+    Examples
+    --------
+    >>> import sparsemap as sm
+    >>> from sparsemap.testing import dense_columns
+    >>> M, N = dense_columns(sm.SequenceFactor(2, 2), [[0, 1], [1, 1]])
+    >>> M                                # one column per structure
+    array([[1., 0.],
+           [0., 1.],
+           [0., 0.],
+           [1., 1.]])
+    >>> N                                # the transitions 0 -> 1 and 1 -> 1
+    array([[0., 0.],
+           [1., 0.],
+           [0., 0.],
+           [0., 1.]])
     """
     M = np.zeros((factor.n_u, len(structures)))
     N = np.zeros((factor.n_v, len(structures)))
@@ -164,6 +182,14 @@ def support_key(structures):
     frozenset of bytes
         The int64 bytes of each structure; two supports are the same set of
         structures exactly when their keys are equal.
+
+    Examples
+    --------
+    >>> from sparsemap.testing import support_key
+    >>> support_key([[0, 1], [1, 1]]) == support_key([[1, 1], [0, 1]])
+    True
+    >>> support_key([[0, 1]]) == support_key([[0, 1], [1, 1]])
+    False
     """
     return frozenset(np.asarray(s, dtype=np.int64).reshape(-1).tobytes() for s in structures)
 
@@ -191,6 +217,20 @@ class KKTReport:
         The tolerance used for the score conditions (``atol + rtol * scale``).
     n_structures : int
         Number of structures compared.
+
+    Examples
+    --------
+    Sparsemax of ``[1, 0.5, -1]`` is ``[0.75, 0.25, 0]``, with threshold 0.25:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import check_kkt
+    >>> eta = np.array([1.0, 0.5, -1.0])
+    >>> f = sm.XorFactor(3)
+    >>> report = check_kkt(f, sm.solve(f, eta), eta)
+    >>> print(round(report.tau, 12), report.n_structures)
+    0.25 3
+    >>> report.support_spread < 1e-12, report.gap < 1e-12
+    (True, True)
     """
     tau: float
     max_violation: float
@@ -240,6 +280,24 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
     ValueError
         ``structures`` is empty, or omitted for a factor this function cannot
         enumerate (not a built-in family, or too many structures).
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import check_kkt
+    >>> f = sm.TreeFactor(3)
+    >>> eta = np.random.default_rng(0).standard_normal((4, 4))
+    >>> r = sm.solve(f, eta)
+    >>> report = check_kkt(f, r, eta)
+    >>> report.n_structures, report.max_violation <= report.tol
+    (16, True)
+
+    The same result is not optimal for other scores:
+
+    >>> check_kkt(f, r, 2 * eta)
+    Traceback (most recent call last):
+        ...
+    AssertionError: KKT conditions fail for TreeFactor(3, ...
     """
     if not all(hasattr(result, a) for a in ("u", "v", "structures", "weights")):
         raise ValueError(f"result: expected a SparseMAPResult (or an object with u, v, "
@@ -356,6 +414,18 @@ def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None,
     du : ndarray, shape ``factor.shape_u``
     r_minus, r_plus : SparseMAPResult
         Only with ``return_results=True``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import finite_difference_jvp
+    >>> f = sm.XorFactor(3)
+    >>> eta = np.array([1.0, 0.5, -1.0])
+    >>> d = np.array([1.0, 0.0, 0.0])
+    >>> print(np.round(finite_difference_jvp(f, eta, d_eta_u=d), 6))
+    [ 0.5 -0.5  0. ]
+    >>> print(sm.solve(f, eta).jvp(d))   # the exact Jacobian agrees
+    [ 0.5 -0.5  0. ]
     """
     eu, ev = factor.check_scores(eta_u, eta_v)
     du_dir = _direction(d_eta_u, "d_eta_u", factor.shape_u)
@@ -399,6 +469,17 @@ class JacobianReport:
     max_nonlinearity : list of float
         Per direction, the largest disagreement between its one-sided
         differences (what decided whether it was skipped).
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import check_jacobian
+    >>> eta = np.array([1.0, 0.5, -1.0])
+    >>> report = check_jacobian(sm.XorFactor(3), eta, rng=0)
+    >>> report.n_checked, report.skipped
+    (3, [False, False, False])
+    >>> report.max_adjoint_error < 1e-12, report.max_symmetry_error < 1e-12
+    (True, True)
     """
     n_directions: int
     n_checked: int
@@ -566,7 +647,8 @@ def _hypothesis():
         from hypothesis.extra import numpy as hnp
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("sparsemap.testing strategies need hypothesis "
-                          "(pip install sparsemap[test])") from exc
+                          "(pip install hypothesis, or pip install -e '.[test]' in the "
+                          "repository's clone)") from exc
     return st, hnp
 
 
@@ -611,6 +693,19 @@ def factors(families=None, max_size=None):
     Notes
     -----
     Needs hypothesis (the ``test`` extra), imported when called.
+
+    Examples
+    --------
+    A property test: MAP at zero scores returns a valid structure.
+
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from sparsemap.testing import factors
+    >>> @settings(max_examples=20, database=None, derandomize=True)
+    ... @given(factors(["tree", "matching"], max_size=3))
+    ... def test_map_is_valid(f):
+    ...     f.check_structure(f.map(np.zeros(f.shape_u), np.zeros(f.shape_v)))
+    >>> test_map_is_valid()              # raises if a drawn factor fails
     """
     st, hnp = _hypothesis()
     fams = _check_families(families)
@@ -692,6 +787,21 @@ def scores(factor, scale=None, kinds=_KINDS):
     Notes
     -----
     Needs hypothesis (the ``test`` extra), imported when called.
+
+    Examples
+    --------
+    A property test: the active set meets the KKT conditions at any scale.
+
+    >>> import sparsemap as sm
+    >>> from hypothesis import given, settings
+    >>> from sparsemap.testing import scores, check_kkt
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> @settings(max_examples=20, database=None, derandomize=True)
+    ... @given(scores(f, scale=[0.1, 10.0]))
+    ... def test_kkt(eta):
+    ...     eta_u, eta_v = eta
+    ...     check_kkt(f, sm.solve(f, eta_u, eta_v), eta_u, eta_v)
+    >>> test_kkt()                       # raises if a drawn problem fails
     """
     st, hnp = _hypothesis()
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
@@ -736,6 +846,18 @@ def problems(families=None, scale=None, kinds=_KINDS, max_size=None):
     Returns
     -------
     hypothesis.strategies.SearchStrategy of (Factor, ndarray, ndarray)
+
+    Examples
+    --------
+    >>> import sparsemap as sm
+    >>> from hypothesis import given, settings
+    >>> from sparsemap.testing import problems, check_kkt
+    >>> @settings(max_examples=20, database=None, derandomize=True)
+    ... @given(problems(["logic", "generic"], max_size=4))
+    ... def test_kkt(problem):
+    ...     f, eta_u, eta_v = problem
+    ...     check_kkt(f, sm.solve(f, eta_u, eta_v), eta_u, eta_v)
+    >>> test_kkt()                       # raises if a drawn problem fails
     """
     fac = factors(families, max_size=max_size)
     return fac.flatmap(lambda f: scores(f, scale=scale, kinds=kinds).map(

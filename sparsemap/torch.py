@@ -401,7 +401,7 @@ class _SparseMAPFunction(_JacobianFunction):
 
 
 def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
-    """SparseMAP posteriors ``u = M y*`` as a differentiable PyTorch operation.
+    r"""SparseMAP posteriors :math:`u = M y^\star` as a differentiable PyTorch operation.
 
     Parameters
     ----------
@@ -441,7 +441,8 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     --------
     >>> import torch, sparsemap as sm, sparsemap.torch as smt
     >>> f = sm.SequenceFactor(3, 2)
-    >>> eta_u = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]], requires_grad=True)
+    >>> eta_u = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]],
+    ...                      requires_grad=True)
     >>> u = smt.sparsemap(f, eta_u)
     >>> u
     tensor([[1.0000, 0.0000],
@@ -593,7 +594,8 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     --------
     >>> import torch, sparsemap as sm, sparsemap.torch as smt
     >>> f = sm.SequenceFactor(3, 2)
-    >>> eta = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]], requires_grad=True)
+    >>> eta = torch.tensor([[1.0, 0.0], [0.2, 0.0], [0.0, 1.0]],
+    ...                    requires_grad=True)
     >>> structures, weights = smt.distribution(f, eta)
     >>> structures
     tensor([[0, 0, 1],
@@ -758,7 +760,7 @@ def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
     tensor([[[1.0000, 0.0000],
              [0.5000, 0.5000],
              [0.2500, 0.7500]]])
-    >>> stay = torch.tensor([[1.0, 0.0], [0.0, 1.0]])    # reward keeping the tag
+    >>> stay = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # reward keeping the tag
     >>> smt.sequence(eta_u, stay)
     tensor([[[1.0000, 0.0000],
              [0.6250, 0.3750],
@@ -864,6 +866,16 @@ class Sparsemax(torch.nn.Module):
     dim : int, default -1
     n_jobs, **solve_kw
         As in :func:`sparsemap`.
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> layer = smt.Sparsemax(dim=-1)
+    >>> layer
+    Sparsemax(dim=-1)
+    >>> layer(torch.tensor([[1.0, 0.5, -1.0], [0.0, 0.0, 0.0]]))
+    tensor([[0.7500, 0.2500, 0.0000],
+            [0.3333, 0.3333, 0.3333]])
     """
 
     def __init__(self, dim=-1, *, n_jobs=None, **solve_kw):
@@ -1094,7 +1106,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mea
     --------
     >>> import torch, sparsemap as sm, sparsemap.torch as smt
     >>> scores = torch.zeros(2, 4, 4, requires_grad=True)
-    >>> heads = torch.tensor([[-1, 0, 1, 2], [-1, 2, 0, -1]])   # the second has 2 words
+    >>> heads = torch.tensor([[-1, 0, 1, 2], [-1, 2, 0, -1]])  # 2nd: 2 words
     >>> factors = [sm.TreeFactor(3), sm.TreeFactor(2)]
     >>> loss = smt.sparsemap_loss(factors, scores, heads, reduction="none")
     >>> loss
@@ -1128,6 +1140,24 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0, reduction
         Threads (default: all cores).
 
     {returns}
+
+    Examples
+    --------
+    A batch of one sequence; the target is the best sequence, but another one
+    is within the margin:
+
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = torch.tensor([[[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]]],
+    ...                      requires_grad=True)
+    >>> loss = smt.structured_svm_loss(f, eta_u, torch.tensor([[0, 1, 0]]))
+    >>> loss
+    tensor(0.5000, grad_fn=<MeanBackward0>)
+    >>> loss.backward()
+    >>> eta_u.grad
+    tensor([[[ 0.,  0.],
+             [ 1., -1.],
+             [ 0.,  0.]]])
     """
     return _loss(sm.structured_svm_loss, factor, eta_u, target, eta_v, reduction, n_jobs,
                  dict(margin=margin))
@@ -1147,6 +1177,23 @@ def perceptron_loss(factor, eta_u, target, eta_v=None, reduction="mean", *, n_jo
         Threads (default: all cores).
 
     {returns}
+
+    Examples
+    --------
+    A batch of one sequence; the target scores 2, the best sequence 2.5:
+
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = torch.tensor([[[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]]],
+    ...                      requires_grad=True)
+    >>> loss = smt.perceptron_loss(f, eta_u, torch.tensor([[0, 0, 0]]))
+    >>> loss
+    tensor(0.5000, grad_fn=<MeanBackward0>)
+    >>> loss.backward()
+    >>> eta_u.grad
+    tensor([[[ 0.,  0.],
+             [-1.,  1.],
+             [ 0.,  0.]]])
     """
     return _loss(sm.perceptron_loss, factor, eta_u, target, eta_v, reduction, n_jobs, {})
 
@@ -1188,7 +1235,8 @@ class SparseMAPLoss(_LossModule):
     --------
     >>> import torch, sparsemap as sm, sparsemap.torch as smt
     >>> loss_fn = smt.SparseMAPLoss(margin=1.0)
-    >>> loss_fn(sm.TreeFactor(3), torch.zeros(4, 4), torch.tensor([-1, 0, 1, 2]))
+    >>> heads = torch.tensor([-1, 0, 1, 2])
+    >>> loss_fn(sm.TreeFactor(3), torch.zeros(4, 4), heads)
     tensor(3.7500)
     """
     _fn = staticmethod(sparsemap_loss)
@@ -1205,6 +1253,14 @@ class StructuredSVMLoss(_LossModule):
     margin : float, default 1
     reduction : {"mean", "sum", "none"}, default "mean"
     n_jobs : int, optional
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> loss_fn = smt.StructuredSVMLoss(margin=1.0, reduction="none")
+    >>> targets = torch.tensor([[-1, 0, 1, 2], [-1, 2, 0, 2]])
+    >>> loss_fn(sm.TreeFactor(3), torch.zeros(2, 4, 4), targets)
+    tensor([3., 3.])
     """
     _fn = staticmethod(structured_svm_loss)
 
@@ -1219,6 +1275,15 @@ class PerceptronLoss(_LossModule):
     ----------
     reduction : {"mean", "sum", "none"}, default "mean"
     n_jobs : int, optional
+
+    Examples
+    --------
+    >>> import torch, sparsemap as sm, sparsemap.torch as smt
+    >>> loss_fn = smt.PerceptronLoss()
+    >>> scores = torch.zeros(4, 4)
+    >>> scores[0, 2] = scores[2, 1] = scores[2, 3] = 1.0
+    >>> loss_fn(sm.TreeFactor(3), scores, torch.tensor([-1, 0, 1, 2]))
+    tensor(2.)
     """
     _fn = staticmethod(perceptron_loss)
 

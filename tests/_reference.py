@@ -343,7 +343,7 @@ def matching_matrix(s, n_cols):
     return m
 
 
-# -- logic factors: their configurations, from the definitions in DESIGN.md ------------
+# -- logic factors: their configurations, from the definitions in docs/factors.rst -----
 
 def _family(f):
     """The logic family of factor f, by class name (no import of the package)."""
@@ -405,10 +405,10 @@ def logic_columns(f):
     return Z, M, N
 
 
-# -- LP-SparseMAP: problem (P) of LP_SPARSEMAP.md, section 1, over enumerated columns ----------
+# -- LP-SparseMAP: problem (P) of docs/lp_sparsemap.rst, over enumerated columns ---------------
 
 def factor_graph_qp(n_variables, factors, eta_u, eta_v=None, support=None, tol=1e-11):
-    """Problem (P) of LP_SPARSEMAP.md by SciPy, certified by its KKT conditions.
+    """Problem (P) of docs/lp_sparsemap.rst by SciPy, certified by its KKT conditions.
 
         max_{u, p}  eta_u . u - 1/2 ||u||^2 + sum_f eta_v[f] . N_f p_f
         s.t.        M_f p_f = s_f + sigma_f * (C_f u),  p_f in the simplex   (every f)

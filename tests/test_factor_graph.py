@@ -1,4 +1,4 @@
-"""LP-SparseMAP factor graphs against problem (P) of LP_SPARSEMAP.md, solved by SciPy.
+"""LP-SparseMAP factor graphs against problem (P) of docs/lp_sparsemap.rst, solved by SciPy.
 
 The reference (``_reference.factor_graph_qp``) enumerates every factor's
 configurations as explicit columns, solves (P) with SLSQP and certifies the

@@ -2,7 +2,7 @@
 
 References, none of which goes through the factors' MAP or solver:
 - the allowed configurations of each factor, as a predicate on 0/1 vectors, and
-  their additional parts n_s, both written from the definitions in DESIGN.md
+  their additional parts n_s, both written from the definitions in docs/factors.rst
   (tests/_reference.py: logic_allowed, logic_extra);
 - brute force over those configurations for MAP, including the tie rule;
 - the KKT-certified SciPy QP over the enumerated columns for SparseMAP;

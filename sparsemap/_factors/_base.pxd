@@ -1,7 +1,7 @@
 # The C-level vertex/column interface shared by every factor.
 #
 # A structure is a fixed-length array of C ints (``struct_size`` of them): the
-# compact form of DESIGN.md (tags, heads, a column per row, a column index).
+# compact form of docs/factors.rst (tags, heads, a column per row, a column index).
 # Scores are flat C-contiguous float64 arrays of length ``n_u`` and ``n_v``.
 # Every method returns 0 on success and -1 with a Python exception set on error,
 # so factors written in Python (which need the GIL) fit the same interface;

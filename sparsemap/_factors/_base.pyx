@@ -39,6 +39,26 @@ cdef class Factor:
         Their flattened sizes.
     struct_size : int
         Number of integers in one compact structure.
+
+    Examples
+    --------
+    Every factor has the same interface; here a :class:`SequenceFactor`:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> isinstance(f, sm.Factor), f.shape_u, f.shape_v
+    (True, (3, 2), (2, 2, 2))
+    >>> eta_u = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 0.0]])
+    >>> s = f.map(eta_u)                 # the best structure, in compact form
+    >>> s
+    array([0, 1, 0])
+    >>> m, n = f.vertex(s)               # its column a_s = [m_s; n_s]
+    >>> m
+    array([[1., 0.],
+           [0., 1.],
+           [1., 0.]])
+    >>> float(f.score(s, eta_u, np.zeros(f.shape_v)))   # a_s . eta
+    4.0
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -380,11 +400,11 @@ cdef class Factor:
         >>> m, _ = f.vertex([-1, 2, 0, 2])
         >>> f.from_vertex(m)
         array([-1,  2,  0,  2])
-        >>> m[1, 2] = 1.0                     # word 2 gets a second head, word 1
+        >>> m[1, 2] = 1.0                # word 2 gets a second head, word 1
         >>> f.from_vertex(m)
         Traceback (most recent call last):
             ...
-        ValueError: m: not the column of any structure of TreeFactor(3, projective=False, single_root=False): it has 1 at index (1, 2), where the nearest reading, [-1, 2, 0, 2], has 0
+        ValueError: m: not the column of any structure of TreeFactor(3, ...
         """
         mm = _dense_array(m, names[0], self.shape_u)
         nn = None if n is None else _dense_array(n, names[1], self.shape_v)

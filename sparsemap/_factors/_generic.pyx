@@ -25,6 +25,27 @@ cdef class GenericFactor(Factor):
     unstructured case, where SparseMAP is sparsemax. MAP scans all columns,
     O(n_structures (n_u + n_v)); ties go to the lowest index. ``overlap`` is an
     O(n_u) dot product.
+
+    Examples
+    --------
+    The identity's columns give sparsemax:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.GenericFactor(np.eye(3))
+    >>> f.map(np.array([0.2, 1.0, 0.9]))
+    1
+    >>> sm.solve(f, np.array([0.2, 1.0, 0.9])).u
+    array([0.  , 0.55, 0.45])
+
+    Three structures over two parts, the middle one with an additional part
+    (scored -0.5):
+
+    >>> g = sm.GenericFactor([[1, 1, 0], [0, 1, 1]], [[0, 1, 0]])
+    >>> g.shape_u, g.shape_v, g.n_structures
+    ((2,), (1,), 3)
+    >>> r = sm.solve(g, np.array([1.0, 1.0]), np.array([-0.5]))
+    >>> r.structures, r.weights
+    ([0, 2], array([0.5, 0.5]))
     """
     cdef readonly object M
     cdef readonly object N

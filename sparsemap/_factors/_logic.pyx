@@ -245,7 +245,7 @@ cdef class AtMostOneFactor(_BinaryFactor):
     >>> f = sm.AtMostOneFactor(3)
     >>> f.map(np.array([-0.2, -0.5, -1.0]))
     array([0, 0, 0])
-    >>> sm.solve(f, np.array([0.3, -0.5, 0.1])).u      # clip to [0, 1]: sum <= 1
+    >>> sm.solve(f, np.array([0.3, -0.5, 0.1])).u   # clipped: sum <= 1
     array([0.3, 0. , 0.1])
     """
 
@@ -470,7 +470,8 @@ cdef class BudgetFactor(_Budgeted):
     >>> f = sm.BudgetFactor(4, 2)
     >>> f.map(np.array([0.5, -1.0, 2.0, 0.5]))
     array([1, 0, 1, 0])
-    >>> sm.BudgetFactor(4, 2, exact=True).map(np.array([-0.5, -1.0, -2.0, 0.5]))
+    >>> eta = np.array([-0.5, -1.0, -2.0, 0.5])
+    >>> sm.BudgetFactor(4, 2, exact=True).map(eta)
     array([1, 0, 0, 1])
     >>> print(sm.solve(f, np.array([0.9, 0.8, 0.7, -0.5])).u)
     [0.76666667 0.66666667 0.56666667 0.        ]

@@ -32,6 +32,27 @@ cdef class SequenceFactor(Factor):
     A ``-inf`` score forbids a tag at a position (in ``eta_u``) or a
     transition (in ``eta_v``, e.g. BIO constraints); Viterbi needs no change
     for that, since it only adds and compares scores.
+
+    Examples
+    --------
+    Three positions, two tags; the transition from tag 0 to tag 1 costs 1:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = np.array([[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
+    >>> eta_v = np.zeros(f.shape_v)
+    >>> eta_v[:, 0, 1] = -1.0
+    >>> f.map(eta_u, eta_v)              # Viterbi
+    array([0, 0, 0])
+    >>> r = sm.solve(f, eta_u, eta_v)
+    >>> for s, w in zip(r.structures, r.weights):
+    ...     print(s.tolist(), round(float(w), 3))
+    [0, 0, 0] 0.625
+    [1, 1, 0] 0.375
+    >>> print(np.round(r.u, 3))          # tag posteriors, one row per position
+    [[0.625 0.375]
+     [0.625 0.375]
+     [1.    0.   ]]
     """
     cdef readonly int n_positions
     cdef readonly int n_states
