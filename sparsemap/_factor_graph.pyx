@@ -1118,7 +1118,7 @@ class FactorGraph:
         (False, 1.5, True)
         >>> r.u
         array([0.5, 0.5, 0.5])
-        >>> r = fg.solve_map(np.array([1.0, -0.2, 0.9]))    # tight here: an exact MAP
+        >>> r = fg.solve_map(np.array([1.0, -0.2, 0.9]))  # tight: exact
         >>> r.exact, r.map.u, round(r.map.score, 9)
         (True, array([1, 0, 0]), 1.0)
         """

@@ -143,7 +143,7 @@ class VariableArray:
         >>> import sparsemap as sm
         >>> fg = sm.FactorGraph()
         >>> x = fg.add_variables((2, 3))
-        >>> sm.VariableArray.stack([x[0, 0], x[1, 2]]).ids       # a pair of variables
+        >>> sm.VariableArray.stack([x[0, 0], x[1, 2]]).ids   # a pair
         array([0, 5])
         """
         arrays = _same_graph(arrays, "arrays")

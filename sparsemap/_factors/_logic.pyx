@@ -766,9 +766,9 @@ cdef class ImplyFactor(_BinaryFactor):
     --------
     >>> import numpy as np, sparsemap as sm
     >>> f = sm.ImplyFactor(3)
-    >>> f.map(np.array([1.0, 2.0, -0.5]))        # both premises on: the conclusion follows
+    >>> f.map(np.array([1.0, 2.0, -0.5]))   # both premises on: so is the last
     array([1, 1, 1])
-    >>> f.map(np.array([0.4, 2.0, -0.5]))        # cheaper to drop the weaker premise
+    >>> f.map(np.array([0.4, 2.0, -0.5]))   # cheaper to drop a premise
     array([0, 1, 0])
     """
 
@@ -1035,9 +1035,10 @@ cdef class KnapsackFactor(Factor):
     >>> f = sm.KnapsackFactor([1.0, 2.0, 2.0], 2.5)
     >>> f.map(np.array([1.0, 3.0, 1.0]))       # ratios 1, 1.5, 0.5
     array([0.5, 1. , 0. ])
-    >>> f.vertex([1, 0, 2])[0]                   # 2: compute the fractional entry
+    >>> f.vertex([1, 0, 2])[0]          # 2: compute the fractional entry
     array([1.  , 0.  , 0.75])
-    >>> print(np.round(sm.solve(f, np.array([1.0, 1.0, 1.0])).u, 6))   # clip(1 - tau costs, 0, 1)
+    >>> # SparseMAP here is clip(1 - tau costs, 0, 1):
+    >>> print(np.round(sm.solve(f, np.array([1.0, 1.0, 1.0])).u, 6))
     [0.722222 0.444444 0.444444]
     """
     cdef readonly int n
