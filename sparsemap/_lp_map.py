@@ -117,8 +117,8 @@ class LPMAPResult:
         are from ``u`` (round-off when the point was polished); ``gap``
         certifies ``lp_value`` for a point this close to the local polytope.
     converged : bool
-        Whether ``gap <= tol * max(max |eta|, |lp_value|)`` and
-        ``primal_residual <= 1e-8``.
+        Whether ``gap <= tol * max(max |eta|, |lp_value|)`` (``tol`` itself when
+        both are 0) and ``primal_residual <= 1e-8``.
     integral : bool
         Whether ``u`` is 0/1 (up to 1e-9; it is then rounded).
     map : MAPAssignment or None
@@ -259,10 +259,11 @@ def _finish(graph, links, eu, ev, u, v, structures, weights, dual, residual, sca
     r.dual_bound = float(dual)
     r.gap = r.dual_bound - r.lp_value
     r.primal_residual = float(residual)
-    r.converged = bool(r.gap <= tol * max(scale, abs(r.lp_value)) and residual <= PRIMAL_TOL)
+    atol = tol * (max(scale, abs(r.lp_value)) or 1.0)      # all-zero scores: absolute tol
+    r.converged = bool(r.gap <= atol and residual <= PRIMAL_TOL)
     r.map = _assignment(graph, links, eu, ev, u, structures) if r.integral else None
     r.exact = bool(r.integral and r.converged and r.map is not None
-                   and r.map.score >= r.dual_bound - tol * max(scale, abs(r.lp_value)))
+                   and r.map.score >= r.dual_bound - atol)
     r.n_iter, r.n_solves = 0, 0
     r.message = "converged" if r.converged else "duality gap above tolerance"
     return r
@@ -309,7 +310,8 @@ def _tighten(graph, links, r, out, nu, eu, ev, scale, tol):
     for step in (_refine, _cutting_planes):
         if out.converged or out.primal_residual > PRIMAL_TOL:
             break
-        nu2 = step(graph, links, nu, eu, ev, r.structures, out.lp_value, tol * scale)
+        nu2 = step(graph, links, nu, eu, ev, r.structures, out.lp_value,
+                   tol * (max(scale, abs(out.lp_value)) or 1.0))
         if nu2 is not None:
             dual2 = links.dual_bound(links.repair(nu2, eu), eu, ev)
             if dual2 < out.dual_bound:

@@ -248,3 +248,17 @@ def test_random_graphs_against_highs():
         n_checked += 1
         n_fractional += not r.integral
     assert n_checked >= 30 and n_fractional >= 10
+
+
+def test_all_zero_scores_on_a_loopy_graph():
+    """Zero scores: every feasible point is optimal; the gap is checked against tol itself."""
+    fg = sm.FactorGraph(3)
+    for pair in ([0, 1], [1, 2], [0, 2]):
+        fg.add(sm.XorFactor(2), pair, negated=[False, True])   # u0 = u1 = u2 (and a cycle)
+    fg.add(sm.OrFactor(3), [0, 1, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sm.ConvergenceWarning)
+        r = fg.solve_map(np.zeros(3))
+    assert r.converged and r.lp_value == 0.0 and abs(r.gap) <= 1e-9
+    # feasible: u = (t, t, t) with 3 t >= 1; every point is optimal, the least-norm one returned
+    np.testing.assert_allclose(r.u, np.full(3, 1 / 3), atol=1e-9)

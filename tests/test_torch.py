@@ -60,6 +60,8 @@ FAMILIES = {
     "xor_out": [sm.XorOutFactor(4), sm.XorOutFactor(3)],
     "sequence_budget": [sm.SequenceBudgetFactor(5, 2), sm.SequenceBudgetFactor(3, 1, exact=True),
                         sm.SequenceBudgetFactor(1, 1)],
+    "imply": [sm.ImplyFactor(3), sm.ImplyFactor(2)],
+    "knapsack": [sm.KnapsackFactor([0.5, 1.0, 2.0, 0.3], 1.2), sm.KnapsackFactor([1.0, 1.0], 1.5)],
 }
 
 
