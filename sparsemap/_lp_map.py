@@ -103,9 +103,10 @@ class LPMAPResult:
     Attributes
     ----------
     u : ndarray, shape ``(n_variables,)``
-        The variables' values at the LP optimum (the least-norm point of the
-        optimal face, unless the graph splits into single factors: then the
-        factors' MAP structures).
+        The variables' values at the LP optimum: as a rule the least-norm
+        point of the optimal face; the factors' MAP structures when the graph
+        splits into single factors; a vertex of the optimal face when column
+        generation had to finish the certificate.
     v : list of ndarray
         Per factor, its additional marginals ``N_f p_f`` (shape ``factor.shape_v``).
     structures, weights : list of list, list of ndarray
