@@ -267,3 +267,92 @@ def losses(args):
             print(f"{scale:>6}  {name:<17}{1e3 * c:>8.2f}{ratio:>7}{1e3 * w:>9.2f}{wratio:>7}"
                   f"{'' if target is None else f'<= {target}':>8}", flush=True)
 
+
+def throughput(args):
+    """The first table: wall-clock problems per second, 1 and 2 threads, against the
+    alternative; the machine's sha256 ceiling first."""
+    B = args.batch
+    print(f"sparsemap.torch forward+backward, batches of {B}, float32 scores, "
+          f"median of {args.repeats} passes (configurations sampled in turn); problems/s\n")
+    print(f"machine ceiling (sha256 on 1 vs 2 threads, the same conditions): "
+          f"{reference_speedup(2, args.repeats):.2f}x\n")
+    head = (f"{'layer':<10}{'scale':>6}{'thr':>5}{'SparseMAP':>12}{'alternative':>13}"
+            f"{'ratio':>8}   alternative")
+    print(head)
+    print("-" * len(head))
+    rows = {}
+    for kind in ("tree", "matching"):
+        for scale in SCALES:
+            rng = np.random.default_rng(args.seed)
+            if kind == "tree":
+                scores, lengths = tree_batch(rng, B, scale)
+                ours = lambda x, t: smt.tree(x, lengths, n_jobs=t)            # noqa: E731
+                alt = lambda x, t: crf_tree_marginals(x, lengths)           # noqa: E731
+                alt_name = "CRF marginals (matrix-tree, logdet)"
+            else:
+                scores = torch.from_numpy(scale * rng.standard_normal((B, 20, 20))).float()
+                ours = lambda x, t: smt.matching(x, n_jobs=t)                 # noqa: E731
+                alt = lambda x, t: torch.softmax(x, dim=-1)                   # noqa: E731
+                alt_name = "row softmax"
+            g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+            if kind == "tree":
+                m = crf_tree_marginals(scores.clone().requires_grad_(), lengths).detach()
+                sums = m.sum(dim=1)[:, 1:]
+                real = torch.arange(1, scores.shape[1])[None, :] <= lengths[:, None]
+                assert torch.allclose(sums[real], torch.ones(()), atol=1e-4), "CRF check"
+            fns = [pass_fn(layer, scores, g, t) for t in THREADS for layer in (ours, alt)]
+            for fn in fns:                 # warm up pools and caches
+                fn()
+            times = median_times(fns, args.repeats)
+            # Solver threads alone, in a phase of their own: torch's OpenMP workers,
+            # once woken by a 2-thread pass, spin for a while and take the core.
+            solo = [pass_fn(ours, scores, g, t, torch_threads=1) for t in (1, 2)]
+            for fn in solo:
+                fn()
+            t1s, t2s = median_times(solo, args.repeats)
+            times.append(t2s * times[0] / t1s)   # on the 1-thread row's scale
+            for i, t in enumerate(THREADS):
+                a, b = B / times[2 * i], B / times[2 * i + 1]
+                rows[kind, scale, t] = (a, b)
+                print(f"{kind:<10}{scale:>6}{t:>5}{a:>12.0f}{b:>13.0f}{a / b:>8.2f}   {alt_name}",
+                      flush=True)
+            rows[kind, scale, "2s"] = B / times[-1]
+            print(f"{kind:<10}{scale:>6}{'2s':>5}{B / times[-1]:>12.0f}{'':>13}{'':>8}   "
+                  f"(2s: 2 solver threads, torch on 1; see below)", flush=True)
+    print("\nspeedup from 1 to 2 threads (target >= 1.8x for SparseMAP)")
+    print(f"{'layer':<10}{'scale':>6}{'SparseMAP':>12}{'(2s)':>8}{'alternative':>13}")
+    for kind in ("tree", "matching"):
+        for scale in SCALES:
+            (a1, b1), (a2, b2) = rows[kind, scale, 1], rows[kind, scale, 2]
+            a2s = rows[kind, scale, "2s"]
+            print(f"{kind:<10}{scale:>6}{a2 / a1:>11.2f}x{a2s / a1:>7.2f}x{b2 / b1:>12.2f}x")
+    a, b = rows["tree", 5, 1]
+    print(f"\ntree layer at scale 5, 1 thread: SparseMAP / CRF throughput = {a / b:.2f} "
+          f"(target >= 0.5)\n")
+
+
+def breakdown(args):
+    """The second table: where a serial tree pass goes, in CPU time."""
+    print(f"where a serial SparseMAP tree pass goes (batches of {args.batch}, median of "
+          f"{args.repeats}): CPU ms (process time, so other processes' load counts little)")
+    print(f"{'scale':>6}{'pass':>8}{'no GIL':>8}{'serial':>8}{'downstream':>12}{'layer':>7}"
+          f"{'parallel':>10}{'2-thr bound':>13}{'serial 2s':>11}{'bound 2s':>10}{'iters':>7}"
+          f"{'support':>9}{'CRF pass':>10}{'ratio':>7}")
+    torch.set_num_threads(1)
+    for scale in SCALES:
+        rng = np.random.default_rng(args.seed)
+        scores, lengths = tree_batch(rng, args.batch, scale)
+        g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+        t = tree_breakdown(scores, lengths, g, args.repeats)
+        p = min(1.0, t["no_gil"] / t["whole"])
+        bound2 = t["whole"] / (t["serial2"] + t["no_gil2"] / 2)
+        print(f"{scale:>6g}{t['whole']:>8.2f}{t['no_gil']:>8.2f}{t['serial']:>8.2f}"
+              f"{t['downstream']:>12.2f}{t['layer']:>7.2f}{p:>10.2f}"
+              f"{1 / ((1 - p) + p / 2):>12.2f}x{t['serial2']:>11.2f}{bound2:>9.2f}x"
+              f"{t['iters']:>7.1f}{t['support']:>9.1f}{t['crf']:>10.2f}"
+              f"{t['crf'] / t['whole']:>7.2f}", flush=True)
+    print(NOTES)
+
+
+if __name__ == "__main__":
+    main()
