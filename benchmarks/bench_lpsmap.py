@@ -10,7 +10,9 @@ Three workloads, each written once against lp-sparsemap's API and run with eithe
 * ``grid``: an 8x12 grid, Xor on each row and AtMostOne on each column.
 
 Each is timed forward (build the graph, ``fg.solve()`` at lp-sparsemap's defaults) and
-forward + backward, as the median of ``--repeats`` runs after a warm-up. A native row
+forward + backward, as the median of ``--repeats`` runs after a warm-up, in the process's
+CPU time (all its threads; robust to other processes on a shared machine) and
+in wall-clock time; ``--rounds`` interleaves the implementations. A native column
 shows the batched sparsemap form of the same work (one call for the whole batch / graph
 shape). lp-sparsemap runs in a separate interpreter (``--lpsmap-python``, a venv where
 ``import lpsmap`` works, e.g. one made by building lp-sparsemap from source); without it

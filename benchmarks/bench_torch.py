@@ -35,8 +35,8 @@ backward of their mean) with the tree layer's forward and backward on the same
 batch, gold trees drawn at random: the SparseMAP and margin SparseMAP losses
 (one SparseMAP solve each, at the cost-augmented scores for the margin) and the
 structured SVM and perceptron (one MAP each). It gives CPU milliseconds on one
-thread (medians of ``--repeats`` passes, the configurations sampled in turn) and
-wall milliseconds with the default ``n_jobs`` (torch on one thread), and the
+thread (medians of ``--repeats`` passes) and wall milliseconds with the default
+``n_jobs`` (torch on one thread; the configurations sampled in turn), and the
 ratios loss / layer; targets: at most 1.2 for the SparseMAP losses, at most 1.0
 for the MAP losses.
 
@@ -259,24 +259,13 @@ def losses(args):
         default = [make(None) for _, make, _ in rows]
         for fn in serial + default:
             fn()
-        cpu = cpu_medians(serial, args.repeats)
+        cpu = [cpu_ms(fn, args.repeats) / 1e3 for fn in serial]
         wall = median_times(default, args.repeats)
         for (name, _, target), c, w in zip(rows, cpu, wall):
             ratio = "" if target is None else f"{c / cpu[0]:>7.2f}"
             wratio = "" if target is None else f"{w / wall[0]:>7.2f}"
             print(f"{scale:>6}  {name:<17}{1e3 * c:>8.2f}{ratio:>7}{1e3 * w:>9.2f}{wratio:>7}"
                   f"{'' if target is None else f'<= {target}':>8}", flush=True)
-
-
-def cpu_medians(fns, repeats):
-    """Median CPU seconds (this process, all threads) of each function, sampled in turn."""
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t0 = time.process_time()
-            fn()
-            ts.append(time.process_time() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 def throughput(args):

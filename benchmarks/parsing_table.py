@@ -137,6 +137,11 @@ def subset_summary(results, seeds):
     return out
 
 
+def mean_sd(s, seeds):
+    """``mean ± sd`` over the seeds (the mean alone for one seed)."""
+    return f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if len(seeds) > 1 else "")
+
+
 def loss_spread(summary):
     """Largest difference between the losses' mean test UAS."""
     means = [summary[loss]["mean"] for loss in LOSSES]
@@ -157,7 +162,7 @@ def results_rst(summary, seeds, args, settings):
     uas_rows, time_rows = [], []
     for loss in LOSSES:
         s = summary[loss]
-        uas_rows.append([NAMES[loss], f"{s['mean']:.2f} ± {s['std']:.2f}",
+        uas_rows.append([NAMES[loss], mean_sd(s, seeds),
                          ", ".join(f"{u:.2f}" for u in s["test_uas"]), f"{s['paper']:.2f}",
                          f"{s['mean'] - s['paper']:+.2f}",
                          ", ".join(str(b) for b in s["best_epochs"])])
@@ -200,7 +205,7 @@ def results_rst(summary, seeds, args, settings):
 
 
 def subset_rst(sub, n, seeds, args):
-    rows = [[NAMES[loss], f"{s['mean']:.2f} ± {s['std']:.2f}",
+    rows = [[NAMES[loss], mean_sd(s, seeds),
              ", ".join(f"{u:.2f}" for u in s["test_uas"]),
              ", ".join(str(b) for b in s["best_epochs"]),
              f"{s['median_epoch_cpu_seconds']:.1f}"]

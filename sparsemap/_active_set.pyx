@@ -2235,88 +2235,34 @@ def prepare_loss(factors, etas_u, etas_v, targets, double margin, bint sparse,
     structures all do (``STATUS_INFEASIBLE``), or whose SparseMAP solve did
     not converge; their outputs are zeros (the last: the best iterate's).
     """
-    cdef _Batch b = _Batch.__new__(_Batch)
-    cdef Py_ssize_t n = len(etas_u), j, i
-    cdef Factor f
-    cdef bint shared = isinstance(factors, Factor)
-    cdef _Solutions sols = _Solutions(factors, n)
-    cdef _Order by_cost
-    cdef const Py_ssize_t[::1] claim
+    cdef Py_ssize_t n = len(etas_u), j, i, max_k = 0
     cdef const int[:, ::1] tg = targets
     cdef double[::1] vals = values
-    cdef const double* zeros = NULL
-    cdef char* in_u
-    cdef char* in_v
-    cdef char* o_u
     cdef char* o_v
-    cdef Py_ssize_t st_u = 0, st_v = 0, st_ou = 0, st_ov = 0, max_nv = 0, max_k = 0
+    cdef Py_ssize_t st_ov = 0
     cdef _Problem* p
     if tg.shape[0] != n or vals.shape[0] != n:
         raise ValueError(f"targets, values: expected {n} rows")
-    b._setup(n, n_threads, LOSS)
-    b.max_iter = max_iter
-    b.tol = tol
-    b.margin = margin
-    b.sparse = sparse
-    b.hists = None
-    b.outputs = sols
-    slots = {}
-    if shared:
-        b.slot_factors.append(factors)
-        max_nv = (<Factor> factors).n_v
-        max_k = (<Factor> factors).struct_size
-    else:
-        for f in factors:
-            b._slot(slots, f)
-            max_nv = max(max_nv, f.n_v)
-            max_k = max(max_k, f.struct_size)
+    for f in ([factors] if isinstance(factors, Factor) else factors):
+        max_k = max(max_k, (<Factor> f).struct_size)
     if max_k > tg.shape[1]:
         raise ValueError(f"targets: expected rows of at least {max_k} ints, got {tg.shape[1]}")
-    if max_nv and etas_v is None:
-        zero_buf = np.zeros(max_nv)
-        b.keep.append(zero_buf)
-        zeros = <const double*> cnp.PyArray_DATA(<cnp.ndarray> zero_buf)
-    b.isz_in_u = _check_padded(etas_u, "etas_u", n)
-    b.isz_out_u = _check_padded(out_u, "out_u", n, etas_u)
-    b.v_in_padded = etas_v is not None
-    if b.v_in_padded:
-        b.isz_in_v = _check_padded(etas_v, "etas_v", n)
+    # a padded solve's batch, each problem then given its target, value and out_v
+    cdef _Batch b = prepare_solve(factors, etas_u, etas_v, None, max_iter, tol, False,
+                                  n_threads, None, out_u)
+    b.kind = LOSS
+    b.margin = margin
+    b.sparse = sparse
     if out_v is not None:
         b.isz_out_v = _check_padded(out_v, "out_v", n, etas_v)
-    b._set_pads(etas_u, etas_v)
-    in_u = _base(etas_u, &st_u)
-    in_v = _base(etas_v, &st_v)
-    o_u = _base(out_u, &st_ou)
     o_v = _base(out_v, &st_ov)
-    b.keep.extend((etas_u, etas_v, targets, out_u, out_v, values))
-    by_cost = _Order(n)
-    if n_threads > 1 and not shared:
-        for i in range(n):
-            f = factors[i]
-            by_cost.keys[i].cost = f.n_u + f.n_v
-    claim = by_cost.indices(n_threads > 1 and not shared)
+    b.keep.extend((targets, out_v, values))
     for j in range(n):
-        i = claim[j]
         p = &b.P[j]
-        p.index = i
-        f = factors if shared else factors[i]
-        p.factor = <PyObject*> f
-        p.slot = 0 if shared else slots[id(f)]
-        p.sol = &sols.items[i]
-        p.in_u = <const double*> (in_u + i * st_u)
-        p.out_u = <double*> (o_u + i * st_ou)
-        if f.n_v == 0:
-            p.in_v = NULL
-        elif in_v == NULL:
-            p.in_v = zeros
-        else:
-            p.in_v = <const double*> (in_v + i * st_v)
+        i = p.index
         if o_v != NULL:
             p.out_v = <double*> (o_v + i * st_ov)
         p.target = &tg[i, 0]
         p.value = &vals[i]
         vals[i] = 0.0
-    b._alloc_workspaces()
-    b._set_shapes(("etas_u", "etas_v"))
-    b._alloc_scratch(2 * (b.max_nu + b.max_nv))
     return b

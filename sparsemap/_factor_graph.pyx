@@ -1101,8 +1101,9 @@ class FactorGraph:
         -----
         The relaxation is exact (``exact=True``) when no variable is in two
         factors (the LP splits into one MAP per factor, solved directly) and
-        whenever its optimum is integral. When it is fractional, ``u`` is the
-        least-norm point of the optimal face and ``map`` is None.
+        whenever its optimum is integral. When it is fractional, ``u`` is a
+        point of the optimal face (as a rule its least-norm point) and ``map``
+        is None.
 
         Examples
         --------

@@ -16,7 +16,7 @@ perturbed problem, scaled by ``t``, is LP-SparseMAP with scores ``t eta``, which
 the warm-started active set on the factor's quadratic subproblem (AD3's QP
 step), then a polish on the final faces certified by its KKT conditions. ``t``
 starts at ``10 / max |eta|`` and grows tenfold until the gap below certifies
-the answer (at most six solves); the ADMM penalty grows with it.
+the answer; the ADMM penalty grows with it.
 
 The certificate. For multipliers ``nu`` (one per link, literal space) with
 ``sum_{j in i} sigma_j nu_j = eta_i`` for every variable in a factor, LP
@@ -29,11 +29,15 @@ duality gives the upper bound
 gap is their difference. The perturbed problem's multipliers, divided by
 ``t`` and corrected so that they sum to ``eta`` (the correction ``u_i / t``
 spread over the links of ``i``), give a bound that is tight (zero gap, up to
-round-off) whenever the answer is integral; otherwise they are moved to the
-nearest multipliers that keep every support structure optimal (a sparse least
-squares), which closes the gap on most fractional problems, and as a last
-resort the LP dual is solved by cutting planes over the supports (a restricted
-dual by HiGHS, grown by MAP calls).
+round-off) whenever the answer is integral and ``t`` large enough. When growing
+``t`` stops paying (``u`` no longer moves, ADMM slows down or fails, or six
+solves ran), the last good point's bound is improved: first by moving the
+multipliers to the nearest ones that keep every support structure optimal (a
+sparse least squares), then by column generation (Dantzig-Wolfe; Kelley's
+cutting planes on the dual) from the supports: the LP restricted to a working
+set of structures per factor (HiGHS), grown by MAP calls at its multipliers.
+The restricted LP's solution is a point of the local polytope too, kept when
+it certifies a smaller gap.
 
 A graph in which no variable is in two factors needs none of this: the LP
 splits into one MAP per factor, solved exactly.
@@ -54,6 +58,7 @@ _GROWTH = 10.0
 _SOLVES = 6
 _RHO = 0.2         # the ADMM penalty, times t max |eta|: the scale of the scores
 _STABLE = 1e-7     # u moved less than this between two solves: it looks LP-optimal
+_SLOW = 2000       # ADMM iterations of a solve beyond which t stops growing
 
 
 class MAPAssignment:
@@ -98,9 +103,10 @@ class LPMAPResult:
     Attributes
     ----------
     u : ndarray, shape ``(n_variables,)``
-        The variables' values at the LP optimum (the least-norm point of the
-        optimal face, unless the graph splits into single factors: then the
-        factors' MAP structures).
+        The variables' values at the LP optimum: as a rule the least-norm
+        point of the optimal face; the factors' MAP structures when the graph
+        splits into single factors; a vertex of the optimal face when column
+        generation had to finish the certificate.
     v : list of ndarray
         Per factor, its additional marginals ``N_f p_f`` (shape ``factor.shape_v``).
     structures, weights : list of list, list of ndarray
@@ -211,7 +217,7 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
         return _separable(graph, links, eu, ev, scale, tol)
     s = scale if scale > 0 else 1.0
     t = _T0 / s
-    best, n_iter, prev_u = None, 0, None
+    best, n_iter, last, prev_u = None, 0, None, None
     for k in range(_SOLVES):
         rho = _RHO * t * s
         with warnings.catch_warnings():
@@ -221,15 +227,24 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
                                    max_iter=max_iter, rho=rho)
         n_iter += r.n_iter
         out, nu = _from_solve(graph, links, r, t, eu, ev, scale, tol)
-        # The cheap bound failed: tighten it when the point looks LP-optimal (it no longer
-        # moves as t grows), or at the last solve; otherwise a larger t is cheaper.
-        if not out.converged and (k == _SOLVES - 1 or (
-                prev_u is not None and np.abs(out.u - prev_u).max(initial=0.0) <= _STABLE)):
-            out = _tighten(graph, links, r, out, nu, eu, ev, scale, tol)
+        if r.primal_residual <= PRIMAL_TOL:
+            last = (r, out, nu)
         if best is None or _rank(out) < _rank(best):
             best = out
         best.n_solves = k + 1
         if best.converged:
+            break
+        # A larger t is the cheap way on (it certifies integral answers); stop when u no
+        # longer moves (it looks LP-optimal), when ADMM slows down or fails at this scale,
+        # or after the last solve, and certify the last good point by column generation.
+        stable = prev_u is not None and np.abs(out.u - prev_u).max(initial=0.0) <= _STABLE
+        if (stable or k == _SOLVES - 1 or r.n_iter > _SLOW
+                or r.primal_residual > PRIMAL_TOL):
+            if last is not None:
+                out = _tighten(graph, links, *last, eu, ev, scale, tol)
+                if _rank(out) < _rank(best):
+                    best = out
+                    best.n_solves = k + 1
             break
         prev_u = out.u
         t *= _GROWTH
@@ -305,20 +320,31 @@ def _from_solve(graph, links, r, t, eu, ev, scale, tol):
 
 
 def _tighten(graph, links, r, out, nu, eu, ev, scale, tol):
-    """A better bound for the candidate out: refined multipliers, then cutting planes."""
+    """A better certificate for the candidate out (from the LP-SparseMAP result r, with
+    multipliers nu): refined multipliers; then column generation, whose restricted LP
+    also gives a point (kept when its gap is smaller)."""
+    if out.converged or out.primal_residual > PRIMAL_TOL:
+        return out
     u, v = out.u, [x.reshape(-1) for x in out.v]
-    for step in (_refine, _cutting_planes):
-        if out.converged or out.primal_residual > PRIMAL_TOL:
-            break
-        nu2 = step(graph, links, nu, eu, ev, r.structures, out.lp_value,
-                   tol * (max(scale, abs(out.lp_value)) or 1.0))
-        if nu2 is not None:
-            dual2 = links.dual_bound(links.repair(nu2, eu), eu, ev)
-            if dual2 < out.dual_bound:
-                nu = nu2
-                out = _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual2,
-                              r.primal_residual, scale, tol)
-    return out
+    atol = tol * (max(scale, abs(out.lp_value)) or 1.0)
+    nu2 = _refine(graph, links, nu, eu, ev, r.structures, out.lp_value, atol)
+    if nu2 is not None:
+        dual2 = links.dual_bound(links.repair(nu2, eu), eu, ev)
+        if dual2 < out.dual_bound:
+            nu = nu2
+            out = _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual2,
+                          r.primal_residual, scale, tol)
+    if out.converged:
+        return out
+    nu2, primal = _cutting_planes(graph, links, nu, eu, ev, r.structures, out.lp_value, atol)
+    if nu2 is None:
+        return out
+    dual = min(out.dual_bound, links.dual_bound(links.repair(nu2, eu), eu, ev))
+    if _value(eu, ev, primal) > out.lp_value:
+        pu, pv, S, W, res = primal
+        return _finish(graph, links, eu, ev, pu, pv, S, W, dual, res, scale, tol)
+    return _finish(graph, links, eu, ev, u, v, r.structures, r.weights, dual,
+                   r.primal_residual, scale, tol)
 
 
 def _refine(graph, links, nu, eu, ev, structures, value, atol):
@@ -384,11 +410,16 @@ def _assignment(graph, links, eu, ev, u, structures):
     return MAPAssignment(ui, chosen, score)
 
 
-def _cutting_planes(graph, links, nu, eu, ev, structures, value, atol, rounds=30):
-    """The LP dual by Kelley's cutting planes, from the supports: a restricted dual over a
-    working set of structures per factor (HiGHS), grown by MAP calls at its solutions until
-    no structure is violated. Multipliers stay within a box around nu (any multipliers give
-    a valid bound, so the box only costs tightness, never validity)."""
+def _cutting_planes(graph, links, nu, eu, ev, structures, value, atol, rounds=60):
+    """The LP by column generation from the supports (Dantzig-Wolfe; on the dual side,
+    Kelley's cutting planes): the LP restricted to a working set of structures per factor
+    (HiGHS), grown by MAP calls at its multipliers until no structure is violated.
+
+    Returns ``(nu, primal)``: the last multipliers (any give a valid bound), and the last
+    restricted solution, a point of the local polytope, as ``(u, v, structures, weights,
+    residual)`` (None if HiGHS failed). The multipliers stay within a box around ``nu``; a
+    box that binds shows in the point's residual.
+    """
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
@@ -404,15 +435,19 @@ def _cutting_planes(graph, links, nu, eu, ev, structures, value, atol, rounds=30
     bounds = [(x - width, x + width) if t else (0.0, 0.0) for x, t in zip(nu, links.tied)]
     bounds += [(None, None)] * F
     c = np.r_[-links.sh, np.ones(F)]
-    work = [[(factor.vertex(s)[0].reshape(-1), factor.vertex(s)[1].reshape(-1))
-             for s in structures[f]] for f, factor in enumerate(graph.factors)]
-    best = None
+    work = []
+    for f, factor in enumerate(graph.factors):
+        work.append([])
+        for s in structures[f]:
+            m, n = factor.vertex(s)
+            work[f].append((s, m.reshape(-1), n.reshape(-1)))
+    best, primal = None, None
     for _ in range(rounds):
         rows, cols, vals, b_ub = [], [], [], []
         k = 0
         for f, cuts in enumerate(work):
             a = links.off[f]
-            for m, n in cuts:
+            for _, m, n in cuts:
                 nz = np.flatnonzero(m)
                 rows += [k] * (nz.size + 1)
                 cols += list(a + nz) + [L + f]
@@ -421,23 +456,56 @@ def _cutting_planes(graph, links, nu, eu, ev, structures, value, atol, rounds=30
                 k += 1
         A_ub = coo_matrix((vals, (rows, cols)), shape=(k, L + F)).tocsr()
         res = linprog(c, A_ub=A_ub, b_ub=np.array(b_ub), A_eq=A_eq, b_eq=b_eq, bounds=bounds,
-                      method="highs")
+                      method="highs", options={"primal_feasibility_tolerance": 1e-10,
+                                               "dual_feasibility_tolerance": 1e-10})
         if res.status != 0:
-            return best
-        cand = res.x[:L]
-        bound = links.dual_bound(links.repair(cand, eu), eu, ev)
-        best = cand
-        if bound - value <= atol:
-            return best
+            return best, primal
+        best = res.x[:L]
+        primal = _master_point(graph, links, eu, work, -res.ineqlin.marginals)
+        bound = links.dual_bound(links.repair(best, eu), eu, ev)
+        if bound - max(value, _value(eu, ev, primal)) <= atol:
+            return best, primal
         added = False
         for f, factor in enumerate(graph.factors):       # the most violated structure
-            nf = cand[links.off[f]:links.off[f + 1]].reshape(factor.shape_u)
+            nf = best[links.off[f]:links.off[f + 1]].reshape(factor.shape_u)
             ef = ev[f].reshape(factor.shape_v) if factor.n_v else None
-            m, n = factor.vertex(factor.map(nf, ef))
+            s = factor.map(nf, ef)
+            m, n = factor.vertex(s)
             m, n = m.reshape(-1), n.reshape(-1)
-            if not any(np.array_equal(m, m2) and np.array_equal(n, n2) for m2, n2 in work[f]):
-                work[f].append((m, n))
+            if not any(np.array_equal(m, m2) and np.array_equal(n, n2) for _, m2, n2 in work[f]):
+                work[f].append((s, m, n))
                 added = True
         if not added:
-            return best
-    return best
+            return best, primal
+    return best, primal
+
+
+def _master_point(graph, links, eu, work, weights):
+    """The restricted LP's solution as a point (u, v, structures, weights, residual)."""
+    u = (eu > 0).astype(np.float64)
+    lit = np.zeros(links.var.shape[0])
+    v, S, W = [], [], []
+    k = 0
+    for f, cuts in enumerate(work):
+        w = np.maximum(weights[k:k + len(cuts)], 0.0)
+        k += len(cuts)
+        w = w / w.sum() if w.sum() > 0 else np.full(len(cuts), 1.0 / len(cuts))
+        keep = np.flatnonzero(w > 1e-14)
+        a, b = links.off[f], links.off[f + 1]
+        lit[a:b] = sum(w[i] * cuts[i][1] for i in keep)
+        v.append(sum(w[i] * cuts[i][2] for i in keep) if cuts[0][2].size else cuts[0][2] * 0)
+        S.append([cuts[i][0] for i in keep])
+        W.append(w[keep] / w[keep].sum())
+    t = links.tied
+    y = links.sig[t] * (lit[t] - links.sh[t])          # each link's view of its variable
+    deg = np.maximum(links.deg, 1)
+    mean = np.bincount(links.var[t], y, minlength=u.shape[0]) / deg
+    u[links.deg > 0] = mean[links.deg > 0]
+    residual = float(np.abs(y - u[links.var[t]]).max(initial=0.0))
+    return u, v, S, W, residual
+
+
+def _value(eu, ev, primal):
+    if primal is None or primal[4] > PRIMAL_TOL:
+        return -np.inf
+    return float(eu @ primal[0] + sum(float(e @ x) for e, x in zip(ev, primal[1])))

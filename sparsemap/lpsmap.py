@@ -400,7 +400,10 @@ def _solo_function():
     class _SoloSparseMAP(torch.autograd.Function):
         @staticmethod
         def forward(ctx, factor, eta_u, eta_v):
-            r = sm.solve(factor, host(eta_u), None if eta_v is None else host(eta_v))
+            eu = host(eta_u)
+            if not np.isfinite(eu).all():       # as everywhere in the drop-in (no -inf masks)
+                raise ValueError("scores: expected finite values")
+            r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
             ctx.r, ctx.eta_u, ctx.eta_v = r, eta_u.detach(), (
                 None if eta_v is None else eta_v.detach())
             return like(r.u, eta_u)

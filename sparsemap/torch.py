@@ -1087,7 +1087,11 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mea
     Per element, :func:`sparsemap.sparsemap_loss`: the Fenchel-Young loss of
     SparseMAP, cost-augmented by ``margin`` times the Hamming cost. Its gradient
     is Proposition 2's ``(u* - m_t, v* - n_t)``, kept from the forward solve (the
-    backward pass solves nothing).
+    backward pass solves nothing). With compact targets and the active set, the
+    losses run as the layer does: the batch runner's threads read each element's
+    block of the scores and its target, add the cost, solve, and write the value
+    and the gradient, with no Python object per element (the same solves and
+    gradients as the NumPy loss, bit for bit; the value to round-off).
 
     Parameters
     ----------
@@ -1096,7 +1100,8 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mea
         Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
     reduction : {{"mean", "sum", "none"}}, default "mean"
     n_jobs : int, optional
-        Threads (default: all cores).
+        Threads, as for :func:`sparsemap.solve_batch` (default: all cores, or 1 for
+        an :class:`~sparsemap.OracleFactor`).
     **solve_kw
         Passed to :func:`sparsemap.solve`.
 
@@ -1137,7 +1142,8 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0, reduction
         Scale of the Hamming cost; 0 gives the perceptron.
     reduction : {{"mean", "sum", "none"}}, default "mean"
     n_jobs : int, optional
-        Threads (default: all cores).
+        Threads, as for :func:`sparsemap.solve_batch` (default: all cores, or 1 for
+        an :class:`~sparsemap.OracleFactor`).
 
     {returns}
 
@@ -1174,7 +1180,8 @@ def perceptron_loss(factor, eta_u, target, eta_v=None, reduction="mean", *, n_jo
     {params}
     reduction : {{"mean", "sum", "none"}}, default "mean"
     n_jobs : int, optional
-        Threads (default: all cores).
+        Threads, as for :func:`sparsemap.solve_batch` (default: all cores, or 1 for
+        an :class:`~sparsemap.OracleFactor`).
 
     {returns}
 

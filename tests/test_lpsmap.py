@@ -779,6 +779,15 @@ def test_errors():
         FactorGraph().variable_from(np.array([np.nan]))
     with pytest.raises(ValueError, match="scores"):
         TorchFactorGraph().variable_from(np.zeros(2))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for shared in (False, True):       # the one-factor path and the graph path
+            fg = TorchFactorGraph()
+            u = fg.variable_from(torch.tensor([0.5, bad, 0.1]))
+            fg.add(Budget(u, 1))
+            if shared:
+                fg.add(Xor(u[:2]))
+            with pytest.raises(ValueError, match="scores: expected finite"):
+                fg.solve()
 
 
 def test_verbose_prints(capsys):

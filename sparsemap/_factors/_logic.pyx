@@ -981,7 +981,7 @@ cdef int FRACTIONAL = 2
 cdef class KnapsackFactor(Factor):
     """KnapsackFactor(costs, budget)
 
-    The relaxed knapsack polytope ``{u in [0, 1]^n : costs . u <= budget}``.
+    The relaxed knapsack polytope ``{u in [0, 1]^n : costs @ u <= budget}``.
 
     AD3's (and lp-sparsemap's) ``KNAPSACK`` factor. Unlike the other logic
     factors, its polytope is not the convex hull of 0/1 configurations: a
