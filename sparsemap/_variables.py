@@ -103,11 +103,11 @@ class VariableArray:
             yield self[i]
 
     def reshape(self, *shape):
-        """The same entries in another shape (as :meth:`numpy.ndarray.reshape`)."""
+        """The same entries in another shape (as ``numpy.ndarray.reshape``)."""
         return VariableArray(self._ids.reshape(*shape), self._neg.reshape(*shape), self._graph)
 
     def transpose(self, *axes):
-        """The same entries with axes permuted (as :meth:`numpy.ndarray.transpose`)."""
+        """The same entries with axes permuted (as ``numpy.ndarray.transpose``)."""
         return VariableArray(self._ids.transpose(*axes), self._neg.transpose(*axes),
                              self._graph)
 
@@ -120,7 +120,7 @@ class VariableArray:
 
     @staticmethod
     def concatenate(arrays, axis=0):
-        """Join variable arrays along an axis (as :func:`numpy.concatenate`).
+        """Join variable arrays along an axis (as ``numpy.concatenate``).
 
         Examples
         --------
@@ -136,7 +136,7 @@ class VariableArray:
 
     @staticmethod
     def stack(arrays, axis=0):
-        """Stack variable arrays along a new axis (as :func:`numpy.stack`).
+        """Stack variable arrays along a new axis (as ``numpy.stack``).
 
         Examples
         --------
