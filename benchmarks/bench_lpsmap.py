@@ -20,6 +20,7 @@ only sparsemap's rows are printed. The answers of both are compared: lp-sparsema
 at its ADMM tolerance, sparsemap's are exact.
 
     python benchmarks/bench_lpsmap.py --lpsmap-python /path/to/venv/bin/python
+    python benchmarks/bench_lpsmap.py --lpsmap-python /path/to/venv/bin/python --accuracy
 """
 import argparse
 import json
@@ -114,6 +115,49 @@ def worker(impl, repeats):
     return out
 
 
+def accuracy(impl, seeds=20):
+    """Per seed, u and the gradient of w . u for the constrained tree (n=6, 10) and the
+    grid, in float64 at lp-sparsemap's defaults: the data of the accuracy table."""
+    import torch
+    if impl == "lpsmap":
+        from lpsmap import AtMostOne, Budget, DepTree, TorchFactorGraph, Xor
+    else:
+        from sparsemap.lpsmap import AtMostOne, Budget, DepTree, TorchFactorGraph, Xor
+
+    def tree(x, n):
+        fg = TorchFactorGraph()
+        u = fg.variable_from(x)
+        fg.add(DepTree(u, packed=True, projective=True))
+        for k in range(n):
+            fg.add(Budget(u[list(range(k)) + list(range(k + 1, n)), k], budget=2))
+        fg.solve()
+        return u.value
+
+    def grid(x, _):
+        fg = TorchFactorGraph()
+        z = fg.variable_from(x)
+        for i in range(x.shape[0]):
+            fg.add(Xor(z[i, :]))
+        for j in range(x.shape[1]):
+            fg.add(AtMostOne(z[:, j]))
+        fg.solve()
+        return z.value
+
+    out = {}
+    for name, fn, shape in (("tree n=6", tree, (6, 6)), ("tree n=10", tree, (10, 10)),
+                            ("grid 8x12", grid, (8, 12))):
+        us, gs = [], []
+        for seed in range(seeds):
+            x = torch.tensor(np.random.default_rng(seed).normal(size=shape), requires_grad=True)
+            w = torch.tensor(np.random.default_rng(100 + seed).normal(size=shape))
+            u = fn(x, shape[0])
+            (u * w).sum().backward()
+            us.append(u.detach().numpy().ravel().tolist())
+            gs.append(x.grad.numpy().ravel().tolist())
+        out[name] = {"u": us, "g": gs}
+    return out
+
+
 def _native_cases(sentences, tree, grid):
     """The same work in sparsemap's native, batched forms."""
     import torch
@@ -170,10 +214,12 @@ def _native_cases(sentences, tree, grid):
             "grid": grid_case}
 
 
-def _run(python, impl, repeats):
+def _run(python, impl, repeats, accuracy=False):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([python, __file__, "--worker", impl, "--repeats", str(repeats)],
-                         capture_output=True, text=True, env=env, cwd="/")
+    args = ["--accuracy-worker", impl] if accuracy else ["--worker", impl, "--repeats",
+                                                         str(repeats)]
+    res = subprocess.run([python, __file__, *args], capture_output=True, text=True, env=env,
+                         cwd="/")
     if res.returncode:
         raise RuntimeError(f"{impl} worker failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -186,10 +232,31 @@ def main():
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds per implementation (medians over all)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of timing, compare the answers and gradients (20 seeds)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--accuracy-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker, a.repeats)))
+        return
+    if a.accuracy:
+        if a.accuracy_worker or not a.lpsmap_python:
+            raise SystemExit("--accuracy needs --lpsmap-python")
+        got = {i: _run(a.lpsmap_python if i == "lpsmap" else sys.executable, i, 0, True)
+               for i in ("sparsemap", "lpsmap")}
+        print("lp-sparsemap against the drop-in (exact), float64, its defaults, 20 seeds: "
+              "max (median) over seeds of max |u - u*| and of max |w.J - w.J*|")
+        for k in got["sparsemap"]:
+            cells = []
+            for q in ("u", "g"):
+                d = np.abs(np.array(got["lpsmap"][k][q]) - np.array(got["sparsemap"][k][q]))
+                d = d.max(axis=1)
+                cells.append(f"{d.max():.2e} ({np.median(d):.2e})")
+            print(f"{k:12s} u: {cells[0]:22s} gradient: {cells[1]}")
+        return
+    if a.accuracy_worker:
+        print(json.dumps(accuracy(a.accuracy_worker)))
         return
     impls = ["sparsemap", "native"] + (["lpsmap"] if a.lpsmap_python else [])
     runs = {i: [] for i in impls}
