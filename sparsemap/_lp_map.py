@@ -47,7 +47,7 @@ import warnings
 import numpy as np
 
 from sparsemap import _variables
-from sparsemap._exceptions import ConvergenceWarning
+from sparsemap._exceptions import ConvergenceWarning, warn
 from sparsemap._factors._base import _as_float_array, check_positive_int, check_real
 
 DEFAULT_TOL = 1e-9
@@ -252,9 +252,8 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
     if not best.converged:
         best.message = (f"the duality gap {best.gap:.3g} is above tol * scale after "
                         f"{best.n_solves} solves")
-        warnings.warn(f"FactorGraph.solve_map: {best.message}; the answer is the best point "
-                      f"found (primal residual {best.primal_residual:.3g})",
-                      ConvergenceWarning, stacklevel=3)
+        warn(f"FactorGraph.solve_map: {best.message}; the answer is the best point "
+             f"found (primal residual {best.primal_residual:.3g})")
     return best
 
 

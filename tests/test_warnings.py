@@ -125,3 +125,11 @@ def test_torch_factor_graph_backward():
         line = next_line()
         u.sum().backward()
     check(record, line)
+
+
+def test_factor_graph_solve_map():
+    fg, _, eta_u, eta_v, _ = make("tree_budgets", 0)
+    with pytest.warns(sm.ConvergenceWarning) as record:
+        line = next_line()
+        fg.solve_map(eta_u, eta_v, max_iter=1)
+    check(record, line)
