@@ -204,6 +204,15 @@ def main(argv=None):
         losses(args)
 
 
+def tree_case(args, scale):
+    """``(rng, scores, lengths, g)``: a tree batch at ``scale`` and a downstream gradient,
+    from ``args.seed`` (the same batch in every table)."""
+    rng = np.random.default_rng(args.seed)
+    scores, lengths = tree_batch(rng, args.batch, scale)
+    g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+    return rng, scores, lengths, g
+
+
 def random_heads(rng, lengths, n1):
     """A random single-root dependency tree per sentence (each word's head drawn among
     the words before it, or the root for the first), in random word order, padded with
@@ -234,9 +243,7 @@ def losses(args):
           f"{'target':>8}")
     torch.set_num_threads(1)
     for scale in SCALES:
-        rng = np.random.default_rng(args.seed)
-        scores, lengths = tree_batch(rng, args.batch, scale)
-        g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+        rng, scores, lengths, g = tree_case(args, scale)
         heads = random_heads(rng, lengths, scores.shape[1])
         factors = [sm.TreeFactor(int(n)) for n in lengths]
 
@@ -340,9 +347,7 @@ def breakdown(args):
           f"{'support':>9}{'CRF pass':>10}{'ratio':>7}")
     torch.set_num_threads(1)
     for scale in SCALES:
-        rng = np.random.default_rng(args.seed)
-        scores, lengths = tree_batch(rng, args.batch, scale)
-        g = torch.from_numpy(rng.standard_normal(tuple(scores.shape))).float()
+        _, scores, lengths, g = tree_case(args, scale)
         t = tree_breakdown(scores, lengths, g, args.repeats)
         p = min(1.0, t["no_gil"] / t["whole"])
         bound2 = t["whole"] / (t["serial2"] + t["no_gil2"] / 2)

@@ -728,3 +728,35 @@ def test_default_n_jobs_of_the_torch_layer_and_losses_for_oracles(monkeypatch):
     smt.sparsemap_loss(oracle, x, torch.zeros(40, dtype=torch.long)).backward()
     smt.structured_svm_loss([oracle] * 40, x, torch.zeros(40, dtype=torch.long)).backward()
     assert seen == {threading.get_ident()}
+
+
+def test_losses_run_in_the_batch_runner_without_the_numpy_loss(monkeypatch):
+    """Integer targets and the active set: no per-element call of the NumPy losses (the
+    batch runner computes them); a problem the run reports (here an impossible target)
+    goes through the NumPy loss, which raises naming the batch element."""
+    import sparsemap.losses as losses_module
+    calls = []
+
+    def spy(name):
+        real = getattr(losses_module, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapped
+
+    kinds = {}
+    for fn, kind in smt._PADDED_LOSSES.items():
+        monkeypatch.setattr(smt.sm, fn.__name__, spy(fn.__name__))
+        kinds[getattr(smt.sm, fn.__name__)] = kind
+    monkeypatch.setattr(smt, "_PADDED_LOSSES", kinds)
+    factors = [sm.TreeFactor(n) for n in (3, 2)]
+    x = torch.randn(2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    heads = torch.tensor([[-1, 0, 1, 2], [-1, 2, 0, -1]])
+    for fn in (smt.sparsemap_loss, smt.structured_svm_loss, smt.perceptron_loss):
+        fn(factors, x, heads)
+    assert calls == []
+    x[1, 2, 1] = float("-inf")                         # the gold arc 2 -> 1 of element 1
+    with pytest.raises(ValueError, match=r"target: uses a part.*\(batch element 1\)"):
+        smt.sparsemap_loss(factors, x, heads)
+    assert calls == ["sparsemap_loss"]
