@@ -13,7 +13,9 @@ Usage::
     python benchmarks/bench_flat.py --compare /work/main    # ratios against another checkout
     python benchmarks/bench_flat.py --quick                 # fewer sizes and repeats
 
-Timings are wall-clock medians on a shared machine: ratios within ~10% are noise.
+Timings are CPU seconds of the calling thread (``time.thread_time``; a single solve runs
+in it), medians over seeds: on a shared, overloaded machine wall-clock times vary by 2-5x
+from run to run, CPU time much less. Ratios within ~10% are still noise.
 """
 import argparse
 import json
@@ -60,10 +62,10 @@ def time_case(fam, n, scale, repeats, budget):
         g = rng.standard_normal(f.shape_u)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             r = sm.solve(f, eta)
             r.vjp(g)
-            times.append(time.perf_counter() - t0)
+            times.append(time.thread_time() - t0)
         supp.append(r._sol.n_support)
         back.append(getattr(r._sol, "n_backward", r._sol.n_support))
         if time.perf_counter() - t_start > budget and len(times) >= 3:

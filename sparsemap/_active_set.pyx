@@ -161,6 +161,9 @@ cdef class _Workspace:
         self.callback = NULL
         self.S = NULL
         self.dvec = self.pert = NULL
+        self.log = NULL
+        self.n_log = self.cap_log = 0
+        self.log_on = False
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
@@ -182,6 +185,7 @@ cdef class _Workspace:
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
+        free(self.log)
 
     cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
         """Point at the scores (the caller keeps them alive; either may be NULL when
@@ -649,6 +653,8 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 # MAP cannot return an active structure unless the gap is zero (or
                 # round-off); then nothing enters and the next call is a repeat.
                 if status == RUNNING and ws._find(ws.snew) < 0:
+                    if ws.log_on:
+                        _log(ws, ws.snew)
                     ws._insert(ws.snew, 0.0)
         else:
             # Move towards yhat until the first weight hits zero (eq. 31) and drop
@@ -732,6 +738,8 @@ cdef double FACE_EPS = 1e-6
 # perturbation is never shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
 cdef double FACE_SEE = 4.0
 cdef double FACE_MIN = 64.0
+# Most directions drawn in one round (a round draws as many as the last one found vertices).
+cdef Py_ssize_t FACE_MAX_K = 32
 # Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
 
@@ -747,29 +755,133 @@ cdef inline double _uniform(unsigned long long* state) noexcept nogil:
     return <double> (z >> 11) * (2.0 / 9007199254740992.0) - 1.0
 
 
+cdef int _log(_Workspace ws, const int* s) except -1 nogil:
+    """Remember s (a structure _run inserts) as a candidate for the face completion."""
+    cdef Py_ssize_t c
+    cdef void* q
+    if ws.n_log == ws.cap_log:
+        c = 2 * ws.cap_log if ws.cap_log > 0 else 64
+        q = realloc(ws.log, c * ws.k * sizeof(int))
+        if q == NULL:
+            with gil:
+                raise MemoryError()
+        ws.log = <int*> q
+        ws.cap_log = c
+    memcpy(ws.log + ws.n_log * ws.k, s, ws.k * sizeof(int))
+    ws.n_log += 1
+    return 0
+
+
+cdef inline Py_ssize_t _slot_of(const unsigned long long* table, Py_ssize_t m,
+                                unsigned long long h) noexcept nogil:
+    """The slot of h in an open-addressing table of size m (a power of 2): h's, or empty."""
+    cdef Py_ssize_t i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
+    while table[i] != 0 and table[i] != h:
+        i = (i + 1) & (m - 1)
+    return i
+
+
+cdef int _from_log(_Workspace ws, double s_ref, double tau) except -1 nogil:
+    """Append the logged structures that tie at the adjusted scores (face vertices the
+    solve met and dropped). Those in the rows are skipped by hash, from an open-addressing
+    table of the rows' hashes (a false match only skips a candidate)."""
+    cdef Py_ssize_t t, i, m = 16, k = ws.k
+    cdef unsigned long long h
+    cdef unsigned long long* table
+    cdef double st
+    if ws.n_log == 0:
+        return 0
+    while m < 2 * (ws.nI + ws.n_log):
+        m *= 2
+    table = <unsigned long long*> calloc(m, sizeof(unsigned long long))
+    if table == NULL:
+        with gil:
+            raise MemoryError()
+    for t in range(ws.nI):
+        h = _hash_structure(ws.S + t * k, k) | 1
+        table[_slot_of(table, m, h)] = h
+    for t in range(ws.n_log):
+        h = _hash_structure(ws.log + t * k, k) | 1
+        i = _slot_of(table, m, h)
+        if table[i] == h:
+            continue
+        ws.f.c_score(ws.log + t * k, ws.adj, ws.eta_v, &st)
+        if st - s_ref >= -tau:
+            ws._append_face(ws.log + t * k)
+            table[i] = h     # appended, or dependent: either way, not again
+    free(table)
+    return 0
+
+
+cdef void _lower_block(const double* L, Py_ssize_t cap, Py_ssize_t n, double* X,
+                       Py_ssize_t K) noexcept nogil:
+    """X <- L^{-1} X for K right-hand sides (X n x K row-major; L row-major lower, row stride
+    cap). Row by row, with contiguous K-wide updates: the kept factor is read once for all K
+    (a blocked solve without a threaded BLAS, which a busy machine slows down)."""
+    cdef Py_ssize_t i, j, q
+    cdef double lij, inv
+    cdef double* xi
+    for i in range(n):
+        xi = X + i * K
+        for j in range(i):
+            lij = L[i * cap + j]
+            if lij != 0.0:
+                for q in range(K):
+                    xi[q] -= lij * X[j * K + q]
+        inv = 1.0 / L[i * cap + i]
+        for q in range(K):
+            xi[q] *= inv
+
+
+cdef void _upper_block(const double* L, Py_ssize_t cap, Py_ssize_t n, double* X,
+                       Py_ssize_t K) noexcept nogil:
+    """X <- L^{-T} X for K right-hand sides, as :func:`_lower_block` (row i of L is used
+    once it is solved: contiguous reads)."""
+    cdef Py_ssize_t i, j, q
+    cdef double lij, inv
+    cdef double* xi
+    i = n - 1
+    while i >= 0:
+        xi = X + i * K
+        inv = 1.0 / L[i * cap + i]
+        for q in range(K):
+            xi[q] *= inv
+        for j in range(i):
+            lij = L[i * cap + j]
+            if lij != 0.0:
+                for q in range(K):
+                    X[j * K + q] -= lij * xi[q]
+        i -= 1
+
+
 cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil:
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. Each round draws a random
-    g, projects it to d = g - J g (J: Prop. 1 on the rows, the orthogonal
-    projector onto the span of their differences; so d . m_t is one constant
-    over the rows' affine hull) and calls MAP at theta + eps d, then at
-    theta - eps d. A returned vertex that still ties at theta and moves the
+    maximum s*, which the rows (the support) attain. A round draws K random
+    g_k, projects them to d_k = g_k - J g_k (J: Prop. 1 on the rows, the
+    orthogonal projector onto the span of their differences, applied to all K
+    at once with two blocked triangular solves; so d_k . m_t is one constant
+    over the rows' affine hull) and calls MAP at theta + eps d_k and at
+    theta - eps d_k. A returned vertex that still ties at theta and moves the
     score by more than the tie tolerance lies in the face outside the rows'
-    affine hull: it is appended (weight 0) and a new round starts. When both
-    signs return nothing new, the span is certified (a random d orthogonal to
-    the rows' span is orthogonal to the face's only if the spans coincide).
-    A vertex that does not tie at theta means eps was too large: it shrinks
-    (and stays shrunk). At most ``budget`` MAP calls; ws.n_map counts them.
+    affine hull: it is appended (weight 0) unless the rows appended since
+    already span it. A round that finds nothing certifies the span (a random d
+    orthogonal to the rows' span is orthogonal to the face's only if the spans
+    coincide); otherwise the next round draws as many directions as vertices
+    were found (at most FACE_MAX_K). A vertex that does not tie at theta means eps was too
+    large: it shrinks (and stays shrunk). At most ``budget`` MAP calls;
+    ws.n_map counts them. Before the rounds, the structures the solve met
+    (ws.log) that tie are appended: much of the face, without MAP calls.
     """
-    cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0
+    cdef Py_ssize_t j, t, q, n_u = ws.n_u, k = ws.k, n_calls = 0, n0, K = 1, n_found
     cdef unsigned long long rng = FACE_SEED
-    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt
-    cdef double* d = ws.dvec
+    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt, a
     cdef double* p = ws.pert
-    cdef int sign
-    cdef bint found
+    cdef double* D = NULL      # K directions, n_u each
+    cdef double* X = NULL      # K coefficients per row (n0 x K, row-major)
+    cdef double ww
+    cdef int sign, status = FACE_CERTIFIED
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
     ws._compute_u(ws.y, False)
@@ -788,55 +900,77 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     eps = FACE_EPS * big
     if eps < FACE_MIN * tau:
         eps = FACE_MIN * tau
-    while True:
-        # d = g - J g, scaled to unit max-norm (0 on forbidden parts)
-        for j in range(n_u):
-            d[j] = _uniform(&rng) if ws.adj[j] > -INFINITY else 0.0
-        for t in range(ws.nI):
-            ws.f.c_score(ws.S + t * k, d, NULL, &ws.x1[t])
-        ws._jacobian(ws.x1)
-        for t in range(ws.nI):
-            ws.f.c_add(ws.S + t * k, -ws.x1[t], d, NULL)
-        dmax = 0.0
-        for j in range(n_u):
-            if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
-                dmax = fabs(d[j])
-        if dmax == 0.0:
-            return FACE_CERTIFIED
-        c_d = 0.0
-        for j in range(n_u):
-            d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
-        for t in range(ws.nI):
-            ws.f.c_score(ws.S + t * k, d, NULL, &s)
-            c_d += s
-        c_d /= ws.nI
-        found = False
-        for sign in range(1, -2, -2):
-            while True:
-                if n_calls >= budget:
-                    return FACE_BUDGET
+    _from_log(ws, s_ref, tau)
+    try:
+        while True:
+            # K directions d_q = g_q - J g_q, each scaled to unit max-norm (0 on forbidden parts)
+            n0 = ws.nI
+            free(D)
+            free(X)
+            D = <double*> malloc(K * n_u * sizeof(double))
+            X = <double*> malloc(K * n0 * sizeof(double))
+            if D == NULL or X == NULL:
+                with gil:
+                    raise MemoryError()
+            for q in range(K):
                 for j in range(n_u):
-                    p[j] = ws.adj[j] + sign * eps * d[j]
-                ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
-                ws.n_map += 1
-                n_calls += 1
-                ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
-                st -= s_ref
-                ws.f.c_score(ws.snew, d, NULL, &dt)
-                dt = sign * (dt - c_d)
-                if st < -tau:
-                    # not in the face: the perturbation reached past the face's margin
-                    eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
-                    if eps < FACE_MIN * tau:
-                        return FACE_UNRESOLVED
-                    continue
-                if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
-                    found = ws._append_face(ws.snew) == 1
-                break
-            if found:
-                break
-        if not found:
-            return FACE_CERTIFIED
+                    D[q * n_u + j] = _uniform(&rng) if ws.adj[j] > -INFINITY else 0.0
+                for t in range(n0):
+                    ws.f.c_score(ws.S + t * k, D + q * n_u, NULL, &X[t * K + q])
+            # X <- (Z - Z 1 1^T Z / 1^T Z 1) X, Z = G_c^{-1}, as _jacobian but for K columns
+            _lower_block(ws.L, ws.cap, n0, X, K)
+            ww = _dot(ws.w2, ws.w2, n0)
+            for q in range(K):
+                a = 0.0
+                for t in range(n0):
+                    a += ws.w2[t] * X[t * K + q]
+                a /= ww
+                for t in range(n0):
+                    X[t * K + q] -= a * ws.w2[t]
+            _upper_block(ws.L, ws.cap, n0, X, K)
+            n_found = 0
+            for q in range(K):
+                for t in range(n0):
+                    ws.f.c_add(ws.S + t * k, -X[t * K + q], D + q * n_u, NULL)
+                dmax = 0.0
+                for j in range(n_u):
+                    if ws.adj[j] > -INFINITY and fabs(D[q * n_u + j]) > dmax:
+                        dmax = fabs(D[q * n_u + j])
+                if dmax == 0.0:
+                    continue      # the rows span every direction
+                for j in range(n_u):
+                    D[q * n_u + j] = D[q * n_u + j] / dmax if ws.adj[j] > -INFINITY else 0.0
+                ws.f.c_score(ws.S, D + q * n_u, NULL, &c_d)
+                for sign in range(1, -2, -2):
+                    while True:
+                        if n_calls >= budget:
+                            status = FACE_BUDGET
+                            return status
+                        for j in range(n_u):
+                            p[j] = ws.adj[j] + sign * eps * D[q * n_u + j]
+                        ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
+                        ws.n_map += 1
+                        n_calls += 1
+                        ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
+                        st -= s_ref
+                        ws.f.c_score(ws.snew, D + q * n_u, NULL, &dt)
+                        dt = sign * (dt - c_d)
+                        if st < -tau:
+                            # not in the face: the perturbation reached past the face's margin
+                            eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
+                            if eps < FACE_MIN * tau:
+                                status = FACE_UNRESOLVED
+                                return status
+                            continue
+                        if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
+                            n_found += ws._append_face(ws.snew)
+                        break
+            if n_found == 0:
+                return FACE_CERTIFIED
+            K = n_found if n_found < FACE_MAX_K else FACE_MAX_K
+    finally:
+        free(D)
+        free(X)
 
 
 # ---------------------------------------------------------------------------
@@ -1112,6 +1246,7 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
     ws.nI = 0
     ws.n_map = 0
     ws.hash = 0
+    ws.n_log = 0
 
 
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
@@ -1124,6 +1259,7 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
     _point(ws, eta_u, eta_v)
+    ws.log_on = True
     if n_init > 0:
         ws._start(init, n_init, NULL)
     if ws.nI == 0:
