@@ -279,3 +279,38 @@ def test_torch_gradcheck_at_flat_scores(layer):
 
     z = torch.zeros(8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# -- a factor graph: a tree with a budget of modifiers per head ------------------------------
+
+def test_factor_graph_tree_with_budgets_at_flat_scores():
+    """LP-SparseMAP's backward (per-factor projectors on the factors' final supports)
+    against finite differences of the graph's u, at flat scores."""
+    n, b = 10, 3
+    tree = sm.TreeFactor(n)
+    idx = -np.ones(tree.shape_u, dtype=int)
+    arcs = [(h, m) for h in range(n + 1) for m in range(1, n + 1) if h != m]
+    for k, (h, m) in enumerate(arcs):
+        idx[h, m] = k
+    fg = sm.FactorGraph(len(arcs))
+    fg.add(tree, idx)
+    for h in range(n + 1):
+        vs = np.array([idx[h, m] for m in range(1, n + 1) if m != h])
+        fg.add(sm.BudgetFactor(len(vs), b), vs)
+    rng = np.random.default_rng(0)
+    n_checked = 0
+    for scale in (0.01, 0.1):
+        eta = scale * rng.standard_normal(len(arcs))
+        r = fg.solve(eta)
+        assert r.converged
+        for _ in range(2):
+            d = rng.standard_normal(len(arcs))
+            u = {t: fg.solve(eta + t * d).u for t in (H, -H, 10 * H, -10 * H)}
+            fd, fd10 = (u[H] - u[-H]) / (2 * H), (u[10 * H] - u[-10 * H]) / (20 * H)
+            if np.abs(fd - fd10).max() > 1e-6:
+                continue
+            n_checked += 1
+            np.testing.assert_allclose(r.jvp(d), fd, atol=1e-6)
+            g = rng.standard_normal(len(arcs))
+            assert abs(r.vjp(g)[0] @ d - g @ fd) <= 1e-6 * np.abs(g).sum()
+    assert n_checked >= 2
