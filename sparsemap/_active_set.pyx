@@ -723,7 +723,7 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
 # random directions orthogonal to the rows' span (see _complete).
 
 cdef enum:
-    FACE_CERTIFIED = 0    # both signs of a random direction found nothing new
+    FACE_CERTIFIED = 0    # a round of random directions found nothing new
     FACE_BUDGET = 1       # the MAP budget ran out first
     FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
 
@@ -866,10 +866,14 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     theta - eps d_k. A returned vertex that still ties at theta and moves the
     score by more than the tie tolerance lies in the face outside the rows'
     affine hull: it is appended (weight 0) unless the rows appended since
-    already span it. A round that finds nothing certifies the span (a random d
-    orthogonal to the rows' span is orthogonal to the face's only if the spans
-    coincide); otherwise the next round draws as many directions as vertices
-    were found (at most FACE_MAX_K). A vertex that does not tie at theta means eps was too
+    already span it. The +d probes come first: when none finds anything the
+    span is certified (where u is differentiable it lies in the face's
+    relative interior, so face vertices outside the rows' hull lie on both
+    sides of it, and a random d orthogonal to the rows' span sees one unless
+    the spans coincide; at a kink, the rows then span the face left tied at
+    theta + delta d, a one-sided derivative). Otherwise the -d probes run too
+    and the next round draws as many directions as vertices were found (at
+    most FACE_MAX_K). A vertex that does not tie at theta means eps was too
     large: it shrinks (and stays shrunk). At most ``budget`` MAP calls;
     ws.n_map counts them. Before the rounds, the structures the solve met
     (ws.log) that tie are appended: much of the face, without MAP calls.
@@ -881,7 +885,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     cdef double* D = NULL      # K directions, n_u each
     cdef double* X = NULL      # K coefficients per row (n0 x K, row-major)
     cdef double ww
-    cdef int sign, status = FACE_CERTIFIED
+    cdef int sign
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
     ws._compute_u(ws.y, False)
@@ -928,7 +932,6 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                 for t in range(n0):
                     X[t * K + q] -= a * ws.w2[t]
             _upper_block(ws.L, ws.cap, n0, X, K)
-            n_found = 0
             for q in range(K):
                 for t in range(n0):
                     ws.f.c_add(ws.S + t * k, -X[t * K + q], D + q * n_u, NULL)
@@ -937,15 +940,21 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                     if ws.adj[j] > -INFINITY and fabs(D[q * n_u + j]) > dmax:
                         dmax = fabs(D[q * n_u + j])
                 if dmax == 0.0:
-                    continue      # the rows span every direction
+                    return FACE_CERTIFIED      # the rows span every direction
                 for j in range(n_u):
                     D[q * n_u + j] = D[q * n_u + j] / dmax if ws.adj[j] > -INFINITY else 0.0
-                ws.f.c_score(ws.S, D + q * n_u, NULL, &c_d)
-                for sign in range(1, -2, -2):
+                ws.f.c_score(ws.S, D + q * n_u, NULL, &X[q])    # X is free now: c_d of d_q
+            # +d first: when no direction finds a vertex, the span is certified; -d then
+            # only in a round that found some (more vertices for the same projections)
+            n_found = 0
+            for sign in range(1, -2, -2):
+                if sign < 0 and n_found == 0:
+                    return FACE_CERTIFIED
+                for q in range(K):
+                    c_d = X[q]
                     while True:
                         if n_calls >= budget:
-                            status = FACE_BUDGET
-                            return status
+                            return FACE_BUDGET
                         for j in range(n_u):
                             p[j] = ws.adj[j] + sign * eps * D[q * n_u + j]
                         ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
@@ -959,14 +968,11 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                             # not in the face: the perturbation reached past the face's margin
                             eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
                             if eps < FACE_MIN * tau:
-                                status = FACE_UNRESOLVED
-                                return status
+                                return FACE_UNRESOLVED
                             continue
                         if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
                             n_found += ws._append_face(ws.snew)
                         break
-            if n_found == 0:
-                return FACE_CERTIFIED
             K = n_found if n_found < FACE_MAX_K else FACE_MAX_K
     finally:
         free(D)

@@ -236,8 +236,8 @@ class SparseMAPResult:
         backward set ``I`` (the support, completed to span the optimal face),
         from the kept Cholesky factor in ``O(|I| n + |I|^2)``. This is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
-        kink, the projection onto the whole tied face (an element of the
-        generalized Jacobian).
+        kink, a one-sided derivative (an element of the generalized Jacobian,
+        see the solvers page).
 
         Examples
         --------
