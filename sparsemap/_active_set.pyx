@@ -738,6 +738,11 @@ cdef double FACE_EPS = 1e-6
 # perturbation is never shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
 cdef double FACE_SEE = 4.0
 cdef double FACE_MIN = 64.0
+# Most rows of a completed backward set: its Cholesky factor (cap x cap doubles, the
+# capacity doubling) then stays within 128 MiB. Reaching it ends the completion
+# uncertified (FACE_BUDGET): very flat scores on large factors, whose face is nearly
+# the whole polytope (a 100-word tree at scale 0.01).
+cdef Py_ssize_t FACE_MAX_ROWS = 4096
 # Most directions drawn in one round (a round draws as many as the last one found vertices).
 cdef Py_ssize_t FACE_MAX_K = 32
 # Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
@@ -807,6 +812,8 @@ cdef int _from_log(_Workspace ws, double s_ref, double tau) except -1 nogil:
             continue
         ws.f.c_score(ws.log + t * k, ws.adj, ws.eta_v, &st)
         if st - s_ref >= -tau:
+            if ws.nI + 1 >= FACE_MAX_ROWS:
+                break
             ws._append_face(ws.log + t * k)
             table[i] = h     # appended, or dependent: either way, not again
     free(table)
@@ -877,6 +884,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     large: it shrinks (and stays shrunk). At most ``budget`` MAP calls;
     ws.n_map counts them. Before the rounds, the structures the solve met
     (ws.log) that tie are appended: much of the face, without MAP calls.
+    A backward set of FACE_MAX_ROWS rows also ends it (FACE_BUDGET).
     """
     cdef Py_ssize_t j, t, q, n_u = ws.n_u, k = ws.k, n_calls = 0, n0, K = 1, n_found
     cdef unsigned long long rng = FACE_SEED
@@ -971,6 +979,8 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                                 return FACE_UNRESOLVED
                             continue
                         if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
+                            if ws.nI + 1 >= FACE_MAX_ROWS:
+                                return FACE_BUDGET
                             n_found += ws._append_face(ws.snew)
                         break
             K = n_found if n_found < FACE_MAX_K else FACE_MAX_K

@@ -37,9 +37,9 @@ _MESSAGES = {
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
     STATUS_STOPPED: "stopped by the callback",
-    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out before the MAP calls certified "
-                            "that the backward set spans the optimal face (jvp/vjp may be "
-                            "inexact)",
+    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out (or the backward set reached "
+                            "its cap of 4096 structures) before the MAP calls certified that "
+                            "it spans the optimal face (jvp/vjp may be inexact)",
 }
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
