@@ -743,8 +743,6 @@ cdef double FACE_MIN = 64.0
 # uncertified (FACE_BUDGET): very flat scores on large factors, whose face is nearly
 # the whole polytope (a 100-word tree at scale 0.01).
 cdef Py_ssize_t FACE_MAX_ROWS = 4096
-# Most directions drawn in one round (a round draws as many as the last one found vertices).
-cdef Py_ssize_t FACE_MAX_K = 32
 # Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
 
@@ -820,80 +818,54 @@ cdef int _from_log(_Workspace ws, double s_ref, double tau) except -1 nogil:
     return 0
 
 
-cdef void _lower_block(const double* L, Py_ssize_t cap, Py_ssize_t n, double* X,
-                       Py_ssize_t K) noexcept nogil:
-    """X <- L^{-1} X for K right-hand sides (X n x K row-major; L row-major lower, row stride
-    cap). Row by row, with contiguous K-wide updates: the kept factor is read once for all K
-    (a blocked solve without a threaded BLAS, which a busy machine slows down)."""
-    cdef Py_ssize_t i, j, q
-    cdef double lij, inv
-    cdef double* xi
-    for i in range(n):
-        xi = X + i * K
-        for j in range(i):
-            lij = L[i * cap + j]
-            if lij != 0.0:
-                for q in range(K):
-                    xi[q] -= lij * X[j * K + q]
-        inv = 1.0 / L[i * cap + i]
-        for q in range(K):
-            xi[q] *= inv
-
-
-cdef void _upper_block(const double* L, Py_ssize_t cap, Py_ssize_t n, double* X,
-                       Py_ssize_t K) noexcept nogil:
-    """X <- L^{-T} X for K right-hand sides, as :func:`_lower_block` (row i of L is used
-    once it is solved: contiguous reads)."""
-    cdef Py_ssize_t i, j, q
-    cdef double lij, inv
-    cdef double* xi
-    i = n - 1
-    while i >= 0:
-        xi = X + i * K
-        inv = 1.0 / L[i * cap + i]
-        for q in range(K):
-            xi[q] *= inv
-        for j in range(i):
-            lij = L[i * cap + j]
-            if lij != 0.0:
-                for q in range(K):
-                    X[j * K + q] -= lij * xi[q]
-        i -= 1
+cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) except -1 nogil:
+    """d = g - J g for a random g (0 on forbidden parts): orthogonal to the rows' span."""
+    cdef Py_ssize_t j, t, k = ws.k
+    for j in range(ws.n_u):
+        d[j] = _uniform(rng) if ws.adj[j] > -INFINITY else 0.0
+    if ws.nI + 1 >= ws.cap:
+        ws._grow(2 * ws.cap)
+    for t in range(ws.nI):
+        ws.f.c_score(ws.S + t * k, d, NULL, &ws.x1[t])
+    ws._jacobian(ws.x1)
+    for t in range(ws.nI):
+        ws.f.c_add(ws.S + t * k, -ws.x1[t], d, NULL)
+    return 0
 
 
 cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil:
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. A round draws K random
-    g_k, projects them to d_k = g_k - J g_k (J: Prop. 1 on the rows, the
-    orthogonal projector onto the span of their differences, applied to all K
-    at once with two blocked triangular solves; so d_k . m_t is one constant
-    over the rows' affine hull) and calls MAP at theta + eps d_k and at
-    theta - eps d_k. A returned vertex that still ties at theta and moves the
-    score by more than the tie tolerance lies in the face outside the rows'
-    affine hull: it is appended (weight 0) unless the rows appended since
-    already span it. The +d probes come first: when none finds anything the
-    span is certified (where u is differentiable it lies in the face's
-    relative interior, so face vertices outside the rows' hull lie on both
-    sides of it, and a random d orthogonal to the rows' span sees one unless
-    the spans coincide; at a kink, the rows then span the face left tied at
-    theta + delta d, a one-sided derivative). Otherwise the -d probes run too
-    and the next round draws as many directions as vertices were found (at
-    most FACE_MAX_K). A vertex that does not tie at theta means eps was too
-    large: it shrinks (and stays shrunk). At most ``budget`` MAP calls;
-    ws.n_map counts them. Before the rounds, the structures the solve met
-    (ws.log) that tie are appended: much of the face, without MAP calls.
-    A backward set of FACE_MAX_ROWS rows also ends it (FACE_BUDGET).
+    maximum s*, which the rows (the support) attain. First the structures the
+    solve met (ws.log) that tie are appended: much of the face, without MAP
+    calls. Then one random g is projected to d = g - J g (J: Prop. 1 on the
+    rows, the orthogonal projector onto the span of their differences; so
+    d . m_t is one constant c over the rows' affine hull) and MAP is called at
+    theta + eps d. A returned vertex t that still ties at theta and scores
+    d . m_t > c beyond the tie tolerance lies in the face outside the rows'
+    affine hull: it is appended (weight 0), and d is updated to stay
+    orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
+    with w the part of m_t orthogonal to the rows' hull (one triangular solve
+    with the factor before the append). When MAP returns nothing new for an
+    updated d, a fresh one is drawn; when it returns nothing new for a fresh
+    one, the span is certified: where u is differentiable it lies in the face's relative
+    interior, so face vertices outside the rows' hull lie on both sides of it,
+    and a random d orthogonal to the rows' span sees one unless the spans
+    coincide. At a kink the rows then span the face left tied at
+    theta + delta d (a one-sided derivative). A vertex that does not tie at
+    theta means eps was too large: it shrinks (and stays shrunk); below
+    FACE_MIN tie tolerances, FACE_UNRESOLVED. At most ``budget`` MAP calls
+    (ws.n_map counts them) and FACE_MAX_ROWS rows, else FACE_BUDGET.
     """
-    cdef Py_ssize_t j, t, q, n_u = ws.n_u, k = ws.k, n_calls = 0, n0, K = 1, n_found
+    cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0, n
     cdef unsigned long long rng = FACE_SEED
-    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt, a
+    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt, wt, w0, alpha
     cdef double* p = ws.pert
-    cdef double* D = NULL      # K directions, n_u each
-    cdef double* X = NULL      # K coefficients per row (n0 x K, row-major)
-    cdef double ww
-    cdef int sign
+    cdef double* d = ws.dvec
+    cdef double* w = NULL
+    cdef int lda, inc = 1, ni
+    cdef bint fresh = True
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
     ws._compute_u(ws.y, False)
@@ -913,80 +885,73 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     if eps < FACE_MIN * tau:
         eps = FACE_MIN * tau
     _from_log(ws, s_ref, tau)
+    _fresh_direction(ws, d, &rng)
+    w = <double*> malloc((n_u + 1) * sizeof(double))
+    if w == NULL:
+        with gil:
+            raise MemoryError()
     try:
         while True:
-            # K directions d_q = g_q - J g_q, each scaled to unit max-norm (0 on forbidden parts)
-            n0 = ws.nI
-            free(D)
-            free(X)
-            D = <double*> malloc(K * n_u * sizeof(double))
-            X = <double*> malloc(K * n0 * sizeof(double))
-            if D == NULL or X == NULL:
-                with gil:
-                    raise MemoryError()
-            for q in range(K):
+            dmax = 0.0
+            for j in range(n_u):
+                if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
+                    dmax = fabs(d[j])
+            if dmax == 0.0:
+                return FACE_CERTIFIED      # the rows span every direction
+            for j in range(n_u):
+                d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
+            ws.f.c_score(ws.S, d, NULL, &c_d)
+            while True:
+                if n_calls >= budget:
+                    return FACE_BUDGET
                 for j in range(n_u):
-                    D[q * n_u + j] = _uniform(&rng) if ws.adj[j] > -INFINITY else 0.0
-                for t in range(n0):
-                    ws.f.c_score(ws.S + t * k, D + q * n_u, NULL, &X[t * K + q])
-            # X <- (Z - Z 1 1^T Z / 1^T Z 1) X, Z = G_c^{-1}, as _jacobian but for K columns
-            _lower_block(ws.L, ws.cap, n0, X, K)
-            ww = _dot(ws.w2, ws.w2, n0)
-            for q in range(K):
-                a = 0.0
-                for t in range(n0):
-                    a += ws.w2[t] * X[t * K + q]
-                a /= ww
-                for t in range(n0):
-                    X[t * K + q] -= a * ws.w2[t]
-            _upper_block(ws.L, ws.cap, n0, X, K)
-            for q in range(K):
-                for t in range(n0):
-                    ws.f.c_add(ws.S + t * k, -X[t * K + q], D + q * n_u, NULL)
-                dmax = 0.0
-                for j in range(n_u):
-                    if ws.adj[j] > -INFINITY and fabs(D[q * n_u + j]) > dmax:
-                        dmax = fabs(D[q * n_u + j])
-                if dmax == 0.0:
-                    return FACE_CERTIFIED      # the rows span every direction
-                for j in range(n_u):
-                    D[q * n_u + j] = D[q * n_u + j] / dmax if ws.adj[j] > -INFINITY else 0.0
-                ws.f.c_score(ws.S, D + q * n_u, NULL, &X[q])    # X is free now: c_d of d_q
-            # +d first: when no direction finds a vertex, the span is certified; -d then
-            # only in a round that found some (more vertices for the same projections)
-            n_found = 0
-            for sign in range(1, -2, -2):
-                if sign < 0 and n_found == 0:
+                    p[j] = ws.adj[j] + eps * d[j]
+                ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
+                ws.n_map += 1
+                n_calls += 1
+                ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
+                st -= s_ref
+                ws.f.c_score(ws.snew, d, NULL, &dt)
+                dt -= c_d
+                if st >= -tau:
+                    break
+                # not in the face: the perturbation reached past the face's margin
+                eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
+                if eps < FACE_MIN * tau:
+                    return FACE_UNRESOLVED
+            if not (eps * dt > FACE_SEE * tau) or ws._find(ws.snew) >= 0:
+                if fresh:
                     return FACE_CERTIFIED
-                for q in range(K):
-                    c_d = X[q]
-                    while True:
-                        if n_calls >= budget:
-                            return FACE_BUDGET
-                        for j in range(n_u):
-                            p[j] = ws.adj[j] + sign * eps * D[q * n_u + j]
-                        ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
-                        ws.n_map += 1
-                        n_calls += 1
-                        ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
-                        st -= s_ref
-                        ws.f.c_score(ws.snew, D + q * n_u, NULL, &dt)
-                        dt = sign * (dt - c_d)
-                        if st < -tau:
-                            # not in the face: the perturbation reached past the face's margin
-                            eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
-                            if eps < FACE_MIN * tau:
-                                return FACE_UNRESOLVED
-                            continue
-                        if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
-                            if ws.nI + 1 >= FACE_MAX_ROWS:
-                                return FACE_BUDGET
-                            n_found += ws._append_face(ws.snew)
-                        break
-            K = n_found if n_found < FACE_MAX_K else FACE_MAX_K
+                # an updated d has certified nothing (its entries can shrink where the
+                # face's remaining vertices differ): confirm with a fresh one
+                _fresh_direction(ws, d, &rng)
+                fresh = True
+                continue
+            if ws.nI + 1 >= FACE_MAX_ROWS:
+                return FACE_BUDGET
+            n = ws.nI
+            if ws._append_face(ws.snew) == 0:
+                return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
+            # w = m_t - M z, z = L^{-T} l (x1 still holds l = L^{-1} G_c[rows, t]): the
+            # part of m_t orthogonal to the old rows' hull, so w . m_s is one constant
+            ni = <int> n
+            lda = <int> ws.cap
+            if n > 0:
+                dtrsv(b"U", b"N", b"N", &ni, ws.L, &lda, ws.x1, &inc)
+            memset(w, 0, n_u * sizeof(double))
+            ws.f.c_add(ws.snew, 1.0, w, NULL)
+            for t in range(n):
+                ws.f.c_add(ws.S + t * k, -ws.x1[t], w, NULL)
+            ws.f.c_score(ws.snew, w, NULL, &wt)
+            ws.f.c_score(ws.S, w, NULL, &w0)
+            if not (wt - w0 > 0.0):
+                return FACE_CERTIFIED
+            alpha = dt / (wt - w0)
+            for j in range(n_u):
+                d[j] -= alpha * w[j]
+            fresh = False
     finally:
-        free(D)
-        free(X)
+        free(w)
 
 
 # ---------------------------------------------------------------------------
