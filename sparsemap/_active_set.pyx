@@ -871,14 +871,13 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     ws._compute_u(ws.y, False)
     for j in range(n_u):
         ws.adj[j] = ws.eta_u[j] - ws.u[j]
-        p[j] = fabs(ws.adj[j]) if ws.adj[j] > -INFINITY else 0.0
+    # the score scale: |a_t| . |eta| (kept as theta_abs), at least 1
     for t in range(ws.nI):
         ws.f.c_score(ws.S + t * k, ws.adj, ws.eta_v, &s)
         if s > s_ref:
             s_ref = s
-        ws.f.c_score(ws.S + t * k, p, ws.abs_ev, &s)
-        if s > big:
-            big = s
+        if ws.theta_abs[t] > big:
+            big = ws.theta_abs[t]
     big = big if big > 1.0 else 1.0
     tau = FACE_TIE * big + (gap if gap > 0 else 0.0)
     eps = FACE_EPS * big
@@ -886,10 +885,6 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
         eps = FACE_MIN * tau
     _from_log(ws, s_ref, tau)
     _fresh_direction(ws, d, &rng)
-    w = <double*> malloc((n_u + 1) * sizeof(double))
-    if w == NULL:
-        with gil:
-            raise MemoryError()
     try:
         while True:
             dmax = 0.0
@@ -932,6 +927,11 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             n = ws.nI
             if ws._append_face(ws.snew) == 0:
                 return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
+            if w == NULL:
+                w = <double*> malloc((n_u + 1) * sizeof(double))
+                if w == NULL:
+                    with gil:
+                        raise MemoryError()
             # w = m_t - M z, z = L^{-T} l (x1 still holds l = L^{-1} G_c[rows, t]): the
             # part of m_t orthogonal to the old rows' hull, so w . m_s is one constant
             ni = <int> n
