@@ -32,6 +32,9 @@ cdef class _Workspace:
     cdef double* adj           # eta_u - u
     cdef double* dvec          # face completion: the probing direction (n_u)
     cdef double* pert          # face completion: perturbed scores (n_u)
+    cdef int* log              # with log_on, every structure _run inserted (n_log x k):
+    cdef Py_ssize_t n_log, cap_log   # the first candidates of the face completion
+    cdef bint log_on
     cdef int* snew
     cdef char* work
     cdef const double* eta_u

@@ -162,6 +162,9 @@ cdef class _Workspace:
         self.callback = NULL
         self.S = NULL
         self.dvec = self.pert = NULL
+        self.log = NULL
+        self.n_log = self.cap_log = 0
+        self.log_on = False
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
@@ -183,6 +186,7 @@ cdef class _Workspace:
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
         free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
+        free(self.log)
 
     cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
         """Point at the scores (the caller keeps them alive; either may be NULL when
@@ -650,6 +654,8 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                 # MAP cannot return an active structure unless the gap is zero (or
                 # round-off); then nothing enters and the next call is a repeat.
                 if status == RUNNING and ws._find(ws.snew) < 0:
+                    if ws.log_on:
+                        _log(ws, ws.snew)
                     ws._insert(ws.snew, 0.0)
         else:
             # Move towards yhat until the first weight hits zero (eq. 31) and drop
@@ -718,7 +724,7 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
 # random directions orthogonal to the rows' span (see _complete).
 
 cdef enum:
-    FACE_CERTIFIED = 0    # both signs of a random direction found nothing new
+    FACE_CERTIFIED = 0    # a round of random directions found nothing new
     FACE_BUDGET = 1       # the MAP budget ran out first
     FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
 
@@ -733,6 +739,11 @@ cdef double FACE_EPS = 1e-6
 # perturbation is never shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
 cdef double FACE_SEE = 4.0
 cdef double FACE_MIN = 64.0
+# Most rows of a completed backward set: its Cholesky factor (cap x cap doubles, the
+# capacity doubling) then stays within 128 MiB. Reaching it ends the completion
+# uncertified (FACE_BUDGET): very flat scores on large factors, whose face is nearly
+# the whole polytope (a 100-word tree at scale 0.01).
+cdef Py_ssize_t FACE_MAX_ROWS = 4096
 # Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
 
@@ -748,96 +759,200 @@ cdef inline double _uniform(unsigned long long* state) noexcept nogil:
     return <double> (z >> 11) * (2.0 / 9007199254740992.0) - 1.0
 
 
+cdef int _log(_Workspace ws, const int* s) except -1 nogil:
+    """Remember s (a structure _run inserts) as a candidate for the face completion."""
+    cdef Py_ssize_t c
+    cdef void* q
+    if ws.n_log == ws.cap_log:
+        c = 2 * ws.cap_log if ws.cap_log > 0 else 64
+        q = realloc(ws.log, c * ws.k * sizeof(int))
+        if q == NULL:
+            with gil:
+                raise MemoryError()
+        ws.log = <int*> q
+        ws.cap_log = c
+    memcpy(ws.log + ws.n_log * ws.k, s, ws.k * sizeof(int))
+    ws.n_log += 1
+    return 0
+
+
+cdef inline Py_ssize_t _slot_of(const unsigned long long* table, Py_ssize_t m,
+                                unsigned long long h) noexcept nogil:
+    """The slot of h in an open-addressing table of size m (a power of 2): h's, or empty."""
+    cdef Py_ssize_t i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
+    while table[i] != 0 and table[i] != h:
+        i = (i + 1) & (m - 1)
+    return i
+
+
+cdef int _from_log(_Workspace ws, double s_ref, double tau) except -1 nogil:
+    """Append the logged structures that tie at the adjusted scores (face vertices the
+    solve met and dropped). Those in the rows are skipped by hash, from an open-addressing
+    table of the rows' hashes (a false match only skips a candidate)."""
+    cdef Py_ssize_t t, i, m = 16, k = ws.k
+    cdef unsigned long long h
+    cdef unsigned long long* table
+    cdef double st
+    if ws.n_log == 0:
+        return 0
+    while m < 2 * (ws.nI + ws.n_log):
+        m *= 2
+    table = <unsigned long long*> calloc(m, sizeof(unsigned long long))
+    if table == NULL:
+        with gil:
+            raise MemoryError()
+    for t in range(ws.nI):
+        h = _hash_structure(ws.S + t * k, k) | 1
+        table[_slot_of(table, m, h)] = h
+    for t in range(ws.n_log):
+        h = _hash_structure(ws.log + t * k, k) | 1
+        i = _slot_of(table, m, h)
+        if table[i] == h:
+            continue
+        ws.f.c_score(ws.log + t * k, ws.adj, ws.eta_v, &st)
+        if st - s_ref >= -tau:
+            if ws.nI + 1 >= FACE_MAX_ROWS:
+                break
+            ws._append_face(ws.log + t * k)
+            table[i] = h     # appended, or dependent: either way, not again
+    free(table)
+    return 0
+
+
+cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) except -1 nogil:
+    """d = g - J g for a random g (0 on forbidden parts): orthogonal to the rows' span."""
+    cdef Py_ssize_t j, t, k = ws.k
+    for j in range(ws.n_u):
+        d[j] = _uniform(rng) if ws.adj[j] > -INFINITY else 0.0
+    if ws.nI + 1 >= ws.cap:
+        ws._grow(2 * ws.cap)
+    for t in range(ws.nI):
+        ws.f.c_score(ws.S + t * k, d, NULL, &ws.x1[t])
+    ws._jacobian(ws.x1)
+    for t in range(ws.nI):
+        ws.f.c_add(ws.S + t * k, -ws.x1[t], d, NULL)
+    return 0
+
+
 cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil:
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. Each round draws a random
-    g, projects it to d = g - J g (J: Prop. 1 on the rows, the orthogonal
-    projector onto the span of their differences; so d . m_t is one constant
-    over the rows' affine hull) and calls MAP at theta + eps d, then at
-    theta - eps d. A returned vertex that still ties at theta and moves the
-    score by more than the tie tolerance lies in the face outside the rows'
-    affine hull: it is appended (weight 0) and a new round starts. When both
-    signs return nothing new, the span is certified (a random d orthogonal to
-    the rows' span is orthogonal to the face's only if the spans coincide).
-    A vertex that does not tie at theta means eps was too large: it shrinks
-    (and stays shrunk). At most ``budget`` MAP calls; ws.n_map counts them.
+    maximum s*, which the rows (the support) attain. First the structures the
+    solve met (ws.log) that tie are appended: much of the face, without MAP
+    calls. Then one random g is projected to d = g - J g (J: Prop. 1 on the
+    rows, the orthogonal projector onto the span of their differences; so
+    d . m_t is one constant c over the rows' affine hull) and MAP is called at
+    theta + eps d. A returned vertex t that still ties at theta and scores
+    d . m_t > c beyond the tie tolerance lies in the face outside the rows'
+    affine hull: it is appended (weight 0), and d is updated to stay
+    orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
+    with w the part of m_t orthogonal to the rows' hull (one triangular solve
+    with the factor before the append). When MAP returns nothing new for an
+    updated d, a fresh one is drawn; when it returns nothing new for a fresh
+    one, the span is certified: where u is differentiable it lies in the face's relative
+    interior, so face vertices outside the rows' hull lie on both sides of it,
+    and a random d orthogonal to the rows' span sees one unless the spans
+    coincide. At a kink the rows then span the face left tied at
+    theta + delta d (a one-sided derivative). A vertex that does not tie at
+    theta means eps was too large: it shrinks (and stays shrunk); below
+    FACE_MIN tie tolerances, FACE_UNRESOLVED. At most ``budget`` MAP calls
+    (ws.n_map counts them) and FACE_MAX_ROWS rows, else FACE_BUDGET.
     """
-    cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0
+    cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0, n
     cdef unsigned long long rng = FACE_SEED
-    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt
-    cdef double* d = ws.dvec
+    cdef double s, s_ref = -INFINITY, big = 0.0, tau, eps, dmax, c_d, st, dt, wt, w0, alpha
     cdef double* p = ws.pert
-    cdef int sign
-    cdef bint found
+    cdef double* d = ws.dvec
+    cdef double* w = NULL
+    cdef int lda, inc = 1, ni
+    cdef bint fresh = True
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
     ws._compute_u(ws.y, False)
     for j in range(n_u):
         ws.adj[j] = ws.eta_u[j] - ws.u[j]
-        p[j] = fabs(ws.adj[j]) if ws.adj[j] > -INFINITY else 0.0
+    # the score scale: |a_t| . |eta| (kept as theta_abs), at least 1
     for t in range(ws.nI):
         ws.f.c_score(ws.S + t * k, ws.adj, ws.eta_v, &s)
         if s > s_ref:
             s_ref = s
-        ws.f.c_score(ws.S + t * k, p, ws.abs_ev, &s)
-        if s > big:
-            big = s
+        if ws.theta_abs[t] > big:
+            big = ws.theta_abs[t]
     big = big if big > 1.0 else 1.0
     tau = FACE_TIE * big + (gap if gap > 0 else 0.0)
     eps = FACE_EPS * big
     if eps < FACE_MIN * tau:
         eps = FACE_MIN * tau
-    while True:
-        # d = g - J g, scaled to unit max-norm (0 on forbidden parts)
-        for j in range(n_u):
-            d[j] = _uniform(&rng) if ws.adj[j] > -INFINITY else 0.0
-        for t in range(ws.nI):
-            ws.f.c_score(ws.S + t * k, d, NULL, &ws.x1[t])
-        ws._jacobian(ws.x1)
-        for t in range(ws.nI):
-            ws.f.c_add(ws.S + t * k, -ws.x1[t], d, NULL)
-        dmax = 0.0
-        for j in range(n_u):
-            if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
-                dmax = fabs(d[j])
-        if dmax == 0.0:
-            return FACE_CERTIFIED
-        c_d = 0.0
-        for j in range(n_u):
-            d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
-        for t in range(ws.nI):
-            ws.f.c_score(ws.S + t * k, d, NULL, &s)
-            c_d += s
-        c_d /= ws.nI
-        found = False
-        for sign in range(1, -2, -2):
+    _from_log(ws, s_ref, tau)
+    _fresh_direction(ws, d, &rng)
+    try:
+        while True:
+            dmax = 0.0
+            for j in range(n_u):
+                if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
+                    dmax = fabs(d[j])
+            if dmax == 0.0:
+                return FACE_CERTIFIED      # the rows span every direction
+            for j in range(n_u):
+                d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
+            ws.f.c_score(ws.S, d, NULL, &c_d)
             while True:
                 if n_calls >= budget:
                     return FACE_BUDGET
                 for j in range(n_u):
-                    p[j] = ws.adj[j] + sign * eps * d[j]
+                    p[j] = ws.adj[j] + eps * d[j]
                 ws.f.c_map(p, ws.eta_v, ws.snew, ws.work)
                 ws.n_map += 1
                 n_calls += 1
                 ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
                 st -= s_ref
                 ws.f.c_score(ws.snew, d, NULL, &dt)
-                dt = sign * (dt - c_d)
-                if st < -tau:
-                    # not in the face: the perturbation reached past the face's margin
-                    eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
-                    if eps < FACE_MIN * tau:
-                        return FACE_UNRESOLVED
-                    continue
-                if eps * dt > FACE_SEE * tau and ws._find(ws.snew) < 0:
-                    found = ws._append_face(ws.snew) == 1
-                break
-            if found:
-                break
-        if not found:
-            return FACE_CERTIFIED
+                dt -= c_d
+                if st >= -tau:
+                    break
+                # not in the face: the perturbation reached past the face's margin
+                eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
+                if eps < FACE_MIN * tau:
+                    return FACE_UNRESOLVED
+            if not (eps * dt > FACE_SEE * tau) or ws._find(ws.snew) >= 0:
+                if fresh:
+                    return FACE_CERTIFIED
+                # an updated d has certified nothing (its entries can shrink where the
+                # face's remaining vertices differ): confirm with a fresh one
+                _fresh_direction(ws, d, &rng)
+                fresh = True
+                continue
+            if ws.nI + 1 >= FACE_MAX_ROWS:
+                return FACE_BUDGET
+            n = ws.nI
+            if ws._append_face(ws.snew) == 0:
+                return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
+            if w == NULL:
+                w = <double*> malloc((n_u + 1) * sizeof(double))
+                if w == NULL:
+                    with gil:
+                        raise MemoryError()
+            # w = m_t - M z, z = L^{-T} l (x1 still holds l = L^{-1} G_c[rows, t]): the
+            # part of m_t orthogonal to the old rows' hull, so w . m_s is one constant
+            ni = <int> n
+            lda = <int> ws.cap
+            if n > 0:
+                dtrsv(b"U", b"N", b"N", &ni, ws.L, &lda, ws.x1, &inc)
+            memset(w, 0, n_u * sizeof(double))
+            ws.f.c_add(ws.snew, 1.0, w, NULL)
+            for t in range(n):
+                ws.f.c_add(ws.S + t * k, -ws.x1[t], w, NULL)
+            ws.f.c_score(ws.snew, w, NULL, &wt)
+            ws.f.c_score(ws.S, w, NULL, &w0)
+            if not (wt - w0 > 0.0):
+                return FACE_CERTIFIED
+            alpha = dt / (wt - w0)
+            for j in range(n_u):
+                d[j] -= alpha * w[j]
+            fresh = False
+    finally:
+        free(w)
 
 
 # ---------------------------------------------------------------------------
@@ -1113,6 +1228,7 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
     ws.nI = 0
     ws.n_map = 0
     ws.hash = 0
+    ws.n_log = 0
 
 
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
@@ -1125,6 +1241,7 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
     _point(ws, eta_u, eta_v)
+    ws.log_on = True
     if n_init > 0:
         ws._start(init, n_init, NULL)
     if ws.nI == 0:

@@ -37,9 +37,9 @@ _MESSAGES = {
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
     STATUS_STOPPED: "stopped by the callback",
-    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out before the MAP calls certified "
-                            "that the backward set spans the optimal face (jvp/vjp may be "
-                            "inexact)",
+    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out (or the backward set reached "
+                            "its cap of 4096 structures) before the MAP calls certified that "
+                            "it spans the optimal face (jvp/vjp may be inexact)",
 }
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
@@ -87,8 +87,12 @@ class SparseMAPResult:
     Notes
     -----
     The backward pass (:meth:`jvp`, :meth:`vjp`) works on the support in the
-    solver's own order, with the Cholesky factor it kept; the order of
-    ``structures`` does not affect it. Results pickle (for process pools).
+    solver's own order, completed with weight-0 structures until its affine
+    hull spans the optimal face (every structure tied at ``eta - u``), with
+    the Cholesky factor the solver kept; the order of ``structures`` does not
+    affect it. Where the face is larger than the support (flat scores),
+    ``structures`` and ``weights`` are one of many optimal distributions.
+    Results pickle (for process pools).
 
     Examples
     --------
@@ -229,7 +233,20 @@ class SparseMAPResult:
         -----
         Proposition 1: ``du = M_I D A_I^T d_eta`` with
         ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
-        support, from the kept Cholesky factor in ``O(|I| n + |I|^2)``.
+        backward set ``I`` (the support, completed to span the optimal face),
+        from the kept Cholesky factor in ``O(|I| n + |I|^2)``. This is the
+        derivative wherever ``u`` is differentiable, at any score scale; at a
+        kink, a one-sided derivative (an element of the generalized Jacobian,
+        see the solvers page).
+
+        Examples
+        --------
+        >>> import numpy as np, sparsemap as sm
+        >>> r = sm.solve(sm.GenericFactor(np.eye(3)), [0.2, 1.0, 0.5])
+        >>> r.jvp([1.0, 0.0, 0.0])
+        array([0., 0., 0.])
+        >>> r.jvp([0.0, 1.0, 0.0])
+        array([ 0. ,  0.5, -0.5])
         """
         du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
         return _backward_batch([self], [du], None if dv is None else [dv], False, 1)[0]

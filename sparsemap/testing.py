@@ -515,7 +515,10 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
        agree, up to ``atol + rtol * max |fd|``. Otherwise ``d`` crosses a kink
        (a change of the optimal face) within ``10 h``, no derivative exists
        to compare with, and the direction is *skipped*. This decides by ``u``
-       alone, never by comparing supports (which need not be unique);
+       alone, never by comparing supports (which need not be unique). At
+       scores exactly on a kink, ``u`` may still be linear along some
+       directions while the products are one element of the generalized
+       Jacobian, which need not match them: check at generic scores;
     2. otherwise require ``max |fd - jvp(d)| <= atol + rtol * max |jvp(d)|``,
        with ``fd`` the central difference at step ``h``;
     3. for a random ``g``, require the adjoint identity

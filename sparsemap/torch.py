@@ -583,7 +583,11 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     Notes
     -----
     ``u`` is always unique, ``y*`` is unique when the support is affinely
-    independent (as the active set guarantees). On that support ``y*`` is
+    independent (as the active set guarantees) and spans the optimal face. At
+    flat scores the face may be larger: then ``y*`` is one of many optimal
+    distributions (the active set's), and the derivative below, support held
+    fixed, is that of these weights, not of ``u`` (``sum_k dy_k m_k`` is the
+    projection onto the support's directions, not ``du``). On that support ``y*`` is
     locally linear in the structure scores ``theta_I = A_I^T eta`` (Appendix B):
     ``dy*_I = D A_I^T d eta`` with ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and
     ``Z = (M_I^T M_I)^{-1}``; structures outside the support keep weight 0.

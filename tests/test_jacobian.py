@@ -35,9 +35,22 @@ def test_jvp_matches_finite_differences(family):
 @settings(max_examples=80, deadline=None)
 @given(problems(kinds=("ties", "floats")), st.integers(0, 2 ** 32 - 1))
 def test_jacobian_checks_hold_at_ties(problem, seed):
-    """Ties put many draws on kinks (skipped); the adjoint and symmetry checks still hold."""
+    """Ties put many draws on kinks; the adjoint identity and the symmetry still hold.
+
+    (Finite differences are not compared here: at a kink the products are one element
+    of the generalized Jacobian, which need not match u along a direction where u
+    happens to be linear through the kink.)"""
     factor, eta_u, eta_v = problem
-    check_jacobian(factor, eta_u, eta_v, n_directions=2, rng=seed, min_checked=0)
+    r = sm.solve(factor, eta_u, eta_v)
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        du, dv = rng.standard_normal(factor.shape_u), rng.standard_normal(factor.shape_v)
+        g = rng.standard_normal(factor.shape_u)
+        jvp = r.jvp(du, dv)
+        gu, gv = r.vjp(g)
+        scale = max(1.0, np.linalg.norm(g) * np.linalg.norm(np.r_[du.ravel(), dv.ravel()]))
+        assert abs((gu * du).sum() + (gv * dv).sum() - (g * jvp).sum()) <= 1e-9 * scale
+        np.testing.assert_allclose(r.jvp(g, np.zeros(factor.shape_v)), gu, atol=1e-9)
 
 
 def prop1_dense(factor, structures):
