@@ -206,9 +206,9 @@ class SparseMAPResult:
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
                                                   None, n_pos, face)
             if face == _active_set.FACE_STATUS_BUDGET:
-                warnings.warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
-                              "that the backward set spans the optimal face; jvp/vjp may be "
-                              "inexact. Raise max_iter.", ConvergenceWarning, stacklevel=4)
+                warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
+                     "that the backward set spans the optimal face; jvp/vjp may be "
+                     "inexact. Raise max_iter.")
         return self._backward
 
     def _backward_structures(self):
