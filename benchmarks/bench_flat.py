@@ -10,7 +10,7 @@ problem, so that the machine's noise hits both alike.
 Usage::
 
     python benchmarks/bench_flat.py                         # this checkout only
-    python benchmarks/bench_flat.py --compare /work/main    # ratios against another checkout
+    python benchmarks/bench_flat.py --compare ../old-checkout   # ratios against another built checkout
     python benchmarks/bench_flat.py --quick                 # fewer sizes and repeats
 
 Timings are CPU seconds of the calling thread (``time.thread_time``; a single solve runs
