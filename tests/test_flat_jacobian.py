@@ -22,6 +22,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import sparsemap as sm
 from sparsemap.testing import dense_columns, enumerate_structures
@@ -240,7 +241,6 @@ def test_distribution_at_flat_scores():
     active set's, on an affinely independent support), and their derivative holds that
     support fixed, so sum_k dy_k m_k is the projection of d onto the support's directions,
     not du (the projection onto the whole face)."""
-    torch = pytest.importorskip("torch")
     import sparsemap.torch as smt
     f = sm.TreeFactor(10)
     eta = 0.05 * np.random.default_rng(1).standard_normal(f.shape_u)
@@ -274,7 +274,6 @@ def test_torch_gradcheck_at_flat_scores(layer):
     8-dimensional affine subspace of scores and read through 8 random outputs (so that its
     central differences, input by input, and its backward passes, output by output, stay
     few): z -> C u(x0 + B z)."""
-    torch = pytest.importorskip("torch")
     import sparsemap.torch as smt
     gen = torch.Generator().manual_seed(0)
     shape = (2, 16, 16) if layer.startswith("tree") else (2, 12, 13)
