@@ -678,16 +678,8 @@ def test_constrained_tree_example_gradient():
         ix = [i for i in range(n) if i != k]
         fac.append((*logic_cols("budget", n - 1, budget=2), ids[ix, k], None))
 
-    def run(xt):
-        fg = TorchFactorGraph()
-        u = fg.variable_from(xt)
-        fg.add(DepTree(u, packed=True, projective=True))
-        for k in range(n):
-            ix = list(range(k)) + list(range(k + 1, n))
-            fg.add(Budget(u[ix, k], budget=2))
-        fg.solve()
-        return u.value
-
+    # the snippet as the migration example keeps it (lp-sparsemap's example, import changed)
+    run = load_script("examples/lpsmap_migration.py", "lpsmap_migration_example").constrained_tree
     _fd_check(run, x.numpy(), [], lambda x, support=None: reference(n * n, fac, x,
                                                                     support=support), seed=19)
 
