@@ -95,6 +95,12 @@ def run_one(files, loss, seed, args, extra, subset=0):
         return json.load(f)
 
 
+def batch_sizes(results):
+    """The batch sizes the runs used, as text ("28", or "10, 12" if they differ)."""
+    sizes = sorted({r["settings"].get("batch_size") for r in results.values()})
+    return ", ".join(str(b) for b in sizes)
+
+
 def spread(values):
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -156,7 +162,7 @@ def rst_table(header, rows):
     return "\n".join([rule, line(header), rule] + [line(r) for r in rows] + [rule])
 
 
-def results_rst(summary, seeds, args, settings):
+def results_rst(summary, seeds, args, settings, batch):
     crf_time = summary["crf"]["median_epoch_seconds"]
     crf_cpu = summary["crf"]["median_epoch_cpu_seconds"]
     uas_rows, time_rows = [], []
@@ -181,7 +187,8 @@ def results_rst(summary, seeds, args, settings):
         "do not edit by hand.",
         "",
         f"Test UAS (percent, punctuation included) with the dev-best epoch, over seeds "
-        f"{', '.join(map(str, seeds))}; {args.epochs} epochs; ``parsing.py`` options: "
+        f"{', '.join(map(str, seeds))}; {args.epochs} epochs; batches of {batch} "
+        "sentences; ``parsing.py`` options: "
         f"``--threads {args.threads}{(' ' + opts) if opts else ''}`` (defaults otherwise). "
         "Mean ± sample standard deviation over the seeds; \"paper\" is Table 1's "
         "Vietnamese column (UD 2.0).",
@@ -204,7 +211,7 @@ def results_rst(summary, seeds, args, settings):
     ])
 
 
-def subset_rst(sub, n, seeds, args):
+def subset_rst(sub, n, seeds, args, batch):
     rows = [[NAMES[loss], mean_sd(s, seeds),
              ", ".join(f"{u:.2f}" for u in s["test_uas"]),
              ", ".join(str(b) for b in s["best_epochs"]),
@@ -214,7 +221,8 @@ def subset_rst(sub, n, seeds, args):
     return "\n".join([
         f"A small treebank: the first {n} training sentences only (the same dev and test "
         f"sets, the same options), over seeds {', '.join(map(str, seeds))}; "
-        f"{args.epochs} epochs. Test UAS, mean ± sample standard deviation over the "
+        f"{args.epochs} epochs; batches of {batch} sentences. Test UAS, mean ± sample "
+        "standard deviation over the "
         "seeds, and the median CPU time of a training epoch.",
         "",
         rst_table(["loss", "test UAS", "per seed", "best epochs", "CPU s / epoch"], rows),
@@ -281,12 +289,13 @@ def main(argv=None):
     summary = summarize(results, args.seeds)
     record = {"epochs": args.epochs, "seeds": args.seeds, "options": extra,
               "losses": summary}
-    text = results_rst(summary, args.seeds, args, extra)
+    text = results_rst(summary, args.seeds, args, extra, batch_sizes(results))
     if args.subset:
-        sub = subset_summary({(loss, seed): r for (n, loss, seed), r in everything.items()
-                              if n}, sub_seeds)
+        sub_results = {(loss, seed): r for (n, loss, seed), r in everything.items() if n}
+        sub = subset_summary(sub_results, sub_seeds)
         record["subset"] = {"sentences": args.subset, "seeds": sub_seeds, "losses": sub}
-        text += "\n" + subset_rst(sub, args.subset, sub_seeds, args)
+        text += "\n" + subset_rst(sub, args.subset, sub_seeds, args,
+                                   batch_sizes(sub_results))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(record, f, indent=1)
     with open(os.path.join(args.docs, "parsing_results.inc"), "w") as f:

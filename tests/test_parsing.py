@@ -232,9 +232,34 @@ def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
     (["--loss", "crf", "--epochs", "0"], "--epochs: expected a positive integer, got 0"),
     (["--loss", "crf", "--epochs", "1", "--threads", "0"],
      "--threads: expected a positive integer, got 0"),
+    (["--loss", "crf", "--epochs", "1", "--batch-size", "0"],
+     "--batch-size: expected a positive integer, got 0"),
 ])
 def test_cli_rejects_bad_arguments(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         parsing.parse_args(["--train", "x", "--dev", "x", "--test", "x",
                             "--out", str(tmp_path)] + argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n_train", [1, 7, 39, 40, 79, 80, 500, 1279, 1280, 1400, 12525])
+def test_default_batch_size_keeps_the_update_count(n_train):
+    """The default batch: MAX_BATCH sentences, or on a smaller training set the largest
+    batch of which MIN_UPDATES fill it (so an epoch makes at least MIN_UPDATES updates),
+    one sentence when even that cannot."""
+    b = parsing.default_batch_size(n_train)
+    updates = -(-n_train // b)
+    assert 1 <= b <= parsing.MAX_BATCH
+    assert updates >= min(parsing.MIN_UPDATES, n_train)
+    if n_train >= parsing.MAX_BATCH * parsing.MIN_UPDATES:
+        assert b == parsing.MAX_BATCH
+    elif b > 1:
+        assert b * parsing.MIN_UPDATES <= n_train < (b + 1) * parsing.MIN_UPDATES
+
+
+def test_cli_records_the_batch_size(cli_run):
+    """The excerpt (120 training sentences) trains in batches of 3 by default, and
+    results.json says so."""
+    res, stdout = cli_run("svm")
+    assert res["settings"]["batch_size"] == parsing.default_batch_size(120) == 3
+    assert "batches of 3" in stdout
