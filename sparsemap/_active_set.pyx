@@ -940,9 +940,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
     maximum s*, which the rows (the support) attain. First the structures the
     solve met (ws.log) that tie are appended: much of the face, without MAP
-    calls. Then MAP at theta + eps g for random g, not projected, appends the
-    bulk of what is missing at one MAP call and one Cholesky row each, until a
-    call brings nothing new (_probe_random). Then one random g is projected to d = g - J g (J: Prop. 1 on the
+    calls. Then one random g is projected to d = g - J g (J: Prop. 1 on the
     rows, the orthogonal projector onto the span of their differences; so
     d . m_t is one constant c over the rows' affine hull) and MAP is called at
     theta + eps d. A returned vertex t that still ties at theta and scores
@@ -950,10 +948,15 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     affine hull: it is appended (weight 0), and d is updated to stay
     orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
     with w the part of m_t orthogonal to the rows' hull (one triangular solve
-    with the factor before the append). When MAP returns nothing new for an
-    updated d, a fresh one is drawn; when it returns nothing new for a fresh
-    one, the span is certified: where u is differentiable it lies in the face's relative
-    interior, so face vertices outside the rows' hull lie on both sides of it,
+    with the factor before the append). The first time a direction finds
+    such a vertex, the rows miss part of the face: MAP at theta + eps g for
+    random g, not projected, then appends the bulk of it at one MAP call and
+    one Cholesky row each, until a call brings nothing new (_probe_random),
+    and a fresh d is drawn (a support that spans the face costs one
+    projection and one MAP call, as before). When MAP returns nothing new for
+    an updated d, a fresh one is drawn; when it returns nothing new for a fresh
+    one, the span is certified: where u is differentiable it lies in the face's
+    relative interior, so face vertices outside the rows' hull lie on both sides of it,
     and a random d orthogonal to the rows' span sees one unless the spans
     coincide. At a kink the rows then span the face left tied at
     theta + delta d (a one-sided derivative). A vertex that does not tie at
@@ -968,7 +971,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     cdef double* d = ws.dvec
     cdef double* w = NULL
     cdef int lda, inc = 1, ni
-    cdef bint fresh = True
+    cdef bint fresh = True, probed = False
     cdef _Seen seen
     cdef int status
     if ws.nI == 0 or n_u == 0:
@@ -993,13 +996,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
         for t in range(ws.nI):
             _seen_add(&seen, ws.S + t * k, k)
         _from_log(ws, &seen, s_ref, tau)
-        status = _probe_random(ws, &seen, budget, &n_calls, s_ref, tau, &eps, &rng)
-    finally:
-        free(seen.table)
-    if status != FACE_CERTIFIED:
-        return status
-    _fresh_direction(ws, d, &rng)
-    try:
+        _fresh_direction(ws, d, &rng)
         while True:
             dmax = 0.0
             for j in range(n_u):
@@ -1041,6 +1038,17 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             n = ws.nI
             if ws._append_face(ws.snew) == 0:
                 return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
+            if not probed:
+                # the rows miss part of the face: random probes append the bulk of it
+                # (no projections), then certification starts over from a fresh d
+                probed = True
+                _seen_add(&seen, ws.snew, k)
+                status = _probe_random(ws, &seen, budget, &n_calls, s_ref, tau, &eps, &rng)
+                if status != FACE_CERTIFIED:
+                    return status
+                _fresh_direction(ws, d, &rng)
+                fresh = True
+                continue
             if w == NULL:
                 w = <double*> malloc((n_u + 1) * sizeof(double))
                 if w == NULL:
@@ -1066,6 +1074,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             fresh = False
     finally:
         free(w)
+        free(seen.table)
 
 
 # ---------------------------------------------------------------------------
