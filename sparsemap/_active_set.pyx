@@ -938,9 +938,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. First the structures the
-    solve met (ws.log) that tie are appended: much of the face, without MAP
-    calls. Then one random g is projected to d = g - J g (J: Prop. 1 on the
+    maximum s*, which the rows (the support) attain. One random g is projected to d = g - J g (J: Prop. 1 on the
     rows, the orthogonal projector onto the span of their differences; so
     d . m_t is one constant c over the rows' affine hull) and MAP is called at
     theta + eps d. A returned vertex t that still ties at theta and scores
@@ -949,11 +947,12 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
     with w the part of m_t orthogonal to the rows' hull (one triangular solve
     with the factor before the append). The first time a direction finds
-    such a vertex, the rows miss part of the face: MAP at theta + eps g for
-    random g, not projected, then appends the bulk of it at one MAP call and
-    one Cholesky row each, until a call brings nothing new (_probe_random),
-    and a fresh d is drawn (a support that spans the face costs one
-    projection and one MAP call, as before). When MAP returns nothing new for
+    such a vertex, the rows miss part of the face: the structures the solve
+    met (ws.log) that tie are appended (much of the face, without MAP calls),
+    then MAP at theta + eps g for random g, not projected, appends the bulk
+    of the rest at one MAP call and one Cholesky row each, until a call brings
+    nothing new (_probe_random), and a fresh d is drawn. A support that spans
+    the face costs one projection and one MAP call. When MAP returns nothing new for
     an updated d, a fresh one is drawn; when it returns nothing new for a fresh
     one, the span is certified: where u is differentiable it lies in the face's
     relative interior, so face vertices outside the rows' hull lie on both sides of it,
@@ -991,11 +990,8 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     eps = FACE_EPS * big
     if eps < FACE_MIN * tau:
         eps = FACE_MIN * tau
-    _seen_init(&seen, ws.nI + ws.n_log)
+    seen.table = NULL
     try:
-        for t in range(ws.nI):
-            _seen_add(&seen, ws.S + t * k, k)
-        _from_log(ws, &seen, s_ref, tau)
         _fresh_direction(ws, d, &rng)
         while True:
             dmax = 0.0
@@ -1039,10 +1035,14 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             if ws._append_face(ws.snew) == 0:
                 return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
             if not probed:
-                # the rows miss part of the face: random probes append the bulk of it
-                # (no projections), then certification starts over from a fresh d
+                # the rows miss part of the face: the structures the solve met and
+                # random probes append the bulk of it (no MAP calls, then no
+                # projections), then certification starts over from a fresh d
                 probed = True
-                _seen_add(&seen, ws.snew, k)
+                _seen_init(&seen, ws.nI + ws.n_log)
+                for t in range(ws.nI):
+                    _seen_add(&seen, ws.S + t * k, k)
+                _from_log(ws, &seen, s_ref, tau)
                 status = _probe_random(ws, &seen, budget, &n_calls, s_ref, tau, &eps, &rng)
                 if status != FACE_CERTIFIED:
                     return status
