@@ -80,6 +80,13 @@ class BuildExt(build_ext):
         self.copy_file(str(_inplace_path(ext)), str(target))
 
 
+# Functions and loops start on cache-line boundaries: otherwise where a hot loop
+# lands depends on unrelated code compiled before it, which moved the solve of a
+# 50-word tree by 6% between builds that differ in a validation function only.
+# (MSVC ignores these flags with a warning, as it does -O3.)
+COMPILE_ARGS = ["-O3", "-falign-functions=64", "-falign-loops=32"]
+
+
 def _extensions():
     return [
         Extension(
@@ -87,7 +94,7 @@ def _extensions():
             [str(pyx.relative_to(HERE))],
             include_dirs=[np.get_include()],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-            extra_compile_args=["-O3"],
+            extra_compile_args=COMPILE_ARGS,
         )
         for pyx in sorted(PACKAGE.rglob("*.pyx"))
     ]

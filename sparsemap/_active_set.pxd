@@ -26,6 +26,7 @@ cdef class _Workspace:
     cdef double* x1            # scratch
     cdef double* w1            # L^{-1} theta, kept up to date with L
     cdef double* w2            # L^{-1} 1
+    cdef double* rot           # _remove's Givens rotations (2 x cap: cosines, sines)
     cdef double theta0
     cdef double* u
     cdef double* v

@@ -166,6 +166,7 @@ cdef class _Workspace:
         self.n_log = self.cap_log = 0
         self.log_on = False
         self.y = self.yhat = self.theta = self.theta_abs = self.L = self.x1 = self.w1 = self.w2 = NULL
+        self.rot = NULL
         self.u = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.adj = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.dvec = <double*> malloc((self.n_u + 1) * sizeof(double))
@@ -184,7 +185,7 @@ cdef class _Workspace:
 
     def __dealloc__(self):
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
-        free(self.x1); free(self.w1); free(self.w2); free(self.u); free(self.adj); free(self.v)
+        free(self.x1); free(self.w1); free(self.w2); free(self.rot); free(self.u); free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
         free(self.log)
 
@@ -205,6 +206,10 @@ cdef class _Workspace:
         cdef void* p
         if new_cap <= old:
             return 0
+        if new_cap >= 128 and new_cap % 64 == 0:
+            # L's row stride (cap doubles): off a multiple of 512 bytes, so that the
+            # triangular solves' row-strided reads do not alias in the caches
+            new_cap += 8
         p = realloc(self.S, new_cap * self.k * sizeof(int))
         if p == NULL:
             with gil:
@@ -217,6 +222,7 @@ cdef class _Workspace:
         _grow_vec(&self.x1, new_cap)
         _grow_vec(&self.w1, new_cap)
         _grow_vec(&self.w2, new_cap)
+        _grow_vec(&self.rot, 2 * new_cap)
         newL = <double*> malloc(new_cap * new_cap * sizeof(double))
         if newL == NULL:
             with gil:
@@ -285,27 +291,46 @@ cdef class _Workspace:
         return 0
 
     cdef void _remove(self, Py_ssize_t r) noexcept nogil:
-        """Drop structure r: delete its row of L, then Givens on columns (j, j+1)."""
+        """Drop structure r: delete its row of L, then Givens on columns (j, j+1).
+
+        Rotation j acts on rows j..n-2; it is applied row by row (each row takes
+        rotations r..i in order, the same operations as column pair by column pair,
+        so the same bits) to read L along its rows.
+        """
         cdef Py_ssize_t n = self.nI, cap = self.cap, i, j
         cdef double a, b, rho, cs, sn, xa, xb
         cdef double* L = self.L
+        cdef double* rc = self.rot
+        cdef double* rs = self.rot + cap
+        cdef double* row
         self.hash -= _hash_structure(self.S + r * self.k, self.k)
+        # rows r..n-2, shifted up, have one entry right of the diagonal: rotate it away
         for i in range(r, n - 1):
-            memcpy(L + i * cap, L + (i + 1) * cap, (i + 2) * sizeof(double))
-        # rows r..n-2 now have one entry right of the diagonal: rotate it away
-        for j in range(r, n - 1):
-            a = L[j * cap + j]
-            b = L[j * cap + j + 1]
+            row = L + i * cap
+            memcpy(row, L + (i + 1) * cap, (i + 2) * sizeof(double))
+            for j in range(r, i):
+                if rc[j] == 2.0:
+                    continue
+                xa = row[j]
+                xb = row[j + 1]
+                row[j] = rc[j] * xa + rs[j] * xb
+                row[j + 1] = -rs[j] * xa + rc[j] * xb
+            # rotation i, from row i's diagonal pair (after rotations r..i-1)
+            a = row[i]
+            b = row[i + 1]
             if b == 0.0:
+                rc[i] = 2.0      # no rotation (a cosine is never 2)
                 continue
             rho = hypot(a, b)
-            cs = a / rho
-            sn = b / rho
-            for i in range(j, n - 1):
-                xa = L[i * cap + j]
-                xb = L[i * cap + j + 1]
-                L[i * cap + j] = cs * xa + sn * xb
-                L[i * cap + j + 1] = -sn * xa + cs * xb
+            rc[i] = a / rho
+            rs[i] = b / rho
+            row[i] = rc[i] * a + rs[i] * b
+            row[i + 1] = -rs[i] * a + rc[i] * b
+        for j in range(r, n - 1):
+            if rc[j] == 2.0:
+                continue
+            cs = rc[j]
+            sn = rs[j]
             # L_del w = b and L_del <- L_del Q give w <- Q^T w
             xa = self.w1[j]
             xb = self.w1[j + 1]
@@ -748,15 +773,34 @@ cdef Py_ssize_t FACE_MAX_ROWS = 4096
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
 
 
-cdef inline double _uniform(unsigned long long* state) noexcept nogil:
-    """A uniform draw in [-1, 1) (splitmix64)."""
+cdef inline unsigned long long _bits(unsigned long long* state) noexcept nogil:
+    """64 random bits (splitmix64)."""
     cdef unsigned long long z
     state[0] += 0x9e3779b97f4a7c15ULL
     z = state[0]
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL
-    z = z ^ (z >> 31)
-    return <double> (z >> 11) * (2.0 / 9007199254740992.0) - 1.0
+    return z ^ (z >> 31)
+
+
+cdef inline double _uniform(unsigned long long* state) noexcept nogil:
+    """A uniform draw in [-1, 1)."""
+    return <double> (_bits(state) >> 11) * (2.0 / 9007199254740992.0) - 1.0
+
+
+cdef void _perturb(const double* x, double eps, double* out, Py_ssize_t n,
+                   unsigned long long* state) noexcept nogil:
+    """out = x + eps g, g uniform in [-1, 1)^n at 32-bit resolution (two entries per
+    draw: a probe direction needs no more, and the draws cost as much as a MAP)."""
+    cdef Py_ssize_t j
+    cdef unsigned long long z
+    cdef double h = eps * (2.0 / 4294967296.0)
+    for j in range(0, n - 1, 2):
+        z = _bits(state)
+        out[j] = x[j] + (h * <double> (z >> 32) - eps)
+        out[j + 1] = x[j + 1] + (h * <double> (z & 0xffffffffULL) - eps)
+    if n % 2:
+        out[n - 1] = x[n - 1] + eps * _uniform(state)
 
 
 cdef int _log(_Workspace ws, const int* s) except -1 nogil:
@@ -776,47 +820,103 @@ cdef int _log(_Workspace ws, const int* s) except -1 nogil:
     return 0
 
 
-cdef inline Py_ssize_t _slot_of(const unsigned long long* table, Py_ssize_t m,
-                                unsigned long long h) noexcept nogil:
-    """The slot of h in an open-addressing table of size m (a power of 2): h's, or empty."""
-    cdef Py_ssize_t i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
-    while table[i] != 0 and table[i] != h:
-        i = (i + 1) & (m - 1)
-    return i
+cdef struct _Seen:
+    # Hashes (| 1, so that 0 marks an empty slot) of structures already in the rows or
+    # already tried, in an open-addressing table of size m (a power of 2) kept at most
+    # half full. A false match (two structures, one hash) only skips a candidate.
+    unsigned long long* table
+    Py_ssize_t m, count
 
 
-cdef int _from_log(_Workspace ws, double s_ref, double tau) except -1 nogil:
-    """Append the logged structures that tie at the adjusted scores (face vertices the
-    solve met and dropped). Those in the rows are skipped by hash, from an open-addressing
-    table of the rows' hashes (a false match only skips a candidate)."""
-    cdef Py_ssize_t t, i, m = 16, k = ws.k
-    cdef unsigned long long h
-    cdef unsigned long long* table
-    cdef double st
-    if ws.n_log == 0:
-        return 0
-    while m < 2 * (ws.nI + ws.n_log):
-        m *= 2
-    table = <unsigned long long*> calloc(m, sizeof(unsigned long long))
-    if table == NULL:
+cdef int _seen_init(_Seen* seen, Py_ssize_t expected) except -1 nogil:
+    seen.m = 16
+    seen.count = 0
+    while seen.m < 2 * expected:
+        seen.m *= 2
+    seen.table = <unsigned long long*> calloc(seen.m, sizeof(unsigned long long))
+    if seen.table == NULL:
         with gil:
             raise MemoryError()
-    for t in range(ws.nI):
-        h = _hash_structure(ws.S + t * k, k) | 1
-        table[_slot_of(table, m, h)] = h
+    return 0
+
+
+cdef int _seen_add(_Seen* seen, const int* s, Py_ssize_t k) except -1 nogil:
+    """Add s; 1 if it is new, 0 if it was there."""
+    cdef unsigned long long h = _hash_structure(s, k) | 1
+    cdef unsigned long long* old
+    cdef Py_ssize_t i, j, m = seen.m
+    i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
+    while seen.table[i] != 0:
+        if seen.table[i] == h:
+            return 0
+        i = (i + 1) & (m - 1)
+    seen.table[i] = h
+    seen.count += 1
+    if 2 * seen.count > m:
+        old = seen.table
+        seen.table = <unsigned long long*> calloc(2 * m, sizeof(unsigned long long))
+        if seen.table == NULL:
+            seen.table = old
+            with gil:
+                raise MemoryError()
+        seen.m = 2 * m
+        for j in range(m):
+            if old[j] != 0:
+                i = <Py_ssize_t> (old[j] & <unsigned long long> (2 * m - 1))
+                while seen.table[i] != 0:
+                    i = (i + 1) & (2 * m - 1)
+                seen.table[i] = old[j]
+        free(old)
+    return 1
+
+
+cdef int _from_log(_Workspace ws, _Seen* seen, double s_ref, double tau) except -1 nogil:
+    """Append the logged structures that tie at the adjusted scores (face vertices the
+    solve met and dropped), skipping those seen (the rows, hashed into seen)."""
+    cdef Py_ssize_t t, k = ws.k
+    cdef double st
     for t in range(ws.n_log):
-        h = _hash_structure(ws.log + t * k, k) | 1
-        i = _slot_of(table, m, h)
-        if table[i] == h:
+        if not _seen_add(seen, ws.log + t * k, k):
             continue
         ws.f.c_score(ws.log + t * k, ws.adj, ws.eta_v, &st)
         if st - s_ref >= -tau:
             if ws.nI + 1 >= FACE_MAX_ROWS:
                 break
             ws._append_face(ws.log + t * k)
-            table[i] = h     # appended, or dependent: either way, not again
-    free(table)
     return 0
+
+
+cdef int _probe_random(_Workspace ws, _Seen* seen, Py_ssize_t budget,
+                       Py_ssize_t* n_calls, double s_ref, double tau, double* eps,
+                       unsigned long long* rng) except -1 nogil:
+    """Append face vertices found by MAP at theta + eps g for random g, not projected.
+
+    Until the rows span most of the face, the maximiser of a random direction over
+    the face is almost always a new, affinely independent vertex (measured on
+    trees: every probe but the last), so this finds the bulk of the face for one
+    MAP call and one Cholesky row each, without the projections that _complete's
+    certifying directions cost. Stops at the first probe that brings nothing new
+    (a row, or a vertex in the rows' hull). Returns FACE_CERTIFIED to go on (the
+    certification is _complete's), else FACE_BUDGET or FACE_UNRESOLVED.
+    """
+    cdef double st
+    while True:
+        if n_calls[0] >= budget or ws.nI + 1 >= FACE_MAX_ROWS:
+            return FACE_BUDGET
+        _perturb(ws.adj, eps[0], ws.pert, ws.n_u, rng)
+        ws.f.c_map(ws.pert, ws.eta_v, ws.snew, ws.work)
+        ws.n_map += 1
+        n_calls[0] += 1
+        ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
+        if st - s_ref < -tau:
+            # past the face's margin: a smaller step (the certifying loop shrinks it
+            # the same way, and gives up at the same floor)
+            eps[0] /= 4
+            if eps[0] < FACE_MIN * tau:
+                return FACE_UNRESOLVED
+            continue
+        if not _seen_add(seen, ws.snew, ws.k) or ws._append_face(ws.snew) == 0:
+            return FACE_CERTIFIED
 
 
 cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) except -1 nogil:
@@ -838,9 +938,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. First the structures the
-    solve met (ws.log) that tie are appended: much of the face, without MAP
-    calls. Then one random g is projected to d = g - J g (J: Prop. 1 on the
+    maximum s*, which the rows (the support) attain. One random g is projected to d = g - J g (J: Prop. 1 on the
     rows, the orthogonal projector onto the span of their differences; so
     d . m_t is one constant c over the rows' affine hull) and MAP is called at
     theta + eps d. A returned vertex t that still ties at theta and scores
@@ -848,10 +946,16 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     affine hull: it is appended (weight 0), and d is updated to stay
     orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
     with w the part of m_t orthogonal to the rows' hull (one triangular solve
-    with the factor before the append). When MAP returns nothing new for an
-    updated d, a fresh one is drawn; when it returns nothing new for a fresh
-    one, the span is certified: where u is differentiable it lies in the face's relative
-    interior, so face vertices outside the rows' hull lie on both sides of it,
+    with the factor before the append). The first time a direction finds
+    such a vertex, the rows miss part of the face: the structures the solve
+    met (ws.log) that tie are appended (much of the face, without MAP calls),
+    then MAP at theta + eps g for random g, not projected, appends the bulk
+    of the rest at one MAP call and one Cholesky row each, until a call brings
+    nothing new (_probe_random), and a fresh d is drawn. A support that spans
+    the face costs one projection and one MAP call. When MAP returns nothing new for
+    an updated d, a fresh one is drawn; when it returns nothing new for a fresh
+    one, the span is certified: where u is differentiable it lies in the face's
+    relative interior, so face vertices outside the rows' hull lie on both sides of it,
     and a random d orthogonal to the rows' span sees one unless the spans
     coincide. At a kink the rows then span the face left tied at
     theta + delta d (a one-sided derivative). A vertex that does not tie at
@@ -866,7 +970,9 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     cdef double* d = ws.dvec
     cdef double* w = NULL
     cdef int lda, inc = 1, ni
-    cdef bint fresh = True
+    cdef bint fresh = True, probed = False
+    cdef _Seen seen
+    cdef int status
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
     ws._compute_u(ws.y, False)
@@ -884,9 +990,9 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     eps = FACE_EPS * big
     if eps < FACE_MIN * tau:
         eps = FACE_MIN * tau
-    _from_log(ws, s_ref, tau)
-    _fresh_direction(ws, d, &rng)
+    seen.table = NULL
     try:
+        _fresh_direction(ws, d, &rng)
         while True:
             dmax = 0.0
             for j in range(n_u):
@@ -928,6 +1034,21 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             n = ws.nI
             if ws._append_face(ws.snew) == 0:
                 return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
+            if not probed:
+                # the rows miss part of the face: the structures the solve met and
+                # random probes append the bulk of it (no MAP calls, then no
+                # projections), then certification starts over from a fresh d
+                probed = True
+                _seen_init(&seen, ws.nI + ws.n_log)
+                for t in range(ws.nI):
+                    _seen_add(&seen, ws.S + t * k, k)
+                _from_log(ws, &seen, s_ref, tau)
+                status = _probe_random(ws, &seen, budget, &n_calls, s_ref, tau, &eps, &rng)
+                if status != FACE_CERTIFIED:
+                    return status
+                _fresh_direction(ws, d, &rng)
+                fresh = True
+                continue
             if w == NULL:
                 w = <double*> malloc((n_u + 1) * sizeof(double))
                 if w == NULL:
@@ -953,6 +1074,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
             fresh = False
     finally:
         free(w)
+        free(seen.table)
 
 
 # ---------------------------------------------------------------------------

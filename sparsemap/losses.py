@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from sparsemap import _active_set
-from sparsemap._factors._base import Factor
+from sparsemap._factors._base import Factor, _first_invalid
 from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options, _run,
                               solve)
 
@@ -465,18 +465,20 @@ def _target_rows(factors, targets, B):
     rows = np.ascontiguousarray(arr, dtype=np.intc)
     if arr.size and (arr.min() < np.iinfo(np.intc).min or arr.max() > np.iinfo(np.intc).max):
         raise ValueError("targets: values out of range for a structure")
-    shared = isinstance(factors, Factor)
+    i = _first_invalid(factors, rows)
+    if i < 0:
+        return rows
+    # the rejected row, through the checks that say what is wrong
+    f = factors if isinstance(factors, Factor) else factors[i]
     k = rows.shape[1]
-    for i in range(B):
-        f = factors if shared else factors[i]
-        if f.struct_size > k:
-            raise ValueError(f"targets[{i}]: expected at least {f.struct_size} entries "
-                             f"(the structure size), got {k}")
-        if shared and f.struct_size != k:
-            raise ValueError(f"targets[{i}]: expected {f.struct_size} entries "
-                             f"(the structure size), got {k}")
-        f._validate_structure(rows[i, :f.struct_size], f"targets[{i}]")
-    return rows
+    if f.struct_size > k:
+        raise ValueError(f"targets[{i}]: expected at least {f.struct_size} entries "
+                         f"(the structure size), got {k}")
+    if f.struct_size != k and isinstance(factors, Factor):
+        raise ValueError(f"targets[{i}]: expected {f.struct_size} entries "
+                         f"(the structure size), got {k}")
+    f._validate_structure(rows[i, :f.struct_size], f"targets[{i}]")
+    raise ValueError(f"targets[{i}]: not a valid structure of {f!r}")
 
 
 def _loss_padded(factors, etas_u, etas_v, targets, margin, sparse, n_jobs, solve_kw,

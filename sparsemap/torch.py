@@ -895,11 +895,12 @@ class Sparsemax(torch.nn.Module):
 
 
 # -- losses ---------------------------------------------------------------------------
-def _parallel(fn, B, costs, n_jobs):
+def _parallel(fn, B, costs, n_jobs, factors=None):
     """``[fn(b) for b in range(B)]`` on n_jobs threads, the batch layer's helpers and the
     caller, each call solving without the GIL; in the batch layer's order: by decreasing
-    ``costs[b]`` (ties in input order), or in input order when ``costs`` is None."""
-    n_threads = min(_check_n_jobs(n_jobs), B)
+    ``costs[b]`` (ties in input order), or in input order when ``costs`` is None. The
+    default ``n_jobs`` is chosen from ``factors`` as by ``_check_n_jobs``."""
+    n_threads = min(_check_n_jobs(n_jobs, factors), B)
     if n_threads <= 1:
         return [fn(b) for b in range(B)]
     out = [None] * B
@@ -1017,7 +1018,8 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
                                           one)
     else:
         costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
-        out = _parallel(one, layout.B, costs, n_jobs)
+        out = _parallel(one, layout.B, costs, n_jobs,
+                        layout.factors if layout.ragged else layout.factor)
         losses = np.array([o[0] for o in out], dtype=np.float64)
         g_u = layout.join([o[1] for o in out], "u")
         g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
@@ -1457,8 +1459,10 @@ class _GraphLayout:
 
 def _in_threads(fn, layout, n_jobs):
     """``[fn(b) for b in range(B)]`` in the layer's threads (a solve, and the CG of a
-    jvp / vjp, run without the GIL), largest graphs first."""
-    return _parallel(fn, layout.B, layout.costs, n_jobs)
+    jvp / vjp, run without the GIL), largest graphs first; by default one thread when a
+    graph holds an OracleFactor (its callbacks hold the GIL)."""
+    return _parallel(fn, layout.B, layout.costs, n_jobs,
+                     [f for fs in layout.factors for f in fs])
 
 
 def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):

@@ -6,6 +6,7 @@ over the simplex is solved with SciPy (SLSQP, certified by the KKT conditions),
 Hamming costs are counted from the compact forms, gradients are checked by finite
 differences.
 """
+import itertools
 import zlib
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import sparsemap as sm
+from sparsemap._factors._base import _first_invalid
 from sparsemap.losses import batch_loss, perceptron_loss, sparsemap_loss, structured_svm_loss
 
 from _reference import (all_matchings, all_sequences, all_trees, arc_matrix, matching_matrix,
@@ -609,3 +611,38 @@ def test_a_target_on_a_forbidden_part_is_refused():
     eta[:, 0] = -np.inf
     np.fill_diagonal(eta, -np.inf)
     assert np.isfinite(sparsemap_loss(t, eta, [-1, 0, 1])[0])
+
+
+def _rows(values, k):
+    """Every int array of length k over values, as a (len(values) ** k, k) intc array."""
+    return np.array(list(itertools.product(values, repeat=k)), dtype=np.intc).reshape(-1, k)
+
+
+@pytest.mark.parametrize("factor, valid", [
+    *[(sm.TreeFactor(4, projective=p, single_root=r),
+       {tuple(t) for t in all_trees(4, projective=p, single_root=r)})
+      for p in (False, True) for r in (False, True)],
+    (sm.SequenceFactor(3, 2), {tuple(t) for t in all_sequences(3, 2)}),
+    (sm.MatchingFactor(3, 2), {tuple(t) for t in all_matchings(3, 2)}),
+    (sm.MatchingFactor(2, 3), {tuple(t) for t in all_matchings(2, 3)}),
+    (sm.GenericFactor(np.eye(3)), {(0,), (1,), (2,)}),
+    (sm.XorFactor(3), {(1, 0, 0), (0, 1, 0), (0, 0, 1)}),
+])
+def test_targets_are_checked_in_c_as_the_references_say(factor, valid):
+    """The batch losses check targets in one C pass (_first_invalid, each family's
+    c_valid; the logic factors through the Python hook): every candidate array over a
+    range wider than the valid values is accepted exactly when the brute-force
+    enumeration of the family lists it, and a rejected one raises naming its row."""
+    k = factor.struct_size
+    values = range(-2, max(factor.shape_u) + 2)
+    rows = _rows(values, k)
+    if len(rows) > 20000:      # trees of 4 words: the root entry is -1 or wrong
+        rows = rows[(rows[:, 0] == -1) | (rows[:, 1] == 0)]
+    got = [_first_invalid(factor, np.ascontiguousarray(r[None])) < 0 for r in rows]
+    assert got == [tuple(r) in valid for r in rows]
+    assert sum(got) == len(valid)
+    bad = rows[np.flatnonzero(~np.array(got))[0]]
+    batch = np.stack([next(iter(sorted(valid)))] * 3 + [bad]).astype(np.intc)
+    assert _first_invalid([factor] * 4, batch) == 3
+    with pytest.raises(ValueError, match=r"targets\[3\]"):
+        sm.losses._target_rows([factor] * 4, batch, 4)

@@ -298,3 +298,25 @@ def test_bad_input_raises_value_error_naming_the_argument():
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
+
+
+def test_default_n_jobs_of_the_graph_layer_for_oracles(monkeypatch):
+    """A graph holding an OracleFactor runs its batch in the calling thread by default
+    (the oracle's callbacks hold the GIL, so threads could only slow it), forward and
+    backward; an explicit n_jobs is kept."""
+    import threading
+
+    from sparsemap import _solve
+    from test_batch import _thread_recording_oracle
+    monkeypatch.setattr(_solve, "_default_jobs", lambda: 4)   # as on a 4-core machine
+    seen = set()
+    fg = sm.FactorGraph(6)
+    fg.add(_thread_recording_oracle(4, seen), [0, 1, 2, 3])
+    fg.add(_thread_recording_oracle(4, seen), [2, 3, 4, 5])
+    x = torch.randn(16, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    smt.factor_graph(fg, x).sum().backward()
+    assert seen == {threading.get_ident()}
+    seen.clear()
+    smt.factor_graph(fg, x.detach(), n_jobs=4)
+    assert len(seen) > 1

@@ -44,6 +44,10 @@ cdef class Factor:
     cdef int c_overlap(self, const int* s, const int* t, double* out) except -1 nogil
     # u += w m_s ; v += w n_s  (v may be NULL when n_v == 0)
     cdef int c_add(self, const int* s, double w, double* u, double* v) except -1 nogil
+    # 1 if s[:struct_size] is a valid structure, else 0 (the batch losses check their
+    # targets with it). The default asks the Python hook _validate_structure, with the
+    # GIL; typed families check in C.
+    cdef int c_valid(self, const int* s) except -1 nogil
 
 
 # Value classes found by _scan (declared here for the batch runner, which scans

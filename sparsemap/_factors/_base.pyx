@@ -99,6 +99,17 @@ cdef class Factor:
         with gil:
             raise NotImplementedError(f"{type(self).__name__} does not implement add_column")
 
+    cdef int c_valid(self, const int* s) except -1 nogil:
+        with gil:
+            arr = np.empty(self.struct_size, dtype=np.intc)
+            for i in range(self.struct_size):
+                arr[i] = s[i]
+            try:
+                self._validate_structure(arr, "s")
+            except ValueError:
+                return 0
+            return 1
+
     # -- validation hooks: subclasses override -------------------------------
     def _validate_structure(self, s, str name):
         """Raise ValueError if the int array ``s`` is not a valid structure."""
@@ -681,3 +692,26 @@ def check_bool(value, name):
     if isinstance(value, (int, np.integer)) and value in (0, 1):
         return bool(value)
     raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def _first_invalid(factors, const int[:, ::1] rows):
+    """The index of the first row of ``rows`` (B x k) its factor rejects, or -1.
+
+    ``factors`` is one Factor for every row (then k must be its structure
+    size) or a sequence of B; a row is rejected when its factor's structure
+    size exceeds k, or by ``c_valid`` on its leading entries. One pass in C for
+    the typed families: the batch losses check their targets with it.
+    """
+    cdef Py_ssize_t i, B = rows.shape[0], k = rows.shape[1]
+    cdef Factor f
+    cdef bint shared = isinstance(factors, Factor)
+    if shared:
+        f = factors
+        if B and f.struct_size != k:
+            return 0
+    for i in range(B):
+        if not shared:
+            f = factors[i]
+        if f.struct_size > k or (f.struct_size and not f.c_valid(&rows[i, 0])):
+            return i
+    return -1

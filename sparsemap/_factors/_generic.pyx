@@ -78,6 +78,9 @@ cdef class GenericFactor(Factor):
     def _non_binary_parts(self):
         return np.flatnonzero(np.any((self.M < 0) | (self.M > 1), axis=1))
 
+    cdef int c_valid(self, const int* s) except -1 nogil:
+        return 0 <= s[0] < self.n_structures
+
     def _validate_structure(self, s, name):
         if s[0] < 0 or s[0] >= self.n_structures:
             raise ValueError(f"{name}: expected a column index in [0, {self.n_structures}), "

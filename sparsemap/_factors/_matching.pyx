@@ -11,6 +11,7 @@ import numpy as np
 
 from libc.float cimport DBL_MAX
 from libc.math cimport INFINITY, fabs, frexp, ldexp
+from libc.stdlib cimport calloc, free
 
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import check_positive_int
@@ -89,6 +90,23 @@ cdef class MatchingFactor(Factor):
 
     def _init_args(self):
         return (self.n_rows, self.n_cols)
+
+    cdef int c_valid(self, const int* s) except -1 nogil:
+        cdef Py_ssize_t i, matched = 0
+        cdef int ok = 1
+        cdef char* used = <char*> calloc(self.n_cols + 1, 1)
+        if used == NULL:
+            with gil:
+                raise MemoryError()
+        for i in range(self.n_rows):
+            if s[i] < -1 or s[i] >= self.n_cols or (s[i] >= 0 and used[s[i]]):
+                ok = 0
+                break
+            if s[i] >= 0:
+                used[s[i]] = 1
+                matched += 1
+        free(used)
+        return ok and matched == min(self.n_rows, self.n_cols)
 
     def _validate_structure(self, s, name):
         k = min(self.n_rows, self.n_cols)

@@ -68,6 +68,13 @@ cdef class SequenceFactor(Factor):
     def _init_args(self):
         return (self.n_positions, self.n_states)
 
+    cdef int c_valid(self, const int* s) except -1 nogil:
+        cdef Py_ssize_t i
+        for i in range(self.n_positions):
+            if s[i] < 0 or s[i] >= self.n_states:
+                return 0
+        return 1
+
     def _validate_structure(self, s, name):
         if np.any(s < 0) or np.any(s >= self.n_states):
             raise ValueError(f"{name}: tags must lie in [0, {self.n_states}), got {s!r}")

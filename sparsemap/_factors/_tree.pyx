@@ -7,6 +7,7 @@ variant.
 import numpy as np
 
 from libc.math cimport INFINITY
+from libc.stdlib cimport free, malloc
 
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import check_bool, check_positive_int
@@ -139,6 +140,17 @@ cdef class TreeFactor(Factor):
 
     def _init_kwargs(self):
         return {"projective": bool(self.projective), "single_root": bool(self.single_root)}
+
+    cdef int c_valid(self, const int* s) except -1 nogil:
+        cdef int word, value, code
+        cdef int* work = <int*> malloc(8 * (self.n_words + 2) * sizeof(int))
+        if work == NULL:
+            with gil:
+                raise MemoryError()
+        code = _tree_check(s, self.n_words, self.projective, self.single_root, work,
+                           &word, &value)
+        free(work)
+        return code == TREE_OK
 
     def _validate_structure(self, s, name):
         msg = _tree_error(s, self.n_words, self.projective, self.single_root)
@@ -542,24 +554,48 @@ cdef int _eisner(const double* eta, int n, bint single_root, int* out,
 # ---------------------------------------------------------------------------
 # Validation of head arrays, O(n).
 # ---------------------------------------------------------------------------
-def _tree_error(s_arr, int n, bint projective, bint single_root):
-    """Return None if ``s_arr`` (intc, shape (n+1,)) is a valid tree, else a message."""
-    cdef const int[::1] s = s_arr
+cdef enum:
+    TREE_OK = 0
+    TREE_ROOT_HEAD = 1     # heads[0] != -1 (value: heads[0])
+    TREE_RANGE = 2         # a head outside [0, n] (word, value)
+    TREE_SELF_LOOP = 3     # (word)
+    TREE_N_ROOT = 4        # single_root and not one word on the root (value: how many)
+    TREE_CYCLE = 5         # (a word on the cycle)
+    TREE_NOT_PROJECTIVE = 6  # (a word whose subtree is not contiguous)
+
+
+cdef int _tree_check(const int* s, int n, bint projective, bint single_root, int* work,
+                     int* word, int* value) noexcept nogil:
+    """TREE_OK if heads s[:n + 1] are a valid tree, else what is wrong (the word and
+    value concerned in word[0], value[0]). work: 8 (n + 2) ints of scratch."""
     cdef int N = n + 1, m, h, k, z, n_root = 0, top, head
+    cdef int* mark = work
+    cdef int* start = work + N
+    cdef int* kids = start + N + 1
+    cdef int* fill = kids + N
+    cdef int* order = fill + N
+    cdef int* lo = order + N
+    cdef int* hi = lo + N
+    cdef int* size = hi + N
     if s[0] != -1:
-        return f"heads[0] must be -1 (the root has no head), got {s[0]}"
+        value[0] = s[0]
+        return TREE_ROOT_HEAD
     for m in range(1, N):
         h = s[m]
+        word[0] = m
+        value[0] = h
         if h < 0 or h > n:
-            return f"heads[{m}] must lie in [0, {n}], got {h}"
+            return TREE_RANGE
         if h == m:
-            return f"heads[{m}] is a self-loop"
+            return TREE_SELF_LOOP
         if h == 0:
             n_root += 1
     if single_root and n_root != 1:
-        return f"expected exactly one word attached to the root (single_root=True), got {n_root}"
+        value[0] = n_root
+        return TREE_N_ROOT
     # acyclicity: walk up from each word; mark 1 = on the current walk, 2 = reaches 0
-    cdef int[::1] mark = np.zeros(N, dtype=np.intc)
+    for m in range(N):
+        mark[m] = 0
     mark[0] = 2
     for m in range(1, N):
         z = m
@@ -567,23 +603,23 @@ def _tree_error(s_arr, int n, bint projective, bint single_root):
             mark[z] = 1
             z = s[z]
         if mark[z] == 1:
-            return f"heads contain a cycle through word {z} (not every word reaches the root)"
+            word[0] = z
+            return TREE_CYCLE
         z = m
         while mark[z] == 1:
             mark[z] = 2
             z = s[z]
     if not projective:
-        return None
+        return TREE_OK
     # projectivity: every subtree covers a contiguous range of positions.
     # Breadth-first order from the root over children in CSR form, then
     # accumulate spans and sizes bottom-up.
-    cdef int[::1] start = np.zeros(N + 1, dtype=np.intc)
-    cdef int[::1] kids = np.empty(N, dtype=np.intc)
-    cdef int[::1] fill = np.empty(N, dtype=np.intc)
-    cdef int[::1] order = np.empty(N, dtype=np.intc)
-    cdef int[::1] lo = np.arange(N, dtype=np.intc)
-    cdef int[::1] hi = np.arange(N, dtype=np.intc)
-    cdef int[::1] size = np.ones(N, dtype=np.intc)
+    for m in range(N + 1):
+        start[m] = 0
+    for m in range(N):
+        lo[m] = m
+        hi[m] = m
+        size[m] = 1
     for m in range(1, N):
         start[s[m] + 1] += 1
     for h in range(N):
@@ -604,11 +640,33 @@ def _tree_error(s_arr, int n, bint projective, bint single_root):
     for k in range(N - 1, 0, -1):
         m = order[k]
         if hi[m] - lo[m] + 1 != size[m]:
-            return f"the tree is not projective (the subtree of word {m} is not contiguous)"
+            word[0] = m
+            return TREE_NOT_PROJECTIVE
         head = s[m]
         size[head] += size[m]
         if lo[m] < lo[head]:
             lo[head] = lo[m]
         if hi[m] > hi[head]:
             hi[head] = hi[m]
-    return None
+    return TREE_OK
+
+
+def _tree_error(s_arr, int n, bint projective, bint single_root):
+    """Return None if ``s_arr`` (intc, shape (n+1,)) is a valid tree, else a message."""
+    cdef const int[::1] s = s_arr
+    cdef int[::1] work = np.empty(8 * (n + 2), dtype=np.intc)
+    cdef int word = 0, value = 0
+    cdef int code = _tree_check(&s[0], n, projective, single_root, &work[0], &word, &value)
+    if code == TREE_OK:
+        return None
+    if code == TREE_ROOT_HEAD:
+        return f"heads[0] must be -1 (the root has no head), got {value}"
+    if code == TREE_RANGE:
+        return f"heads[{word}] must lie in [0, {n}], got {value}"
+    if code == TREE_SELF_LOOP:
+        return f"heads[{word}] is a self-loop"
+    if code == TREE_N_ROOT:
+        return f"expected exactly one word attached to the root (single_root=True), got {value}"
+    if code == TREE_CYCLE:
+        return f"heads contain a cycle through word {word} (not every word reaches the root)"
+    return f"the tree is not projective (the subtree of word {word} is not contiguous)"
