@@ -185,7 +185,8 @@ cdef class _Workspace:
 
     def __dealloc__(self):
         free(self.S); free(self.y); free(self.yhat); free(self.theta); free(self.theta_abs); free(self.L)
-        free(self.x1); free(self.w1); free(self.w2); free(self.rot); free(self.u); free(self.adj); free(self.v)
+        free(self.x1); free(self.w1); free(self.w2); free(self.rot); free(self.u)
+        free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
         free(self.log)
 
@@ -938,27 +939,28 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
-    maximum s*, which the rows (the support) attain. One random g is projected to d = g - J g (J: Prop. 1 on the
-    rows, the orthogonal projector onto the span of their differences; so
-    d . m_t is one constant c over the rows' affine hull) and MAP is called at
-    theta + eps d. A returned vertex t that still ties at theta and scores
-    d . m_t > c beyond the tie tolerance lies in the face outside the rows'
-    affine hull: it is appended (weight 0), and d is updated to stay
-    orthogonal to the new span, d -= (d . m_t - c) / (w . m_t - w . m_0) w
-    with w the part of m_t orthogonal to the rows' hull (one triangular solve
-    with the factor before the append). The first time a direction finds
-    such a vertex, the rows miss part of the face: the structures the solve
-    met (ws.log) that tie are appended (much of the face, without MAP calls),
-    then MAP at theta + eps g for random g, not projected, appends the bulk
-    of the rest at one MAP call and one Cholesky row each, until a call brings
-    nothing new (_probe_random), and a fresh d is drawn. A support that spans
-    the face costs one projection and one MAP call. When MAP returns nothing new for
-    an updated d, a fresh one is drawn; when it returns nothing new for a fresh
-    one, the span is certified: where u is differentiable it lies in the face's
-    relative interior, so face vertices outside the rows' hull lie on both sides of it,
-    and a random d orthogonal to the rows' span sees one unless the spans
-    coincide. At a kink the rows then span the face left tied at
-    theta + delta d (a one-sided derivative). A vertex that does not tie at
+    maximum s*, which the rows (the support) attain. One random g is projected
+    to d = g - J g (J: Prop. 1 on the rows, the orthogonal projector onto the
+    span of their differences; so d . m_t is one constant c over the rows'
+    affine hull) and MAP is called at theta + eps d. A returned vertex t that
+    still ties at theta and scores d . m_t > c beyond the tie tolerance lies in
+    the face outside the rows' affine hull: it is appended (weight 0), and d is
+    updated to stay orthogonal to the new span,
+    d -= (d . m_t - c) / (w . m_t - w . m_0) w with w the part of m_t
+    orthogonal to the rows' hull (one triangular solve with the factor before
+    the append). The first time a direction finds such a vertex, the rows miss
+    part of the face: the structures the solve met (ws.log) that tie are
+    appended (much of the face, without MAP calls), then MAP at theta + eps g
+    for random g, not projected, appends the bulk of the rest at one MAP call
+    and one Cholesky row each, until a call brings nothing new
+    (_probe_random), and a fresh d is drawn. A support that spans the face
+    costs one projection and one MAP call. When MAP returns nothing new for an
+    updated d, a fresh one is drawn; when it returns nothing new for a fresh
+    one, the span is certified: where u is differentiable it lies in the
+    face's relative interior, so face vertices outside the rows' hull lie on
+    both sides of it, and a random d orthogonal to the rows' span sees one
+    unless the spans coincide. At a kink the rows then span the face left tied
+    at theta + delta d (a one-sided derivative). A vertex that does not tie at
     theta means eps was too large: it shrinks (and stays shrunk); below
     FACE_MIN tie tolerances, FACE_UNRESOLVED. At most ``budget`` MAP calls
     (ws.n_map counts them) and FACE_MAX_ROWS rows, else FACE_BUDGET.
