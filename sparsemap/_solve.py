@@ -519,7 +519,7 @@ def _default_jobs():
 
 
 def _holds_gil(factors):
-    """Whether solving for ``factors`` (one Factor or a sequence) runs Python with the GIL
+    """Whether solving for ``factors`` (one Factor or an iterable) runs Python with the GIL
     held: an :class:`OracleFactor`'s MAP, scores and columns are Python callbacks, so
     threads would only queue for the GIL (and pay to hand it over)."""
     if isinstance(factors, Factor):

@@ -1462,7 +1462,7 @@ def _in_threads(fn, layout, n_jobs):
     jvp / vjp, run without the GIL), largest graphs first; by default one thread when a
     graph holds an OracleFactor (its callbacks hold the GIL)."""
     return _parallel(fn, layout.B, layout.costs, n_jobs,
-                     [f for fs in layout.factors for f in fs])
+                     (f for fs in layout.factors for f in fs))
 
 
 def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):

@@ -11,6 +11,7 @@ import numbers
 import numpy as np
 
 from libc.math cimport INFINITY
+from libc.string cimport memcpy
 
 class _NoAllowedStructure(ValueError):
     """Every structure uses a forbidden part (MAP on masked scores)."""
@@ -100,10 +101,11 @@ cdef class Factor:
             raise NotImplementedError(f"{type(self).__name__} does not implement add_column")
 
     cdef int c_valid(self, const int* s) except -1 nogil:
+        cdef int[::1] view
         with gil:
             arr = np.empty(self.struct_size, dtype=np.intc)
-            for i in range(self.struct_size):
-                arr[i] = s[i]
+            view = arr
+            memcpy(&view[0], s, self.struct_size * sizeof(int))
             try:
                 self._validate_structure(arr, "s")
             except ValueError:
