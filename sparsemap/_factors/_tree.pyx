@@ -225,6 +225,65 @@ cdef class TreeFactor(Factor):
 # holds them all, and only that supernode takes a root arc: exactly one word
 # is attached to the root, and no big penalty constant is involved.
 # ---------------------------------------------------------------------------
+cdef extern from *:
+    """
+    /* Merge a cycle member's in-arc row into the cycle's (Chu-Liu-Edmonds):
+       row0[j] = max(row0[j], row[j] - off), its modifier taken from mrow[j]
+       (or v when mrow is NULL) where the member wins. Written with selects, not
+       branches: at flat scores each comparison is a coin flip, and the compiler
+       turns this form into branch-free (vectorised) code. */
+    static void sm_merge_row(double* row0, int* mrow0, const double* row,
+                             const int* mrow, int v, double off, int n) {
+        int j, mask;
+        double val, old;
+        for (j = 0; j < n; j++) {
+            val = row[j] - off;
+            old = row0[j];
+            /* mask: all ones where the member wins (a mask, not a branch: the
+               compiler turns "take ? a : b" on a stored value back into a jump) */
+            mask = -(int) (val > old);
+            row0[j] = val > old ? val : old;
+            mrow0[j] ^= (mrow0[j] ^ (mrow ? mrow[j] : v)) & mask;
+        }
+    }
+    """
+    void sm_merge_row(double* row0, int* mrow0, const double* row, const int* mrow,
+                      int v, double off, int n) noexcept nogil
+
+
+cdef inline int _first_argmax(const double* row, int lo, int hi, double* best) noexcept nogil:
+    """First index of the maximum of row[lo:hi] (its value into best); -1 when none
+    exceeds -inf. Four interleaved chains, each keeping its first maximum, shorten
+    the compare-and-select dependency chain; the lowest index among the chains
+    that reach the overall maximum is the first one."""
+    cdef int j, i, b = -1
+    cdef double bv = -INFINITY
+    cdef int[4] bi
+    cdef double[4] v
+    for i in range(4):
+        bi[i] = -1
+        v[i] = -INFINITY
+    j = lo
+    while j + 4 <= hi:
+        for i in range(4):
+            if row[j + i] > v[i]:
+                v[i] = row[j + i]
+                bi[i] = j + i
+        j += 4
+    while j < hi:
+        # the tail's indices exceed every earlier one: chain 0 still keeps its first
+        if row[j] > v[0]:
+            v[0] = row[j]
+            bi[0] = j
+        j += 1
+    for i in range(4):
+        if v[i] > bv or (v[i] == bv and bi[i] >= 0 and (b < 0 or bi[i] < b)):
+            bv = v[i]
+            b = bi[i]
+    best[0] = bv
+    return b
+
+
 cdef int _cle(const double* eta, int n, bint single_root, int* out,
               char* work) noexcept nogil:
     """Best arborescence into out; 1 when every one uses a forbidden (-inf) arc."""
@@ -292,13 +351,9 @@ cdef int _cle(const double* eta, int n, bint single_root, int* out,
             # single_root, any word beats the root, which x takes only once it
             # holds every word (all other entries -inf)
             row = T + cs * N
-            b = 0
-            bs = -INFINITY if single_root else row[0]
-            for j in range(1, N):
-                if row[j] > bs:
-                    bs = row[j]
-                    b = j
-            if b == 0:
+            b = _first_argmax(row, 1, N, &bs)
+            if b < 0 or not (single_root or bs > row[0]):
+                b = 0
                 bs = row[0]
             if bs == -INFINITY:
                 # No allowed arc enters x: every tree uses a forbidden arc.
@@ -355,18 +410,9 @@ cdef int _cle(const double* eta, int n, bint single_root, int* out,
                 off = in_score[y]
                 row = T + v * N
                 if y >= N:
-                    mrow = M + v * N
-                    for j in range(N):
-                        val = row[j] - off
-                        if val > row0[j]:
-                            row0[j] = val
-                            mrow0[j] = mrow[j]
+                    sm_merge_row(row0, mrow0, row, M + v * N, v, off, N)
                 else:
-                    for j in range(N):
-                        val = row[j] - off
-                        if val > row0[j]:
-                            row0[j] = val
-                            mrow0[j] = v
+                    sm_merge_row(row0, mrow0, row, NULL, v, off, N)
                 state[v] = DEAD
             # words inside c are not heads of arcs into c
             z = first_word[c]
