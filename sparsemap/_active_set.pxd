@@ -57,10 +57,10 @@ cdef class _Workspace:
     cdef int _insert(self, const int* s, double w) except -1 nogil
     cdef int _rebuild(self) except -1 nogil
     cdef int _compute_u(self, const double* w, bint with_v) except -1 nogil
-    cdef int _refine(self) except -1 nogil
+    cdef int _refine(self, double below) except -1 nogil
     cdef double _linear(self) noexcept nogil
     cdef double _linear_abs(self) noexcept nogil
-    cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil
+    cdef int _gap(self, double* gap, double* scale, double* obj, bint have_u=*) except -1 nogil
     cdef int _start(self, const int* S, Py_ssize_t n, const double* weights) except -1 nogil
     cdef void _drop_below(self, double threshold) noexcept nogil
     cdef int _rescore(self, const double* eta_u, const double* eta_v) except -1 nogil

@@ -51,8 +51,12 @@ cdef enum:
     RING = 64     # supports remembered from the last MAP calls, to detect cycles
 
 # Near convergence (last gap below this, relative), each relaxed KKT solution
-# gets one step of iterative refinement.
+# gets one step of iterative refinement, unless its KKT residual (the spread of
+# the active structures' adjusted scores, which adds at most itself to the gap)
+# is below REFINE_SKIP times the last gap: then the correction (two triangular
+# solves) cannot be what the gap waits for.
 cdef double REFINE_BELOW = 1e-6
+cdef double REFINE_SKIP = 1e-3
 
 # Termination codes, shared with the conditional-gradient solvers and solve().
 cdef enum:
@@ -425,7 +429,7 @@ cdef class _Workspace:
                          self.v if (with_v and self.n_v) else NULL)
         return 0
 
-    cdef int _refine(self) except -1 nogil:
+    cdef int _refine(self, double below) except -1 nogil:
         """One step of iterative refinement of the relaxed KKT solution yhat.
 
         At the relaxed optimum every active structure has the same adjusted
@@ -433,15 +437,21 @@ cdef class _Workspace:
         round-off, which an ill-conditioned G_c amplifies. Solving
         G_c d = r - rho 1 with 1^T d = 0 (one forward and one backward solve
         with the kept factor) removes it; yhat stays on the affine hull.
+        A spread of at most ``below`` is left alone: then yhat is unchanged
+        and u = M yhat, and 1 is returned (else 0).
         """
         cdef Py_ssize_t t, n = self.nI
-        cdef double g
+        cdef double g, lo = INFINITY, hi = -INFINITY
         if n < 2:
             return 0
         self._compute_u(self.yhat, False)
         for t in range(n):
             self.f.c_score(self.S + t * self.k, self.u, NULL, &g)
             self.x1[t] = self.theta[t] - g
+            lo = min(lo, self.x1[t])
+            hi = max(hi, self.x1[t])
+        if hi - lo <= below:
+            return 1
         # that d is D r with D = Z - Z 1 1^T Z / 1^T Z 1, Z = G_c^{-1} (Prop. 1)
         self._jacobian(self.x1)
         for t in range(n):
@@ -464,11 +474,15 @@ cdef class _Workspace:
             acc += self.y[t] * self.theta_abs[t]
         return acc
 
-    cdef int _gap(self, double* gap, double* scale, double* obj) except -1 nogil:
-        """MAP at the adjusted scores eta_u - u; Wolfe gap into gap, MAP into snew."""
+    cdef int _gap(self, double* gap, double* scale, double* obj, bint have_u=False) except -1 nogil:
+        """MAP at the adjusted scores eta_u - u; Wolfe gap into gap, MAP into snew.
+
+        With have_u, ws.u already holds M y (no recomputation).
+        """
         cdef Py_ssize_t j
         cdef double best, lin, usq
-        self._compute_u(self.y, False)
+        if not have_u:
+            self._compute_u(self.y, False)
         usq = 0.0
         for j in range(self.n_u):
             self.adj[j] = self.eta_u[j] - self.u[j]
@@ -631,12 +645,14 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
     cdef int status = RUNNING
     cdef double gap = INFINITY, scale = 1.0, obj = 0.0, gamma, ratio, ymin
     cdef double t0 = _now()
-    cdef bint fresh_gap, has_nan, stop
+    cdef bint fresh_gap, has_nan, stop, u_yhat
     while True:
         # -- one iteration: relaxed KKT, then either a MAP call or a step -----------
         ws._relaxed_kkt()
+        u_yhat = False
         if last_gap <= REFINE_BELOW * last_scale:
-            ws._refine()
+            # a KKT residual far below the gap cannot be what keeps the gap open
+            u_yhat = ws._refine(REFINE_SKIP * last_gap)
         ymin = INFINITY
         has_nan = False
         for t in range(ws.nI):
@@ -656,7 +672,7 @@ cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
         fresh_gap = False
         if ymin >= 0.0:
             memcpy(ws.y, ws.yhat, ws.nI * sizeof(double))
-            ws._gap(&gap, &scale, &obj)
+            ws._gap(&gap, &scale, &obj, u_yhat)
             last_gap = gap
             last_scale = scale
             fresh_gap = True
