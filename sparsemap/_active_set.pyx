@@ -807,17 +807,21 @@ cdef inline double _uniform(unsigned long long* state) noexcept nogil:
 
 cdef void _perturb(const double* x, double eps, double* out, Py_ssize_t n,
                    unsigned long long* state) noexcept nogil:
-    """out = x + eps g, g uniform in [-1, 1)^n at 32-bit resolution (two entries per
-    draw: a probe direction needs no more, and the draws cost as much as a MAP)."""
+    """out = x + eps g (x NULL: out = eps g), g uniform in [-1, 1)^n at 32-bit
+    resolution (two entries per draw: a probe direction needs no more, and the
+    draws cost as much as a MAP)."""
     cdef Py_ssize_t j
     cdef unsigned long long z
     cdef double h = eps * (2.0 / 4294967296.0)
     for j in range(0, n - 1, 2):
         z = _bits(state)
-        out[j] = x[j] + (h * <double> (z >> 32) - eps)
-        out[j + 1] = x[j + 1] + (h * <double> (z & 0xffffffffULL) - eps)
+        out[j] = h * <double> (z >> 32) - eps
+        out[j + 1] = h * <double> (z & 0xffffffffULL) - eps
     if n % 2:
-        out[n - 1] = x[n - 1] + eps * _uniform(state)
+        out[n - 1] = eps * _uniform(state)
+    if x != NULL:
+        for j in range(n):
+            out[j] += x[j]
 
 
 cdef int _log(_Workspace ws, const int* s) except -1 nogil:
@@ -939,8 +943,10 @@ cdef int _probe_random(_Workspace ws, _Seen* seen, Py_ssize_t budget,
 cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) except -1 nogil:
     """d = g - J g for a random g (0 on forbidden parts): orthogonal to the rows' span."""
     cdef Py_ssize_t j, t, k = ws.k
+    _perturb(NULL, 1.0, d, ws.n_u, rng)
     for j in range(ws.n_u):
-        d[j] = _uniform(rng) if ws.adj[j] > -INFINITY else 0.0
+        if not (ws.adj[j] > -INFINITY):
+            d[j] = 0.0
     if ws.nI + 1 >= ws.cap:
         ws._grow(2 * ws.cap)
     for t in range(ws.nI):
@@ -1018,8 +1024,9 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                     dmax = fabs(d[j])
             if dmax == 0.0:
                 return FACE_CERTIFIED      # the rows span every direction
+            dmax = 1.0 / dmax
             for j in range(n_u):
-                d[j] = d[j] / dmax if ws.adj[j] > -INFINITY else 0.0
+                d[j] = d[j] * dmax if ws.adj[j] > -INFINITY else 0.0
             ws.f.c_score(ws.S, d, NULL, &c_d)
             while True:
                 if n_calls >= budget:
