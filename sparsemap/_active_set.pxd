@@ -3,13 +3,19 @@
 from sparsemap._factors._base cimport Factor
 
 
-# Shared by the active set and the factor graph.
+# Shared by the active set and the factor graph. Four partial sums: one running
+# sum is a chain of dependent additions, four times slower on long vectors.
 cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double acc = 0
-    for i in range(n):
-        acc += a[i] * b[i]
-    return acc
+    cdef Py_ssize_t i, m = n - n % 4
+    cdef double a0 = 0, a1 = 0, a2 = 0, a3 = 0
+    for i in range(0, m, 4):
+        a0 += a[i] * b[i]
+        a1 += a[i + 1] * b[i + 1]
+        a2 += a[i + 2] * b[i + 2]
+        a3 += a[i + 3] * b[i + 3]
+    for i in range(m, n):
+        a0 += a[i] * b[i]
+    return (a0 + a1) + (a2 + a3)
 
 
 cdef class _Workspace:

@@ -147,6 +147,48 @@ cdef int _grow_vec(double** p, Py_ssize_t n) except -1 nogil:
     return 0
 
 
+# Triangular solves with a row-major lower factor L (row stride lda). Below
+# SMALL_SOLVE rows a plain loop beats the BLAS call, whose fixed cost (argument
+# checks, a work buffer from a locked pool) is most of a small solve.
+cdef Py_ssize_t SMALL_SOLVE = 32
+
+
+cdef void _trsv_lower(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil:
+    """x <- L^{-1} x (L row-major lower = column-major upper L^T)."""
+    cdef Py_ssize_t i, j
+    cdef double acc
+    cdef const double* row
+    cdef int ni = <int> n, la = <int> lda, inc = 1
+    if n > SMALL_SOLVE:
+        dtrsv(b"U", b"T", b"N", &ni, <double*> L, &la, x, &inc)
+        return
+    for i in range(n):
+        row = L + i * lda
+        acc = x[i]
+        for j in range(i):
+            acc -= row[j] * x[j]
+        x[i] = acc / row[i]
+
+
+cdef void _trsv_upper(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil:
+    """x <- L^{-T} x."""
+    cdef Py_ssize_t i, j
+    cdef double xi
+    cdef const double* row
+    cdef int ni = <int> n, la = <int> lda, inc = 1
+    if n > SMALL_SOLVE:
+        dtrsv(b"U", b"N", b"N", &ni, <double*> L, &la, x, &inc)
+        return
+    i = n - 1
+    while i >= 0:
+        row = L + i * lda
+        xi = x[i] / row[i]
+        x[i] = xi
+        for j in range(i):
+            x[j] -= row[j] * xi
+        i -= 1
+
+
 cdef class _Workspace:
     """Support, weights and Cholesky factor of one solve (not thread-shared).
 
@@ -243,15 +285,11 @@ cdef class _Workspace:
     # -- triangular solves with the kept factor ----------------------------------
     cdef void _solve_lower(self, double* x) noexcept nogil:
         """x <- L^{-1} x (L row-major lower = column-major upper L^T)."""
-        cdef int n = <int> self.nI, lda = <int> self.cap, inc = 1
-        if n > 0:
-            dtrsv(b"U", b"T", b"N", &n, self.L, &lda, x, &inc)
+        _trsv_lower(self.L, self.cap, self.nI, x)
 
     cdef void _solve_upper(self, double* x) noexcept nogil:
         """x <- L^{-T} x."""
-        cdef int n = <int> self.nI, lda = <int> self.cap, inc = 1
-        if n > 0:
-            dtrsv(b"U", b"N", b"N", &n, self.L, &lda, x, &inc)
+        _trsv_upper(self.L, self.cap, self.nI, x)
 
     cdef void _relaxed_kkt(self) noexcept nogil:
         """Solve eq. 12 on the active set for yhat, with one triangular solve.
@@ -483,10 +521,9 @@ cdef class _Workspace:
         cdef double best, lin, usq
         if not have_u:
             self._compute_u(self.y, False)
-        usq = 0.0
         for j in range(self.n_u):
             self.adj[j] = self.eta_u[j] - self.u[j]
-            usq += self.u[j] * self.u[j]
+        usq = _dot(self.u, self.u, self.n_u)
         self.f.c_map(self.adj, self.eta_v, self.snew, self.work)
         self.n_map += 1
         self.f.c_score(self.snew, self.adj, self.eta_v, &best)
@@ -993,7 +1030,6 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     cdef double* p = ws.pert
     cdef double* d = ws.dvec
     cdef double* w = NULL
-    cdef int lda, inc = 1, ni
     cdef bint fresh = True, probed = False
     cdef _Seen seen
     cdef int status
@@ -1081,10 +1117,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
                         raise MemoryError()
             # w = m_t - M z, z = L^{-T} l (x1 still holds l = L^{-1} G_c[rows, t]): the
             # part of m_t orthogonal to the old rows' hull, so w . m_s is one constant
-            ni = <int> n
-            lda = <int> ws.cap
-            if n > 0:
-                dtrsv(b"U", b"N", b"N", &ni, ws.L, &lda, ws.x1, &inc)
+            _trsv_upper(ws.L, ws.cap, n, ws.x1)
             memset(w, 0, n_u * sizeof(double))
             ws.f.c_add(ws.snew, 1.0, w, NULL)
             for t in range(n):
@@ -2411,19 +2444,18 @@ cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noe
     As ``_Workspace._jacobian``: with w2 = L^{-1} 1 (w2 is scratch for n
     doubles) and x' = L^{-1} x, x <- L^{-T} (x' - w2 (w2.x') / (w2.w2)).
     """
-    cdef int lda = n, inc = 1
     cdef Py_ssize_t t
     cdef double a
     if n == 0:
         return
     for t in range(n):
         w2[t] = 1.0
-    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, w2, &inc)
-    dtrsv(b"U", b"T", b"N", &n, <double*> L, &lda, x, &inc)
+    _trsv_lower(L, n, n, w2)
+    _trsv_lower(L, n, n, x)
     a = _dot(w2, x, n) / _dot(w2, w2, n)
     for t in range(n):
         x[t] -= a * w2[t]
-    dtrsv(b"U", b"N", b"N", &n, <double*> L, &lda, x, &inc)
+    _trsv_upper(L, n, n, x)
 
 
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
