@@ -978,12 +978,10 @@ cdef int _probe_random(_Workspace ws, _Seen* seen, Py_ssize_t budget,
 
 
 cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) except -1 nogil:
-    """d = g - J g for a random g (0 on forbidden parts): orthogonal to the rows' span."""
-    cdef Py_ssize_t j, t, k = ws.k
+    """d = g - J g for a random g: orthogonal to the rows' span. Its entries on
+    forbidden parts (no row uses them, so J ignores them) are _complete's to zero."""
+    cdef Py_ssize_t t, k = ws.k
     _perturb(NULL, 1.0, d, ws.n_u, rng)
-    for j in range(ws.n_u):
-        if not (ws.adj[j] > -INFINITY):
-            d[j] = 0.0
     if ws.nI + 1 >= ws.cap:
         ws._grow(2 * ws.cap)
     for t in range(ws.nI):
@@ -1054,15 +1052,19 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     try:
         _fresh_direction(ws, d, &rng)
         while True:
+            # zero on forbidden parts; then scaled to max |d_j| = 1 (a loop without
+            # branches), so that the perturbation below needs none either
             dmax = 0.0
             for j in range(n_u):
-                if ws.adj[j] > -INFINITY and fabs(d[j]) > dmax:
-                    dmax = fabs(d[j])
+                if ws.adj[j] > -INFINITY:
+                    dmax = max(dmax, fabs(d[j]))
+                else:
+                    d[j] = 0.0
             if dmax == 0.0:
                 return FACE_CERTIFIED      # the rows span every direction
             dmax = 1.0 / dmax
             for j in range(n_u):
-                d[j] = d[j] * dmax if ws.adj[j] > -INFINITY else 0.0
+                d[j] *= dmax
             ws.f.c_score(ws.S, d, NULL, &c_d)
             while True:
                 if n_calls >= budget:

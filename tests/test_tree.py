@@ -180,6 +180,25 @@ def test_single_root_nonprojective_matches_networkx(n):
         assert tree_weight(eta, heads) == pytest.approx(best, abs=1e-9)
 
 
+@pytest.mark.parametrize("tied", [(3, 5), (2, 9), (4, 8), (1, 6, 7), (5, 9)])
+def test_nonprojective_ties_go_to_the_lowest_head(tied):
+    """The documented rule, derived by hand: word 10 has equal best in-arcs from
+    the words in ``tied`` (every other arc scores 0, arcs from the root 0 too, so no
+    cycle forms and every other word takes the root, which wins its ties); the
+    lowest of ``tied`` is its head, wherever the argmax's interleaved chains put
+    the tied words (positions 1..4 and 5..8 are the chains' blocks, 9 the tail)."""
+    n = 10
+    f = sm.TreeFactor(n)
+    eta = np.zeros((n + 1, n + 1))
+    eta[list(tied), 10] = 1.0
+    expected = np.zeros(n + 1, dtype=int)
+    expected[0] = -1
+    expected[10] = min(tied)
+    np.testing.assert_array_equal(f.map(eta), expected)
+    # with every arc tied, each word takes the root (index 0 before any word)
+    np.testing.assert_array_equal(f.map(np.zeros((n + 1, n + 1)))[1:], np.zeros(n, dtype=int))
+
+
 def test_single_root_with_huge_score_range():
     # A big-constant penalty on root arcs would swamp these scores.
     n = 5
