@@ -325,3 +325,27 @@ def test_factor_graph_tree_with_budgets_at_flat_scores():
             g = rng.standard_normal(len(arcs))
             assert abs(r.vjp(g)[0] @ d - g @ fd) <= 1e-6 * np.abs(g).sum()
     assert n_checked >= 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 15, open: at transition scores with exact ties (eta_v = 0, e.g. a zero-initialised "
+    "transition matrix) the optimal face holds sequences with the same unary columns but "
+    "different transitions; the eta_v part of jvp/vjp then depends on which of them the "
+    "backward set holds, and is not a one-sided derivative"))
+def test_sequence_transition_derivative_at_tied_transitions():
+    """Where u is not differentiable in eta_v (a kink), the eta_v part of the backward
+    pass must still be an element of the generalized Jacobian: along a random direction
+    it must equal one of the two one-sided derivatives (each confirmed at two steps)."""
+    f = sm.SequenceFactor(6, 3)
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        eu, ev = 0.1 * rng.standard_normal(f.shape_u), np.zeros(f.shape_v)
+        g, dv = rng.standard_normal(f.shape_u), rng.standard_normal(f.shape_v)
+        an = float(sm.solve(f, eu, ev).vjp(g)[1].ravel() @ dv.ravel())
+        val = {t: float(g.ravel() @ _u(f, eu, ev + t * dv, tol=0, max_iter=100000))
+               for t in (0.0, H, -H, 10 * H, -10 * H)}
+        plus = [(val[t] - val[0.0]) / t for t in (H, 10 * H)]
+        minus = [(val[0.0] - val[-t]) / t for t in (H, 10 * H)]
+        tol = 1e-5 * max(1.0, *map(abs, plus + minus))
+        assert abs(plus[0] - plus[1]) <= tol and abs(minus[0] - minus[1]) <= tol
+        assert min(abs(an - plus[0]), abs(an - minus[0])) <= tol, (seed, an, plus, minus)
