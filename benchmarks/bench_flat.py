@@ -131,10 +131,11 @@ def main():
     paths = [here] + ([os.path.abspath(args.compare)] if args.compare else [])
     todo = cases(args.quick)
     results = {c: [] for c in todo}     # per case: one list of answers (one per path) a round
-    slow = {}
+    slow = {}     # per case: its first round took over 2 s
     for r in range(args.rounds):
-        # Fresh processes each round: a process's memory layout can make every problem
-        # in it 10-20% slower or faster, which alternating within one pair cannot undo.
+        # Fresh processes each round: a process's placement and memory layout can make
+        # every problem in it 10-40% slower or faster, which alternating within one pair
+        # cannot undo.
         procs = [spawn(p) for p in paths]
         for case in todo:
             if r > 0 and results[case][0][0]["n"] < repeats:
@@ -146,7 +147,8 @@ def main():
             t0 = time.perf_counter()
             for i in order:
                 got[i] = ask(procs[i], list(case) + [repeats, args.budget])
-            slow[case] = slow.get(case, False) or time.perf_counter() - t0 > 2.0
+            if r == 0:
+                slow[case] = time.perf_counter() - t0 > 2.0
             results[case].append([got[i] for i in range(len(paths))])
         for p in procs:
             p.stdin.close()

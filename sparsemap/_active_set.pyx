@@ -898,20 +898,27 @@ cdef int _seen_init(_Seen* seen, Py_ssize_t expected) except -1 nogil:
     return 0
 
 
+cdef inline Py_ssize_t _seen_slot(const unsigned long long* table, Py_ssize_t m,
+                                  unsigned long long h) noexcept nogil:
+    """The slot of h in a table of size m (a power of 2): h's own, or the empty one
+    where it goes (linear probing)."""
+    cdef Py_ssize_t i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
+    while table[i] != 0 and table[i] != h:
+        i = (i + 1) & (m - 1)
+    return i
+
+
 cdef int _seen_add(_Seen* seen, const int* s, Py_ssize_t k) except -1 nogil:
     """Add s; 1 if it is new, 0 if it was there."""
     cdef unsigned long long h = _hash_structure(s, k) | 1
-    cdef unsigned long long* old
-    cdef Py_ssize_t i, j, m = seen.m
-    i = <Py_ssize_t> (h & <unsigned long long> (m - 1))
-    while seen.table[i] != 0:
-        if seen.table[i] == h:
-            return 0
-        i = (i + 1) & (m - 1)
-    seen.table[i] = h
+    cdef unsigned long long* old = seen.table
+    cdef Py_ssize_t j, m = seen.m
+    cdef Py_ssize_t i = _seen_slot(old, m, h)
+    if old[i] == h:
+        return 0
+    old[i] = h
     seen.count += 1
     if 2 * seen.count > m:
-        old = seen.table
         seen.table = <unsigned long long*> calloc(2 * m, sizeof(unsigned long long))
         if seen.table == NULL:
             seen.table = old
@@ -920,10 +927,7 @@ cdef int _seen_add(_Seen* seen, const int* s, Py_ssize_t k) except -1 nogil:
         seen.m = 2 * m
         for j in range(m):
             if old[j] != 0:
-                i = <Py_ssize_t> (old[j] & <unsigned long long> (2 * m - 1))
-                while seen.table[i] != 0:
-                    i = (i + 1) & (2 * m - 1)
-                seen.table[i] = old[j]
+                seen.table[_seen_slot(seen.table, 2 * m, old[j])] = old[j]
         free(old)
     return 1
 

@@ -239,8 +239,8 @@ cdef extern from *:
         for (j = 0; j < n; j++) {
             val = row[j] - off;
             old = row0[j];
-            /* mask: all ones where the member wins (a mask, not a branch: the
-               compiler turns "take ? a : b" on a stored value back into a jump) */
+            /* all ones where the member wins ("take ? a : b" on the stored value
+               compiles back into a jump) */
             mask = -(int) (val > old);
             row0[j] = val > old ? val : old;
             mrow0[j] ^= (mrow0[j] ^ (mrow ? mrow[j] : v)) & mask;
