@@ -1,7 +1,9 @@
 """Solve + backward at flat scores: the cost of exact derivatives (face completion).
 
 For each (family, words, scale) the script times ``sm.solve(f, eta)`` followed by one
-``r.vjp(g)`` on random scores ``scale * randn`` (fixed seeds), and prints medians over
+``r.vjp(g)`` on random scores ``scale * randn`` (fixed seeds; ``eta_v`` None, except for
+``sequence-v``, whose transition scores are random too: ``sequence`` at ``eta_v = 0`` pays
+for untying its tied transitions on the ``vjp``), and prints medians over
 repeats with the support and backward-set sizes. With ``--compare PATH`` it also runs
 itself on the checkout at PATH (e.g. the main branch) in a subprocess and prints both
 medians and their ratio (this checkout / PATH); the two runs alternate, problem by
@@ -37,6 +39,8 @@ FAMILIES = {
     "tree": lambda n: __import__("sparsemap").TreeFactor(n),
     "tree-proj": lambda n: __import__("sparsemap").TreeFactor(n, projective=True),
     "sequence": lambda n: __import__("sparsemap").SequenceFactor(n, 8),
+    # with transition scores of the unary scores' scale (no ties in eta_v to break)
+    "sequence-v": lambda n: __import__("sparsemap").SequenceFactor(n, 8),
     "matching": lambda n: __import__("sparsemap").MatchingFactor(n, n),
 }
 
@@ -49,7 +53,7 @@ def cases(quick):
     for n in ((10, 20) if quick else (10, 20, 50, 100)):
         out.append(("tree", n, 0.01))
     out.append(("tree-proj", 20, 0.1))
-    for fam, n in (("sequence", 30), ("matching", 12)):
+    for fam, n in (("sequence", 30), ("sequence-v", 30), ("matching", 12)):
         for scale in (1.0, 0.1):
             out.append((fam, n, scale))
     return out
@@ -73,13 +77,14 @@ def time_case(fam, n, scale, repeats, budget):
     for seed in range(repeats):
         rng = np.random.default_rng(seed)
         eta = scale * rng.standard_normal(f.shape_u)
+        eta_v = scale * rng.standard_normal(f.shape_v) if fam.endswith("-v") else None
         g = rng.standard_normal(f.shape_u)
         best, runs, spent = np.inf, 0, 0.0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             while runs < INNER_MAX and (runs == 0 or spent < INNER_SECONDS):
                 t0 = time.thread_time()
-                r = sm.solve(f, eta)
+                r = sm.solve(f, eta, eta_v)
                 r.vjp(g)
                 t = time.thread_time() - t0
                 best, runs, spent = min(best, t), runs + 1, spent + t
@@ -154,7 +159,7 @@ def main():
             p.stdin.close()
             p.wait()
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    head = f"{'family':<10}{'words':>6}{'scale':>7}{'runs':>5}{'ms':>10}{'support':>9}{'backward':>9}"
+    head = f"{'family':<11}{'words':>6}{'scale':>7}{'runs':>5}{'ms':>10}{'support':>9}{'backward':>9}"
     if len(paths) > 1:
         head += f"{'ms other':>10}{'support':>9}{'ratio':>7}"
     print(head)
@@ -163,7 +168,7 @@ def main():
         rounds = results[case]
         a = rounds[0][0]
         ms = 1e3 * np.median([rr[0]["median"] for rr in rounds])
-        line = (f"{fam:<10}{n:>6}{scale:>7g}{a['n']:>5}{ms:>10.2f}{a['support']:>9.0f}"
+        line = (f"{fam:<11}{n:>6}{scale:>7g}{a['n']:>5}{ms:>10.2f}{a['support']:>9.0f}"
                 f"{a['backward']:>9.0f}")
         if len(paths) > 1:
             b = rounds[0][1]

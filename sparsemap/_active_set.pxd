@@ -39,6 +39,9 @@ cdef class _Workspace:
     cdef double* adj           # eta_u - u
     cdef double* dvec          # face completion: the probing direction (n_u)
     cdef double* pert          # face completion: perturbed scores (n_u)
+    cdef double* rv            # untying: the tie-breaking direction (n_v)
+    cdef double* pv            # untying: perturbed eta_v (n_v)
+    cdef double* qv            # untying: eta_v perturbed again, to probe (n_v)
     cdef int* log              # with log_on, every structure _run inserted (n_log x k):
     cdef Py_ssize_t n_log, cap_log   # the first candidates of the face completion
     cdef bint log_on
@@ -75,9 +78,17 @@ cdef class _Workspace:
     cdef object _export(self)
 
 
+# The scales of a face completion: the maximum adjusted score, the tie tolerance
+# and the last perturbation size that stayed in the face.
+cdef struct _FaceScale:
+    double s_ref, tau, eps
+
+
 # Face completion after a converged solve (weight-0 rows appended): returns
-# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED.
-cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
+# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED; its scales into fs (or NULL);
+# u: the solution's u (NULL: the rows' M y).
+cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
+                   const double* u=*) except -1 nogil
 
 
 # The loop: runs until converged, stalled or max_iter; hist (or NULL) gets

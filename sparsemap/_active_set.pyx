@@ -207,7 +207,7 @@ cdef class _Workspace:
         self.hash = 0
         self.callback = NULL
         self.S = NULL
-        self.dvec = self.pert = NULL
+        self.dvec = self.pert = self.rv = NULL
         self.log = NULL
         self.n_log = self.cap_log = 0
         self.log_on = False
@@ -218,13 +218,17 @@ cdef class _Workspace:
         self.dvec = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.pert = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
+        # rv, pv and qv: one block
+        self.rv = <double*> malloc((3 * self.n_v + 1) * sizeof(double))
+        self.pv = self.rv + self.n_v
+        self.qv = self.pv + self.n_v
         self.abs_eu = <double*> malloc((self.n_u + self.n_v + 1) * sizeof(double))
         self.abs_ev = (self.abs_eu + self.n_u) if self.n_v else NULL
         self.snew = <int*> malloc(self.k * sizeof(int))
         # 16-byte aligned scratch for c_map
         self.work = <char*> malloc(f.work_bytes + 16)
         if (self.u == NULL or self.adj == NULL or self.v == NULL or self.snew == NULL
-                or self.dvec == NULL or self.pert == NULL
+                or self.dvec == NULL or self.pert == NULL or self.rv == NULL
                 or self.work == NULL or self.abs_eu == NULL):
             raise MemoryError()
         self._grow(cap if cap > 4 else 4)
@@ -234,6 +238,7 @@ cdef class _Workspace:
         free(self.x1); free(self.w1); free(self.w2); free(self.rot); free(self.u)
         free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
+        free(self.rv)
         free(self.log)
 
     cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
@@ -806,9 +811,10 @@ cdef enum:
     FACE_CERTIFIED = 0    # a round of random directions found nothing new
     FACE_BUDGET = 1       # the MAP budget ran out first
     FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
+    FACE_FIBERED = 3      # certified, but n is not affine in m on the face: to untie
 
-FACE_STATUS_CERTIFIED, FACE_STATUS_BUDGET, FACE_STATUS_UNRESOLVED = (
-    FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED)
+FACE_STATUS_CERTIFIED, FACE_STATUS_BUDGET, FACE_STATUS_UNRESOLVED, FACE_STATUS_FIBERED = (
+    FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED, FACE_FIBERED)
 
 # Scores within FACE_TIE * max(1, |score|) (plus the solve's gap) of the maximum tie.
 cdef double FACE_TIE = 1e-10
@@ -996,7 +1002,8 @@ cdef int _fresh_direction(_Workspace ws, double* d, unsigned long long* rng) exc
     return 0
 
 
-cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil:
+cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
+                   const double* u=NULL) except -1 nogil:
     """Append weight-0 rows to a solved workspace until they span the optimal face.
 
     With theta = eta_u - u (eta_v unchanged), every face vertex scores the
@@ -1024,7 +1031,10 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     at theta + delta d (a one-sided derivative). A vertex that does not tie at
     theta means eps was too large: it shrinks (and stays shrunk); below
     FACE_MIN tie tolerances, FACE_UNRESOLVED. At most ``budget`` MAP calls
-    (ws.n_map counts them) and FACE_MAX_ROWS rows, else FACE_BUDGET.
+    (ws.n_map counts them) and FACE_MAX_ROWS rows, else FACE_BUDGET. fs (if
+    not NULL) gets s*, the tie tolerance and the last eps (s_ref = -inf: no
+    completion ran). u (if not NULL) is the solution's u, for rows that are a
+    face's vertices without weights that give it (_untie).
     """
     cdef Py_ssize_t j, t, n_u = ws.n_u, k = ws.k, n_calls = 0, n
     cdef unsigned long long rng = FACE_SEED
@@ -1035,9 +1045,14 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     cdef bint fresh = True, probed = False
     cdef _Seen seen
     cdef int status
+    if fs != NULL:
+        fs.s_ref = -INFINITY
     if ws.nI == 0 or n_u == 0:
         return FACE_CERTIFIED
-    ws._compute_u(ws.y, False)
+    if u == NULL:
+        ws._compute_u(ws.y, False)
+    else:
+        memcpy(ws.u, u, n_u * sizeof(double))
     for j in range(n_u):
         ws.adj[j] = ws.eta_u[j] - ws.u[j]
     # the score scale: |a_t| . |eta| (kept as theta_abs), at least 1
@@ -1139,6 +1154,217 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
     finally:
         free(w)
         free(seen.table)
+        if fs != NULL:
+            fs.s_ref = s_ref
+            fs.tau = tau
+            fs.eps = eps
+
+
+
+# -- untying: the eta_v part where n is not a function of m on the face -------------
+# The completion spans the optimal face in u-space, which fixes du/deta_u. The eta_v
+# part, M_I D N_I^T, is the derivative only where n is an affine function of m on the
+# face's vertices. Where it is not, the face has "fibers" (at tied transition scores,
+# the crossovers of two optimal sequences have the unary columns of the pair they
+# cross and other transitions): the eta_v part then depends on which vertices I holds,
+# and u has a kink in eta_v. There the backward set is that of a solve at
+# eta_v + delta r, for a fixed pseudo-random direction r (tie_direction): the
+# Jacobian of the affine piece u follows from eta along r, a one-sided derivative and
+# an element of the B-subdifferential.
+
+# The direction r, and the one that certifies the untied face (any other draw).
+cdef unsigned long long TIE_SEED = 0x71e5eed2018ULL
+cdef unsigned long long TIE_CHECK_SEED = 0xc4ec75eed2018ULL
+# The first delta, relative to the score scale: large, since a solve at eta_v + delta r
+# takes fewer iterations the larger delta is (about 1800 at 1e-6, 1200 at 1e-3 for a
+# sequence of 15 x 5 at scale 0.1), and shrunk by 8 while u is not affine on
+# [0, delta] along r (past the piece: breakpoints were at 1e-3 to 1e-2 there). Median
+# untying times over 4 seeds, 1e-4 / 1e-3 / 1e-2 / 1e-1: 15 x 5 at scale 0.1: 7.0 /
+# 3.2 / 1.6 / 1.5 ms; 30 x 8 at scale 1: 1.1 / 0.7 / 0.9 / 1.1 ms.
+cdef double UNTIE_DELTA = 1e-2
+# Attempts at delta (shrunk by 8, or grown by 4 when ties are left at delta r) before
+# FACE_UNRESOLVED.
+cdef Py_ssize_t UNTIE_TRIES = 8
+# Check (a) of _untie: weights down to -UNTIE_YTOL, and M y0 = u0 to UNTIE_YTOL max(1, |u0|).
+cdef double UNTIE_YTOL = 1e-9
+
+
+cdef void _tie_direction(double* r, Py_ssize_t n, unsigned long long seed) noexcept nogil:
+    """r <- n draws uniform in [-1, 1) from a fixed seed."""
+    cdef unsigned long long state = seed
+    _perturb(NULL, 1.0, r, n, &state)
+
+
+def tie_direction(Factor factor):
+    """The direction ``r`` that breaks ties in ``eta_v`` (see ``_untie``), flat."""
+    out = np.empty(factor.n_v)
+    cdef double[::1] o = out
+    if factor.n_v:
+        _tie_direction(&o[0], factor.n_v, TIE_SEED)
+    return out
+
+
+cdef double _v_direction(_Workspace ws, const double* r) except? -1.0 nogil:
+    """dvec <- -J_v r = -M_I D N_I^T r on the rows (as a jvp along (0, r)); returns c,
+    the rows' common value of phi_s = r . n_s - (J_v r) . m_s (Prop. 1 ties it)."""
+    cdef Py_ssize_t t, k = ws.k
+    cdef double c
+    if ws.nI + 1 >= ws.cap:
+        ws._grow(2 * ws.cap)
+    memset(ws.dvec, 0, ws.n_u * sizeof(double))
+    for t in range(ws.nI):
+        ws.f.c_score(ws.S + t * k, ws.dvec, r, &ws.x1[t])
+    ws._jacobian(ws.x1)
+    for t in range(ws.nI):
+        ws.f.c_add(ws.S + t * k, -ws.x1[t], ws.dvec, NULL)
+    ws.f.c_score(ws.S, ws.dvec, r, &c)
+    return c
+
+
+cdef int _fibered(_Workspace ws, const double* r, _FaceScale* fs) except -1 nogil:
+    """Whether the face holds a vertex off the affine map m -> n that the rows fix.
+
+    For a completed workspace (adj = eta_u - u, rows spanning the face in u-space)
+    and its scales fs. phi_s = r . n_s - (J_v r) . m_s is one constant c on the
+    rows, hence on the whole face if n is affine in m there; MAP at
+    theta + eps [-J_v r; r] and at theta - eps [-J_v r; r] returns the face's
+    maximiser and minimiser of phi. Returns 1 if one of them is off c beyond the
+    tie tolerance, 0 if neither is (two MAP calls; for a random r, a fiber is seen
+    with probability 1), 2 if eps shrank below FACE_MIN tie tolerances first.
+    """
+    cdef Py_ssize_t j
+    cdef double c = _v_direction(ws, r), st, ph, sign, eps = fs.eps
+    cdef int side
+    for side in range(2):
+        sign = 1.0 if side == 0 else -1.0
+        while True:
+            for j in range(ws.n_u):
+                ws.pert[j] = ws.adj[j] + (sign * eps) * ws.dvec[j]
+            for j in range(ws.n_v):
+                ws.qv[j] = ws.eta_v[j] + (sign * eps) * r[j]
+            ws.f.c_map(ws.pert, ws.qv, ws.snew, ws.work)
+            ws.n_map += 1
+            ws.f.c_score(ws.snew, ws.adj, ws.eta_v, &st)
+            if st - fs.s_ref >= -fs.tau:
+                break
+            eps /= 4          # past the face's margin (J_v r can be large)
+            if eps < FACE_MIN * fs.tau:
+                return 2
+        ws.f.c_score(ws.snew, ws.dvec, r, &ph)
+        if sign * (ph - c) * eps > FACE_SEE * fs.tau:
+            return 1
+    return 0
+
+
+cdef void _drop_completion(_Workspace ws) noexcept nogil:
+    """Drop the trailing weight-0 rows (a face completion's): the leading block of the
+    Cholesky factor, and of w2, is that of the rows kept."""
+    while ws.nI > 1 and not (ws.y[ws.nI - 1] > 0.0):
+        ws.nI -= 1
+        ws.hash -= _hash_structure(ws.S + ws.nI * ws.k, ws.k)
+
+
+cdef int _untie(_Workspace ws, const double* u0, Py_ssize_t max_iter, double tol,
+                const _FaceScale* fs) except -1 nogil:
+    """Make the rows a backward set for eta_v + 0+ r (r: TIE_SEED's direction).
+
+    For a completed workspace whose face F is fibered (_fibered), u0 the
+    solve's u and fs its completion's scales. Warm-started from the support,
+    solve at eta_v + delta r and complete that face F'; certified when
+
+    (a) the support's weights, moved back along their own derivative
+        (Prop. 1 on the support: dy = D N^T r), y0 = y - delta dy, are
+        nonnegative and give u0 (M y0 = u0): then (u(t), y(t)) =
+        (M y(t), y + (t - delta) dy) satisfies the KKT conditions for every
+        t in [0, delta] (every score is affine in t along it, and at most the
+        maximum at both ends), so u is affine on the segment;
+    (b) every row of F' ties at eta (F' lies in F): then the face at
+        eta + t r is F' for every t in (0, delta), and J (Prop. 1 on F') is
+        the limit of the Jacobians there, an element of the B-subdifferential.
+
+    Else delta was past the piece u follows from eta along r: it shrinks by 8.
+    (a) is needed: on a sequence, u(delta) - u0 = delta J r held past a
+    breakpoint where J changed. The first delta is UNTIE_DELTA of the score
+    scale. (c) F' must not be fibered itself, along another random direction
+    (_fibered; inconclusive when the pieces along r are thin cones). The
+    workspace's u, y and v are then the perturbed solve's: the caller keeps
+    the solve's support. Returns FACE_CERTIFIED, or FACE_BUDGET /
+    FACE_UNRESOLVED.
+    """
+    cdef const double* ev = ws.eta_v
+    cdef void* callback = ws.callback
+    cdef int face
+    ws.callback = NULL          # the user's callback sees the solve's iterations only
+    try:
+        face = _untie_tries(ws, ev, u0, max_iter, tol, fs)
+    finally:
+        ws.callback = callback
+        ws._set_eta(ws.eta_u, ev)
+    return face
+
+
+cdef bint _extends_back(_Workspace ws, const double* u0, double delta) except -1 nogil:
+    """_untie's check (a): y - delta dy >= 0 and M (y - delta dy) = u0 on the support
+    (the leading rows of weight > 0; dy = D N^T r with r in ws.rv). Uses x1, pert."""
+    cdef Py_ssize_t t, j, n = 0, nI = ws.nI, k = ws.k
+    cdef double y0, lo = 0.0, err = 0.0, ref = 1.0
+    while n < nI and ws.y[n] > 0.0:
+        n += 1
+    if ws.nI + 1 >= ws.cap:
+        ws._grow(2 * ws.cap)
+    memset(ws.pert, 0, ws.n_u * sizeof(double))
+    for t in range(n):
+        ws.f.c_score(ws.S + t * k, ws.pert, ws.rv, &ws.x1[t])
+    # Prop. 1 on the support alone: the leading block of the factor (and of w2)
+    ws.nI = n
+    ws._jacobian(ws.x1)
+    ws.nI = nI
+    for t in range(n):
+        y0 = ws.y[t] - delta * ws.x1[t]
+        lo = min(lo, y0)
+        ws.f.c_add(ws.S + t * k, y0, ws.pert, NULL)
+    for j in range(ws.n_u):
+        err = max(err, fabs(ws.pert[j] - u0[j]))
+        ref = max(ref, fabs(u0[j]))
+    return lo >= -UNTIE_YTOL and err <= UNTIE_YTOL * ref
+
+
+cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssize_t max_iter,
+                      double tol, const _FaceScale* fs) except -1 nogil:
+    """_untie's attempts at delta."""
+    cdef double delta = UNTIE_DELTA * (fs.eps / FACE_EPS), gap, obj, st
+    cdef Py_ssize_t j, t, tries, n_iter
+    cdef int status
+    cdef bint ok
+    cdef _FaceScale fs2
+    for tries in range(UNTIE_TRIES):
+        _tie_direction(ws.rv, ws.n_v, TIE_SEED)
+        for j in range(ws.n_v):
+            ws.pv[j] = ev[j] + delta * ws.rv[j]
+        _drop_completion(ws)
+        ws._rescore(ws.eta_u, ws.pv)
+        status = _run(ws, max_iter, tol, NULL, &n_iter, &gap, &obj)
+        if status != CONVERGED and status != STALLED:
+            return FACE_UNRESOLVED
+        status = _complete(ws, max_iter, gap, &fs2)
+        if status != FACE_CERTIFIED:
+            return status
+        ok = _extends_back(ws, u0, delta)
+        for j in range(ws.n_u):
+            ws.pert[j] = ws.eta_u[j] - u0[j]
+        t = 0
+        while ok and t < ws.nI:
+            ws.f.c_score(ws.S + t * ws.k, ws.pert, ev, &st)
+            ok = st - fs.s_ref >= -fs.tau
+            t += 1
+        if ok:
+            _tie_direction(ws.rv, ws.n_v, TIE_CHECK_SEED)
+            status = _fibered(ws, ws.rv, &fs2)
+            return FACE_UNRESOLVED if status == 1 else FACE_CERTIFIED
+        delta /= 8
+        if delta < FACE_MIN * fs.tau:
+            break
+    return FACE_UNRESOLVED
 
 
 # ---------------------------------------------------------------------------
@@ -1147,19 +1373,21 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap) except -1 nogil
 # ---------------------------------------------------------------------------
 
 cdef struct _Sol:
-    # Outcome of one solve. The backward set S, weights y and Cholesky factor L
-    # (n_support x n_support, row-major lower triangular) are in the solver's order,
+    # Outcome of one solve: n_support rows S with weights y, in the solver's order,
     # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
-    # the support (weights > 0); the rest, weight 0, complete it to span the optimal
-    # face. A solution of a solver that keeps no factor (CG) has no L. One malloc'ed
-    # block, buf, holds them all (NULL: nothing solved).
+    # the support (weights > 0). Rows b0.. are the backward set, with its Cholesky
+    # factor L ((n_support - b0)^2, row-major lower triangular). b0 = 0: the support,
+    # then weight-0 rows completing it to span the optimal face. b0 = n_pos: the
+    # backward set is another solve's (_untie), its rows weight 0 here. A solution of
+    # a solver that keeps no factor (CG) has no L. One malloc'ed block, buf, holds
+    # them all (NULL: nothing solved).
     void* buf
     int* S
     double* y
     double* L
     double* u
     double* v
-    Py_ssize_t n_support, n_pos, n_iter, n_map
+    Py_ssize_t n_support, n_pos, b0, n_iter, n_map
     int status
     int face            # FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED
     double gap, objective
@@ -1167,9 +1395,10 @@ cdef struct _Sol:
     bint has_cholesky
 
 
-cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, bint with_L) except -1 nogil:
-    """(Re)allocate sol's block for a support of n structures of factor f."""
-    cdef Py_ssize_t nL = n * n if with_L else 0
+cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, Py_ssize_t b0,
+                    bint with_L) except -1 nogil:
+    """(Re)allocate sol's block for n rows of factor f, the backward set from row b0."""
+    cdef Py_ssize_t nL = (n - b0) * (n - b0) if with_L else 0
     free(sol.buf)
     sol.buf = malloc((n + nL + f.n_u + f.n_v) * sizeof(double)
                      + n * f.struct_size * sizeof(int) + sizeof(double))
@@ -1183,6 +1412,7 @@ cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, bint with_L) except -1 no
     sol.S = <int*> (sol.v + f.n_v)
     sol.n_support = n
     sol.n_pos = n
+    sol.b0 = b0
     sol.has_cholesky = with_L
     return 0
 
@@ -1196,7 +1426,7 @@ cdef int _sol_copy(_Sol* dst, const _Sol* src, Factor f) except -1 nogil:
         free(dst.buf)
         dst.buf = NULL
         return 0
-    _sol_alloc(dst, f, src.n_support, src.has_cholesky)
+    _sol_alloc(dst, f, src.n_support, src.b0, src.has_cholesky)
     dst.n_pos = src.n_pos
     memcpy(dst.buf, src.buf, (<char*> (src.S + src.n_support * f.struct_size))
                              - <char*> src.buf)
@@ -1219,8 +1449,14 @@ cdef class _Solution:
 
     @property
     def n_backward(self):
-        """The backward set's size: the support and its completion to the optimal face."""
-        return self.s.n_support
+        """The backward set's size: the support and its completion to the optimal face
+        (or, where ties in eta_v were broken, the face at eta_v + delta r)."""
+        return self.s.n_support - self.s.b0
+
+    @property
+    def untied(self):
+        """Whether the backward set is that of a solve at eta_v + delta r (_untie)."""
+        return self.s.b0 > 0
 
     @property
     def face_status(self):
@@ -1256,19 +1492,21 @@ cdef class _Solution:
     def has_cholesky(self):
         return self.s.has_cholesky
 
-    def structures_array(self, bint backward=False):
-        """The support (or with ``backward`` the backward set), ``(n, struct_size)`` intc,
-        solver's order."""
+    def structures_array(self, bint backward=False, bint rows=False):
+        """The support (or with ``backward`` the backward set; with ``rows`` every
+        row kept), ``(n, struct_size)`` intc, solver's order."""
         cdef Py_ssize_t k = self.factor.struct_size
-        cdef Py_ssize_t n = self.s.n_support if backward else self.s.n_pos
-        out = np.empty((n, k), dtype=np.intc)
+        cdef Py_ssize_t a = self.s.b0 if (backward and not rows) else 0
+        cdef Py_ssize_t n = self.s.n_support if (backward or rows) else self.s.n_pos
+        out = np.empty((n - a, k), dtype=np.intc)
         cdef int[:, ::1] o = out
-        if n:
-            memcpy(&o[0, 0], self.s.S, n * k * sizeof(int))
+        if n > a:
+            memcpy(&o[0, 0], self.s.S + a * k, (n - a) * k * sizeof(int))
         return out
 
-    def weights_array(self, bint backward=False):
-        return _copy_out(self.s.y, self.s.n_support if backward else self.s.n_pos)
+    def weights_array(self, bint rows=False):
+        """The support's weights (with ``rows``, every row's)."""
+        return _copy_out(self.s.y, self.s.n_support if rows else self.s.n_pos)
 
     def u_array(self):
         return _copy_out(self.s.u, self.factor.n_u)
@@ -1280,15 +1518,15 @@ cdef class _Solution:
         """``L`` as an ``(n, n)`` array, or None."""
         if not self.s.has_cholesky:
             return None
-        return _copy_out(self.s.L, self.s.n_support * self.s.n_support).reshape(
-            self.s.n_support, self.s.n_support)
+        cdef Py_ssize_t n = self.s.n_support - self.s.b0
+        return _copy_out(self.s.L, n * n).reshape(n, n)
 
     def __reduce__(self):
         return (solution_from_arrays,
-                (self.factor, self.structures_array(True), self.weights_array(True),
+                (self.factor, self.structures_array(rows=True), self.weights_array(True),
                  self.cholesky_array(), self.u_array(), self.v_array(), self.s.n_iter,
                  self.s.n_map, self.s.status, self.s.gap, self.s.objective, self.history,
-                 self.s.n_pos, self.s.face))
+                 self.s.n_pos, self.s.face, self.s.b0))
 
 
 cdef class _Solutions:
@@ -1345,11 +1583,11 @@ cdef class _Solutions:
 
 def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssize_t n_map,
                          int status, double gap, double objective, history=None,
-                         n_pos=None, int face=FACE_CERTIFIED):
+                         n_pos=None, int face=FACE_CERTIFIED, Py_ssize_t b0=0):
     """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling).
 
-    ``S``, ``y`` and ``L`` are the backward set; its first ``n_pos`` rows (None: all)
-    are the support.
+    ``S`` and ``y`` are every row kept: the first ``n_pos`` (None: all) are the
+    support, rows ``b0``.. the backward set, whose Cholesky factor is ``L``.
     """
     cdef _Solution sol = _Solution.__new__(_Solution)
     cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc).reshape(
@@ -1359,20 +1597,30 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     cdef const double[::1] vv = np.ascontiguousarray(v, dtype=np.float64).reshape(-1)
     cdef const double[::1] Lv
     cdef Py_ssize_t n = Sv.shape[0]
+    if not 0 <= b0 <= n or yv.shape[0] != n:
+        raise ValueError(f"b0, y: expected b0 in [0, {n}] and {n} weights, got {b0}, "
+                         f"{yv.shape[0]}")
     sol.factor = factor
-    _sol_alloc(&sol.s, factor, n, L is not None)
+    _sol_alloc(&sol.s, factor, n, b0, L is not None)
     if n:
         memcpy(sol.s.S, &Sv[0, 0], n * factor.struct_size * sizeof(int))
         memcpy(sol.s.y, &yv[0], n * sizeof(double))
-        if L is not None:
+        if L is not None and n > b0:
             Lv = np.ascontiguousarray(L, dtype=np.float64).reshape(-1)
-            memcpy(sol.s.L, &Lv[0], n * n * sizeof(double))
+            if Lv.shape[0] != (n - b0) * (n - b0):
+                raise ValueError(f"L: expected {(n - b0) * (n - b0)} entries, "
+                                 f"got {Lv.shape[0]}")
+            memcpy(sol.s.L, &Lv[0], (n - b0) * (n - b0) * sizeof(double))
     memcpy(sol.s.u, &uv[0], factor.n_u * sizeof(double))
     if factor.n_v:
         memcpy(sol.s.v, &vv[0], factor.n_v * sizeof(double))
+    if b0 > 0 and n_pos is None:
+        n_pos = b0
     if n_pos is not None:
-        if not 0 <= n_pos <= n:
-            raise ValueError(f"n_pos: expected an int in [0, {n}], got {n_pos!r}")
+        if not 0 <= n_pos <= n or (b0 > 0 and n_pos != b0):
+            raise ValueError(f"n_pos: expected an int in [0, {n}]"
+                             + (f" equal to b0 = {b0}" if b0 > 0 else "")
+                             + f", got {n_pos!r}")
         sol.s.n_pos = n_pos
     sol.s.face = face
     sol.s.n_iter = n_iter
@@ -1384,20 +1632,78 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     return sol
 
 
+cdef void _copy_factor(double* L, _Workspace ws) noexcept nogil:
+    """L <- the workspace's Cholesky factor, nI x nI, row-major, zeros above."""
+    cdef Py_ssize_t n = ws.nI, i
+    for i in range(n):
+        memcpy(L + i * n, ws.L + i * ws.cap, (i + 1) * sizeof(double))
+        memset(L + i * n + i + 1, 0, (n - 1 - i) * sizeof(double))
+
+
+cdef int _export_backward(_Sol* sol, _Workspace ws) except -1 nogil:
+    """Make the workspace's rows sol's backward set (b0 = n_pos), after _untie; sol
+    (from _export_to) keeps its support, weights, u and v."""
+    cdef _Sol old = sol[0]
+    cdef Py_ssize_t p = old.n_pos, n = ws.nI, k = ws.k
+    sol.buf = NULL
+    try:
+        _sol_alloc(sol, ws.f, p + n, p, True)
+        memcpy(sol.S, old.S, p * k * sizeof(int))
+        memcpy(sol.S + p * k, ws.S, n * k * sizeof(int))
+        memcpy(sol.y, old.y, p * sizeof(double))
+        memset(sol.y + p, 0, n * sizeof(double))
+        _copy_factor(sol.L, ws)
+        memcpy(sol.u, old.u, ws.n_u * sizeof(double))
+        memcpy(sol.v, old.v, ws.n_v * sizeof(double))
+        sol.n_pos = p
+    finally:
+        free(old.buf)
+    return 0
+
+
+cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_iter,
+                 double tol, Py_ssize_t n_iter, int status, double gap, double obj,
+                 bint untie) except -1 nogil:
+    """A finished active-set loop into sol: its face completed (at most budget MAP
+    calls) where it converged or stalled, and checked for fibers (n not affine in m
+    on it). A fibered face is untied (the backward set is then _untie's) if untie,
+    else marked FACE_FIBERED: its backward set is right for eta_u only, and the
+    caller unties it when a derivative is asked for (reduce_support)."""
+    cdef Py_ssize_t n_pos = ws.nI
+    cdef int face = FACE_CERTIFIED, fib
+    cdef _FaceScale fs
+    if status == CONVERGED or status == STALLED:
+        face = _complete(ws, budget, gap, &fs)
+        if face == FACE_BUDGET and status == CONVERGED:
+            status = FACE_INCOMPLETE
+        elif face == FACE_CERTIFIED and ws.n_v > 0 and fs.s_ref > -INFINITY:
+            _tie_direction(ws.rv, ws.n_v, TIE_SEED)
+            fib = _fibered(ws, ws.rv, &fs)
+            if fib == 2:
+                face = FACE_UNRESOLVED
+            elif fib == 1 and not untie:
+                face = FACE_FIBERED
+            elif fib == 1:
+                _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
+                sol.face = _untie(ws, sol.u, max_iter, tol, &fs)
+                _export_backward(sol, ws)
+                return 0
+    _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
+    return 0
+
+
 cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, double gap,
                     double obj, Py_ssize_t n_pos, int face) except -1 nogil:
     """Copy a finished solve out of the workspace (which the next problem reuses); its
     first n_pos rows are the support, the rest (weight 0) the face completion."""
-    cdef Py_ssize_t n = ws.nI, i
+    cdef Py_ssize_t n = ws.nI
     ws._compute_u(ws.y, True)
-    _sol_alloc(sol, ws.f, n, True)
+    _sol_alloc(sol, ws.f, n, 0, True)
     sol.n_pos = n_pos
     sol.face = face
     memcpy(sol.S, ws.S, n * ws.k * sizeof(int))
     memcpy(sol.y, ws.y, n * sizeof(double))
-    for i in range(n):
-        memcpy(sol.L + i * n, ws.L + i * ws.cap, (i + 1) * sizeof(double))
-        memset(sol.L + i * n + i + 1, 0, (n - 1 - i) * sizeof(double))
+    _copy_factor(sol.L, ws)
     memcpy(sol.u, ws.u, ws.n_u * sizeof(double))
     memcpy(sol.v, ws.v, ws.n_v * sizeof(double))
     sol.n_iter = n_iter
@@ -1419,11 +1725,11 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
 
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
-                    double tol) except -1 nogil:
-    """One active-set solve into sol, its support completed to span the optimal face;
-    status INFEASIBLE when every structure is forbidden."""
-    cdef Py_ssize_t n_iter = 0, n_pos
-    cdef int face
+                    double tol, bint untie) except -1 nogil:
+    """One active-set solve into sol, its support completed to span the optimal face
+    (and a fibered face untied if untie, see _finish); status INFEASIBLE when every
+    structure is forbidden."""
+    cdef Py_ssize_t n_iter = 0
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
     _point(ws, eta_u, eta_v)
@@ -1442,14 +1748,8 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
             sol.seconds = _now() - t0
             return 0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
-    n_pos = ws.nI
-    face = FACE_CERTIFIED
-    if status == CONVERGED or status == STALLED:
-        # max_iter bounds the loop's iterations and the completion's MAP calls together
-        face = _complete(ws, max_iter - n_iter, gap)
-        if face == FACE_BUDGET and status == CONVERGED:
-            status = FACE_INCOMPLETE
-    _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
+    # max_iter bounds the loop's iterations and the completion's MAP calls together
+    _finish(ws, sol, max_iter - n_iter, max_iter, tol, n_iter, status, gap, obj, untie)
     sol.seconds = _now() - t0
     return 0
 
@@ -1732,6 +2032,7 @@ cdef class _Batch:
     cdef int kind
     cdef Py_ssize_t max_iter
     cdef double tol
+    cdef bint untie              # solves untie fibered faces (else FACE_FIBERED, see _finish)
     cdef void* callback          # Python callable called per iteration (borrowed), or NULL;
                                  # the same for every problem, set in each new workspace
     cdef long long claimed       # problems claimed from the front (high 32 bits) and back
@@ -1928,7 +2229,7 @@ cdef class _Batch:
         elif self.kind == SOLVE:
             if not (flags & HAS_BAD):
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
-                           self.max_iter, self.tol)
+                           self.max_iter, self.tol, self.untie)
             if self.padded:
                 _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
@@ -1973,7 +2274,8 @@ cdef class _Batch:
             for j in range(n_u):
                 eu[j] += self.margin * (1.0 - gu[j])            # -inf stays -inf
         if self.sparse:
-            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol)
+            # the loss's gradient is u - m_t: no backward set is used
+            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol, False)
             if p.sol.status == INFEASIBLE:
                 return _MAP_INFEASIBLE
             u = p.sol.u
@@ -2150,7 +2452,7 @@ def _add_note(exc, Py_ssize_t i):
 
 def prepare_solve(factors, etas_u, etas_v, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
-                  callback=None, out_u=None):
+                  callback=None, out_u=None, bint untie=False):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
     Inputs must be validated: their pointers are read without checks (except
@@ -2184,6 +2486,9 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         (zeros outside its block). The threads copy each block out in float64,
         scan it (a problem whose block holds nan or +inf is refused, see
         :meth:`_Batch.report`) and solve it: the padding is never read.
+    untie : bool
+        Untie fibered faces in the solve (the padded layers' backward pass
+        has no scores to do it later); else they are left ``FACE_FIBERED``.
 
     Notes
     -----
@@ -2212,6 +2517,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
+    b.untie = untie
     b.callback = NULL if callback is None else <void*> callback
     b.hists = [None] * n if return_history else None
     slots = {}
@@ -2409,7 +2715,7 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose,
 
 def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
                    const double[::1] eta_u, const double[::1] eta_v, double gap=0.0,
-                   Py_ssize_t budget=0):
+                   Py_ssize_t budget=0, double tol=1e-12):
     """Affinely independent support with the same ``u``, and its Cholesky factor.
 
     Used for the backward pass of solvers (conditional gradient) whose final
@@ -2417,18 +2723,20 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     with their weights; a dependent one shifts weight along the null direction
     (Caratheodory), exactly as when the active set meets one. With
     ``budget > 0`` the support is then completed to span the optimal face
-    (weight-0 rows, as after an active-set solve; ``gap``: the solve's).
+    (weight-0 rows, as after an active-set solve; ``gap``: the solve's), and
+    untied where ``n`` is not affine in ``m`` on the face (``tol``: the tolerance
+    of that solve at ``eta_v + delta r``).
 
     Returns
     -------
-    structures, weights, L, n_pos, face_status
-        The backward set (its first ``n_pos`` rows are the support).
+    structures, weights, L, n_pos, face_status, b0
+        Every row kept (its first ``n_pos`` rows are the support, rows ``b0``..
+        the backward set, whose Cholesky factor is ``L``).
     """
     cdef _Workspace ws = _Workspace(factor, structures.shape[0] + 4)
     cdef Py_ssize_t t
     cdef double wmax = 0.0
     cdef Py_ssize_t n_pos
-    cdef int face
     _point(ws, &eta_u[0] if factor.n_u else NULL, &eta_v[0] if factor.n_v else NULL)
     ws._start(&structures[0, 0], structures.shape[0], &weights[0])
     # exact ties in the ratio tests leave round-off weights behind
@@ -2436,12 +2744,16 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
         wmax = max(wmax, ws.y[t])
     ws._drop_below(1e-14 * wmax)
     n_pos = ws.nI
-    face = FACE_CERTIFIED
-    if budget > 0:
-        with nogil:
-            face = _complete(ws, budget, gap)
-    S, y, L = ws._export()
-    return S, y / y.sum(), L, n_pos, face
+    if budget == 0:
+        S, y, L = ws._export()
+        return S, y / y.sum(), L, n_pos, FACE_CERTIFIED, 0
+    cdef _Solution sol = _Solution.__new__(_Solution)
+    sol.factor = factor
+    with nogil:
+        _finish(ws, &sol.s, budget, budget, tol, 0, CONVERGED, gap, 0.0, True)
+    y = sol.weights_array(True)
+    return (sol.structures_array(rows=True), y / y.sum(), sol.cholesky_array(),
+            sol.s.n_pos, sol.s.face, sol.s.b0)
 
 
 cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noexcept nogil:
@@ -2472,15 +2784,16 @@ cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const do
     out_u = sum_t x_t m_t, plus out_v = sum_t x_t n_t when out_v is not NULL.
     x is scratch for 2 |I| doubles. O(|I| n + |I|^2).
     """
-    cdef Py_ssize_t n = sol.n_support, k = f.struct_size, t
+    cdef Py_ssize_t n = sol.n_support - sol.b0, k = f.struct_size, t
+    cdef const int* S = sol.S + sol.b0 * k
     memset(out_u, 0, f.n_u * sizeof(double))
     if out_v != NULL:
         memset(out_v, 0, f.n_v * sizeof(double))
     for t in range(n):
-        f.c_score(sol.S + t * k, in_u, in_v, &x[t])
+        f.c_score(S + t * k, in_u, in_v, &x[t])
     _jacobian_transform(sol.L, <int> n, x, x + n)
     for t in range(n):
-        f.c_add(sol.S + t * k, x[t], out_u, out_v)
+        f.c_add(S + t * k, x[t], out_u, out_v)
     return 0
 
 
@@ -2568,3 +2881,4 @@ def prepare_loss(factors, etas_u, etas_v, targets, double margin, bint sparse,
         p.value = &vals[i]
         vals[i] = 0.0
     return b
+

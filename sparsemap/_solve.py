@@ -106,10 +106,13 @@ class SparseMAPResult:
         self.factor = factor
         self.method = method
         self._sol = solution
-        # CG keeps no Cholesky factor: the backward pass reduces the support
-        # once, which needs the scores.
-        self._eta = None if solution.has_cholesky else eta
-        self._backward = solution if solution.has_cholesky else None
+        # CG keeps no Cholesky factor, and a face where n is not affine in m is
+        # untied when first differentiated: the backward pass then reduces the
+        # support once, which needs the scores.
+        lazy = (not solution.has_cholesky
+                or solution.face_status == _active_set.FACE_STATUS_FIBERED)
+        self._eta = eta if lazy else None
+        self._backward = None if lazy else solution
         self._u = self._v = self._order = self._weights = self._structures = None
         self._history = None
 
@@ -196,15 +199,16 @@ class SparseMAPResult:
 
     def _backward_solution(self):
         if self._backward is None:
-            # CG may end on an affinely dependent support: reduce it (same u).
+            # CG may end on an affinely dependent support: reduce it (same u), and
+            # complete and untie its face (as an active-set solve does).
             eu, ev, max_iter = self._eta
-            S, y, L, n_pos, face = _active_set.reduce_support(
+            S, y, L, n_pos, face, b0 = _active_set.reduce_support(
                 self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
                 np.zeros(self.factor.n_v) if ev is None else ev, max(self._sol.gap, 0.0),
                 max_iter)
             self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
-                                                  None, n_pos, face)
+                                                  None, n_pos, face, b0)
             if face == _active_set.FACE_STATUS_BUDGET:
                 warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
                      "that the backward set spans the optimal face; jvp/vjp may be "
@@ -854,11 +858,9 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     for i, sol in enumerate(sols):
         if sol.status == STATUS_INFEASIBLE:
             raise _infeasible_error(fs[i], i)
-    if method == "active_set":   # the scores are kept for CG's backward pass only
-        results = [SparseMAPResult(f, sol, method) for f, sol in zip(fs, sols)]
-    else:
-        results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter))
-                   for i, (f, sol) in enumerate(zip(fs, sols))]
+    # the scores are kept for the backward passes that need them (CG's, a fibered face's)
+    results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter))
+               for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
             _warn_not_converged(r, f"problem {i}: ")
@@ -1049,8 +1051,10 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
             b[...] = r.u
         return results
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
+    # the layer's backward pass has no scores to untie a fibered face with: untie it now
+    # where eta_v is differentiated (without eta_v, the eta_u part is exact as it is)
     batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
-                                      False, n_threads, None, out_u)
+                                      False, n_threads, None, out_u, etas_v is not None)
     sols = _run(batch, n_threads)
     report = batch.report()
     if report:

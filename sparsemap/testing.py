@@ -12,6 +12,9 @@ SparseMAP QP (eq. 6), so they are usable for a factor you wrote yourself:
   differences wherever ``u`` is locally linear (decided by one-sided
   differences at two step sizes) and checks ``result.vjp`` against it
   (adjoint identity);
+- :func:`tie_direction` is the direction along which the backward pass
+  breaks exact ties in ``eta_v`` (where ``u`` has a kink in ``eta_v``, its
+  ``jvp`` and ``vjp`` are the derivative along it), to check that against;
 - :func:`factors`, :func:`scores` and :func:`problems` are
   `hypothesis <https://hypothesis.readthedocs.io>`_ strategies drawing small
   factors of every built-in family and scores at many scales.
@@ -42,6 +45,7 @@ from sparsemap._factors._logic import _BinaryFactor
 
 __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
            "KKTReport", "finite_difference_jvp", "check_jacobian", "JacobianReport",
+           "tie_direction",
            "factors", "scores", "problems", "FAMILIES"]
 
 #: Family names understood by :func:`factors`.
@@ -379,6 +383,47 @@ def check_kkt(factor, result, eta_u, eta_v=None, structures=None, atol=1e-9, rto
 
 
 # -- Jacobian -------------------------------------------------------------------------
+
+def tie_direction(factor):
+    """The direction ``r`` along which the backward pass breaks ties in ``eta_v``.
+
+    Where ``u`` is not differentiable in ``eta_v`` because the optimal face
+    holds structures whose ``n_s`` is not an affine function of ``m_s`` (for
+    example a :class:`~sparsemap.SequenceFactor` at transition scores that
+    tie exactly, such as a zero-initialised transition matrix), ``jvp`` and
+    ``vjp`` are the Jacobian of the affine piece that ``u`` follows from
+    ``eta`` along ``(0, r)``: the limit of the Jacobians at
+    ``(eta_u, eta_v + t r)`` as ``t`` decreases to 0. It is one fixed
+    pseudo-random direction per factor size (the same every call).
+
+    Parameters
+    ----------
+    factor : Factor
+
+    Returns
+    -------
+    r : ndarray, shape ``factor.shape_v``
+        Entries uniform in ``[-1, 1)``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import tie_direction
+    >>> f = sm.SequenceFactor(4, 2)
+    >>> r = tie_direction(f)
+    >>> r.shape, bool(np.abs(r).max() < 1)
+    ((3, 2, 2), True)
+    >>> eta_u = np.array([[0.3, 0.2], [0.1, 0.4], [0.5, 0.6], [0.0, 0.2]])
+    >>> res = sm.solve(f, eta_u)           # eta_v = 0: every transition ties
+    >>> h = 1e-7                           # the jvp along (0, r) is the
+    >>> du = (sm.solve(f, eta_u, h * r).u - res.u) / h   # one-sided derivative
+    >>> bool(np.allclose(res.jvp(np.zeros(f.shape_u), r), du, atol=1e-6))
+    True
+    """
+    if not isinstance(factor, sparsemap.Factor):
+        raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
+    return sparsemap._active_set.tie_direction(factor).reshape(factor.shape_v)
+
 
 def _direction(d, name, shape):
     """A flat float64 copy of a direction of the given shape (zeros for None)."""
