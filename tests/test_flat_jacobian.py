@@ -446,9 +446,10 @@ FIBERED = [
     ("sequence", lambda: sm.SequenceFactor(4, 3), 0.3),
     ("sequence-all-tied", lambda: sm.SequenceFactor(3, 3), 0.0),
     ("pair", lambda: sm.PairFactor(), 0.2),
-    # a user's factor: structures 0 and 2 have one m and two n, so they always tie at eta_v = 0
+    # a user's factor: structures 0 and 2 have one m and two n, so they always tie at
+    # eta_v = 0, and the piece along r holds 2 (MAP's ties go to the lowest index)
     ("generic", lambda: sm.GenericFactor([[1, 0, 1, 0], [0, 1, 0, 1], [0, 0, 0, 1]],
-                                         [[0, 0, 1, 1], [1, 0, 0, 0]]), 0.5),
+                                         [[1, 0, 0, 1], [0, 0, 1, 0]]), 0.5),
 ]
 
 
