@@ -39,7 +39,9 @@ cdef class _Workspace:
     cdef double* adj           # eta_u - u
     cdef double* dvec          # face completion: the probing direction (n_u)
     cdef double* pert          # face completion: perturbed scores (n_u)
-    cdef double* rv            # untying: the tie-breaking direction (n_v)
+    cdef const double* rv      # untying: the tie-breaking direction r (n_v, shared)
+    cdef const double* rc      # untying: the direction that checks an untied face (shared)
+    cdef object tie_keep       # the arrays behind rv and rc
     cdef double* pv            # untying: perturbed eta_v (n_v)
     cdef double* qv            # untying: eta_v perturbed again, to probe (n_v)
     cdef int* log              # with log_on, every structure _run inserted (n_log x k):

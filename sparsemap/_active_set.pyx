@@ -207,7 +207,7 @@ cdef class _Workspace:
         self.hash = 0
         self.callback = NULL
         self.S = NULL
-        self.dvec = self.pert = self.rv = NULL
+        self.dvec = self.pert = self.pv = NULL
         self.log = NULL
         self.n_log = self.cap_log = 0
         self.log_on = False
@@ -218,17 +218,20 @@ cdef class _Workspace:
         self.dvec = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.pert = <double*> malloc((self.n_u + 1) * sizeof(double))
         self.v = <double*> malloc((self.n_v + 1) * sizeof(double))
-        # rv, pv and qv: one block
-        self.rv = <double*> malloc((3 * self.n_v + 1) * sizeof(double))
-        self.pv = self.rv + self.n_v
+        # pv and qv: one block; rv and rc: the shared directions (drawing them costs more
+        # than a solve at scale 5)
+        self.pv = <double*> malloc((2 * self.n_v + 1) * sizeof(double))
         self.qv = self.pv + self.n_v
+        self.tie_keep = (_tie_array(TIE_SEED, self.n_v), _tie_array(TIE_CHECK_SEED, self.n_v))
+        self.rv = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[0])
+        self.rc = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[1])
         self.abs_eu = <double*> malloc((self.n_u + self.n_v + 1) * sizeof(double))
         self.abs_ev = (self.abs_eu + self.n_u) if self.n_v else NULL
         self.snew = <int*> malloc(self.k * sizeof(int))
         # 16-byte aligned scratch for c_map
         self.work = <char*> malloc(f.work_bytes + 16)
         if (self.u == NULL or self.adj == NULL or self.v == NULL or self.snew == NULL
-                or self.dvec == NULL or self.pert == NULL or self.rv == NULL
+                or self.dvec == NULL or self.pert == NULL or self.pv == NULL
                 or self.work == NULL or self.abs_eu == NULL):
             raise MemoryError()
         self._grow(cap if cap > 4 else 4)
@@ -238,7 +241,7 @@ cdef class _Workspace:
         free(self.x1); free(self.w1); free(self.w2); free(self.rot); free(self.u)
         free(self.adj); free(self.v)
         free(self.snew); free(self.work); free(self.abs_eu); free(self.dvec); free(self.pert)
-        free(self.rv)
+        free(self.pv)
         free(self.log)
 
     cdef void _set_eta(self, const double* eu, const double* ev) noexcept nogil:
@@ -1189,19 +1192,28 @@ cdef Py_ssize_t UNTIE_TRIES = 8
 cdef double UNTIE_YTOL = 1e-9
 
 
-cdef void _tie_direction(double* r, Py_ssize_t n, unsigned long long seed) noexcept nogil:
-    """r <- n draws uniform in [-1, 1) from a fixed seed."""
+# Drawn directions by (seed, size), read-only and kept: workspaces point into them.
+_TIE_ARRAYS = {}
+
+
+cdef object _tie_array(unsigned long long seed, Py_ssize_t n):
+    """n draws uniform in [-1, 1) from a fixed seed, as a read-only array (cached)."""
     cdef unsigned long long state = seed
-    _perturb(NULL, 1.0, r, n, &state)
+    cdef double[::1] o
+    a = _TIE_ARRAYS.get((seed, n))
+    if a is None:
+        a = np.zeros(max(n, 1))
+        o = a
+        if n:
+            _perturb(NULL, 1.0, &o[0], n, &state)
+        a.flags.writeable = False
+        _TIE_ARRAYS[(seed, n)] = a
+    return a
 
 
 def tie_direction(Factor factor):
     """The direction ``r`` that breaks ties in ``eta_v`` (see ``_untie``), flat."""
-    out = np.empty(factor.n_v)
-    cdef double[::1] o = out
-    if factor.n_v:
-        _tie_direction(&o[0], factor.n_v, TIE_SEED)
-    return out
+    return np.array(_tie_array(TIE_SEED, factor.n_v)[:factor.n_v])
 
 
 cdef double _v_direction(_Workspace ws, const double* r) except? -1.0 nogil:
@@ -1338,7 +1350,6 @@ cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssiz
     cdef bint ok
     cdef _FaceScale fs2
     for tries in range(UNTIE_TRIES):
-        _tie_direction(ws.rv, ws.n_v, TIE_SEED)
         for j in range(ws.n_v):
             ws.pv[j] = ev[j] + delta * ws.rv[j]
         _drop_completion(ws)
@@ -1358,8 +1369,7 @@ cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssiz
             ok = st - fs.s_ref >= -fs.tau
             t += 1
         if ok:
-            _tie_direction(ws.rv, ws.n_v, TIE_CHECK_SEED)
-            status = _fibered(ws, ws.rv, &fs2)
+            status = _fibered(ws, ws.rc, &fs2)
             return FACE_UNRESOLVED if status == 1 else FACE_CERTIFIED
         delta /= 8
         if delta < FACE_MIN * fs.tau:
@@ -1677,7 +1687,6 @@ cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_ite
         if face == FACE_BUDGET and status == CONVERGED:
             status = FACE_INCOMPLETE
         elif face == FACE_CERTIFIED and ws.n_v > 0 and fs.s_ref > -INFINITY:
-            _tie_direction(ws.rv, ws.n_v, TIE_SEED)
             fib = _fibered(ws, ws.rv, &fs)
             if fib == 2:
                 face = FACE_UNRESOLVED
@@ -2715,7 +2724,7 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose,
 
 def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1] weights,
                    const double[::1] eta_u, const double[::1] eta_v, double gap=0.0,
-                   Py_ssize_t budget=0, double tol=1e-12):
+                   Py_ssize_t budget=0, double tol=1e-12, bint untie=True):
     """Affinely independent support with the same ``u``, and its Cholesky factor.
 
     Used for the backward pass of solvers (conditional gradient) whose final
@@ -2725,7 +2734,8 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     ``budget > 0`` the support is then completed to span the optimal face
     (weight-0 rows, as after an active-set solve; ``gap``: the solve's), and
     untied where ``n`` is not affine in ``m`` on the face (``tol``: the tolerance
-    of that solve at ``eta_v + delta r``).
+    of that solve at ``eta_v + delta r``; without ``untie``, such a face is only
+    reported, ``FACE_STATUS_FIBERED``: the factor graph's check).
 
     Returns
     -------
@@ -2750,7 +2760,7 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     cdef _Solution sol = _Solution.__new__(_Solution)
     sol.factor = factor
     with nogil:
-        _finish(ws, &sol.s, budget, budget, tol, 0, CONVERGED, gap, 0.0, True)
+        _finish(ws, &sol.s, budget, budget, tol, 0, CONVERGED, gap, 0.0, untie)
     y = sol.weights_array(True)
     return (sol.structures_array(rows=True), y / y.sum(), sol.cholesky_array(),
             sol.s.n_pos, sol.s.face, sol.s.b0)

@@ -41,7 +41,8 @@ from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
-from sparsemap._active_set import STATUS_CONVERGED
+from sparsemap._active_set import (STATUS_CONVERGED, FACE_STATUS_FIBERED, reduce_support,
+                                   tie_direction)
 from sparsemap import _variables
 from sparsemap._exceptions import warn
 from sparsemap._factors._base cimport Factor
@@ -49,6 +50,11 @@ from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
                                      check_positive_int, check_real)
 
 DEFAULT_MAX_ITER = 10_000
+# Untying ties in eta_v (FactorGraphResult._untie): the first delta, relative to the
+# scores' scale (small: the check that the piece is the one adjacent to eta is weaker
+# than a single factor's), and the most solves.
+UNTIE_DELTA = 1e-6
+UNTIE_TRIES = 6
 DEFAULT_TOL = 1e-10
 DEFAULT_RHO = 2.0
 
@@ -723,6 +729,24 @@ cdef class _Engine:
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
+    def u_raw(self):
+        """The engine's own u (not clipped)."""
+        return np.array(self._arrays["u"][:self.V])
+
+    def factor_u(self, Py_ssize_t f):
+        """M_f y_f: factor f's literal values from its support, flat."""
+        cdef _Workspace ws = self.workspaces[f]
+        ws._compute_u(ws.y, False)
+        return np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
+
+    def face_scores(self, Py_ssize_t f):
+        """Scores of factor f alone whose SparseMAP solution is its final support and whose
+        tied face is its final face: ``(nu_f + M_f y_f, eta_v[f])``, with ``nu`` the
+        certified multipliers (polished results only), flat."""
+        a = self._arrays
+        return (self.multipliers()[self.uoff[f]:self.uoff[f + 1]] + self.factor_u(f),
+                np.array(a["ev"][self.voff[f]:self.voff[f + 1]]))
+
     # -- LP-MAP decoding (sparsemap._lp_map): the multipliers behind its dual bound ----------------
     def multipliers(self):
         """Per link, in literal space, the multipliers nu of the constraints M_f p_f = l_f(u):
@@ -1050,6 +1074,7 @@ class FactorGraph:
         engine.run(max_iter, tol)
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
+        result._solve_args = (max_iter, tol, rho, polish)
         return result
 
 
@@ -1309,14 +1334,107 @@ class FactorGraphResult:
         self.objective = float(0.5 * self.u @ self.u - eta_u @ self.u
                                - sum(float(e @ v.reshape(-1)) for e, v in zip(eta_v, self.v)))
         self.backward_info = None
+        # what untying ties in eta_v needs (_backward_engine)
+        self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None
 
     def __repr__(self):
         return (f"FactorGraphResult(converged={self.converged}, n_iter={self.n_iter}, "
                 f"primal_residual={self.primal_residual:.3g}, "
                 f"dual_residual={self.dual_residual:.3g}, objective={self.objective:.10g})")
 
+    # -- ties in eta_v: as for a single factor (docs/solvers.rst, "Ties in eta_v") -----------
+    def _backward_engine(self):
+        """The engine whose faces the backward pass uses: the solve's, unless a factor's
+        final face is fibered (n not affine in m on it: a sequence at tied transition
+        scores); then a solve's at eta_v + delta r (r: each factor's tie_direction), the
+        Jacobian of the piece u follows from eta along (0, r). Polished results only:
+        the check needs certified multipliers."""
+        if self._bengine is None:
+            self._bengine = self._engine
+            if self.polished and self._solve_args is not None and self._fibered():
+                self._bengine = self._untie()
+        return self._bengine
+
+    def _fibered(self):
+        """Whether some factor's final face is fibered: its face completed and checked as
+        a single factor's (two MAP calls, see sparsemap._active_set._fibered)."""
+        for f, factor in enumerate(self.factors):
+            if factor.n_v == 0:
+                continue
+            eu, ev = self._engine.face_scores(f)
+            _, S, y = self._engine.factor_result(f)
+            face = reduce_support(factor, S, y, eu, ev, 0.0, DEFAULT_MAX_ITER, untie=False)[4]
+            if face == FACE_STATUS_FIBERED:
+                return True
+        return False
+
+    def _untie(self):
+        """The engine of a solve at eta_v + delta r whose faces are the piece along (0, r).
+
+        delta starts at UNTIE_DELTA of the scores' scale and shrinks by 8 until two
+        successive solves (delta and delta / 8) are both polished, agree on the Jacobian
+        (jvp of two random directions) and on the slope (u(t) - u) / t = J (0, r), and
+        every factor's final face at delta / 8 ties at eta (lies in the solve's face).
+        Unlike a single factor's (_active_set._untie) this is not a proof that the piece
+        is the one adjacent to eta; it is a check, done after at most UNTIE_TRIES solves
+        (else the solve's faces are kept, with a warning).
+        """
+        max_iter, tol, rho, polish = self._solve_args
+        eu, ev = self._eta
+        rs = [tie_direction(f) if f.n_v else np.zeros(0) for f in self.factors]
+        scale = max([1.0, float(np.abs(eu).max(initial=0.0))]
+                    + [float(np.abs(e).max(initial=0.0)) for e in ev])
+        rng = np.random.default_rng(0)
+        probes = [(rng.standard_normal(self.n_variables),
+                   [rng.standard_normal(f.n_v) if f.n_v else None for f in self.factors])
+                  for _ in range(2)]
+        faces = [self._engine.face_scores(f) if factor.n_v else None
+                 for f, factor in enumerate(self.factors)]
+        u0 = self._engine.u_raw()
+        delta = UNTIE_DELTA * scale
+        prev = None
+        for _ in range(UNTIE_TRIES):
+            res = self._graph._solve_quiet(
+                eu, [(e + delta * r).reshape(f.shape_v) if f.n_v else None
+                     for e, r, f in zip(ev, rs, self.factors)], max_iter, tol, rho, polish)
+            if not res.polished:
+                break
+            jac = [res._engine_jvp(du, dv) for du, dv in probes]
+            slope = (res._engine.u_raw() - u0) / delta
+            ok = np.allclose(res._engine_jvp(np.zeros(self.n_variables), rs), slope,
+                             rtol=0, atol=1e-6 * max(1.0, float(np.abs(slope).max())))
+            ok = ok and prev is not None and all(
+                np.allclose(a, b, rtol=0, atol=1e-9 * max(1.0, float(np.abs(b).max())))
+                for a, b in zip(jac, prev))
+            for f, factor in enumerate(self.factors):
+                if not ok or faces[f] is None:
+                    continue
+                fu, fv = faces[f]
+                nu = fu - self._engine.factor_u(f)
+                top = max(factor.score(s, nu.reshape(factor.shape_u), fv.reshape(factor.shape_v))
+                          for s in self.structures[f])
+                ok = all(factor.score(s, nu.reshape(factor.shape_u), fv.reshape(factor.shape_v))
+                         >= top - 1e-9 * scale for s in res.structures[f])
+            if ok:
+                return res._engine
+            prev = jac
+            delta /= 8
+        warn("FactorGraphResult: ties in eta_v could not be broken (a solve at "
+             "eta_v + delta r was not polished, or did not settle on one piece); jvp/vjp "
+             "use the solve's faces, whose eta_v part may not be a derivative")
+        return self._engine
+
+    def _engine_jvp(self, d, dv):
+        """jvp through this result's own engine (no untying)."""
+        eng = self._engine
+        w = np.array(d, dtype=np.float64)
+        for f, e in enumerate(dv):
+            if e is not None and self.factors[f].n_v:
+                eng.add_eta_v_direction(f, np.ascontiguousarray(e, dtype=np.float64).ravel(), w)
+        return eng.project(w)[0]
+
     def _project(self, g):
-        y, n_cg, res = self._engine.project(g)
+        y, n_cg, res = self._backward_engine().project(g)
         self.backward_info = {"cg_iterations": int(n_cg), "relative_residual": float(res)}
         if res > 1e-10:
             warn(f"FactorGraphResult: the backward conjugate gradient stopped at a "
@@ -1361,9 +1479,10 @@ class FactorGraphResult:
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
         dv = _check_per_factor(self.factors, d_eta_v, "d_eta_v", zeros=False)
         w = np.array(d, dtype=np.float64)
+        engine = self._backward_engine()
         for f, e in enumerate(dv):
             if e is not None:
-                self._engine.add_eta_v_direction(f, e, w)
+                engine.add_eta_v_direction(f, e, w)
         return self._project(w)
 
     def vjp(self, du):
@@ -1394,7 +1513,7 @@ class FactorGraphResult:
         gv = []
         for f, factor in enumerate(self.factors):
             if factor.n_v:
-                gv.append(self._engine.eta_v_gradient(f, y).reshape(factor.shape_v))
+                gv.append(self._backward_engine().eta_v_gradient(f, y).reshape(factor.shape_v))
             else:
                 gv.append(np.zeros(factor.shape_v))
         return y, gv

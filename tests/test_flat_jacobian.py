@@ -530,3 +530,48 @@ def test_tied_eta_v_is_detected_and_untied_on_demand():
         ru, rv = sm.solve(f, etas[i]).vjp(gs[i])
         np.testing.assert_allclose(eu.grad[i].numpy(), ru, atol=1e-10)
         np.testing.assert_allclose(ev.grad[i].numpy(), rv, atol=1e-10)
+
+
+def test_factor_graph_at_tied_transitions():
+    """A factor graph unties too, on its first backward call: with one sequence factor it
+    is the single factor's problem (the closed form above, exactly); coupled to a budget
+    that binds, jvp is the derivative at eta_v + t r for small t (central differences
+    with steps far below t) and, along r, the one-sided derivative at eta_v = 0. Untied
+    transitions are left alone (no second solve)."""
+    from sparsemap.testing import tie_direction
+    n, m = 6, 3
+    f = sm.SequenceFactor(n, m)
+    r = tie_direction(f)
+    idx = np.arange(n * m).reshape(n, m)
+    rng = np.random.default_rng(11)
+    alone = sm.FactorGraph(n * m)
+    alone.add(f, idx)
+    eta = 0.3 * rng.standard_normal((n, m))
+    u, jac = sequence_piece_jacobian(eta, r)
+    res = alone.solve(eta.ravel())
+    np.testing.assert_allclose(res.u, u.ravel(), atol=1e-12)
+    du, dv = rng.standard_normal((n, m)), rng.standard_normal(f.shape_v)
+    np.testing.assert_allclose(res.jvp(du.ravel(), [dv]), jac(du, dv).ravel(), atol=1e-10)
+    g = rng.standard_normal(n * m)
+    gu, (gv,) = res.vjp(g)
+    assert abs(gu @ du.ravel() + np.sum(gv * dv) - g @ jac(du, dv).ravel()) < 1e-9
+    assert res._backward_engine() is not res._engine
+    coupled = sm.FactorGraph(n * m)
+    coupled.add(f, idx)
+    coupled.add(sm.BudgetFactor(n, 2), idx[:, 0])
+    eta = (0.5 * rng.standard_normal((n, m)) + [0.4, 0.0, 0.0]).ravel()
+    res = coupled.solve(eta)
+    assert res.polished and abs(res.u[idx[:, 0]].sum() - 2) < 1e-9    # the budget binds
+
+    def u_at(e, ev):
+        return coupled.solve(e, [ev, None]).u
+
+    t, h = 1e-6, 1e-9
+    fd = (u_at(eta + h * du.ravel(), t * r + h * dv) - u_at(eta - h * du.ravel(), t * r - h * dv))
+    np.testing.assert_allclose(res.jvp(du.ravel(), [dv, None]), fd / (2 * h), atol=1e-5)
+    sides = [(u_at(eta, s * r) - res.u) / s for s in (1e-7, 1e-6)]
+    np.testing.assert_allclose(sides[0], sides[1], atol=1e-6)
+    np.testing.assert_allclose(res.jvp(np.zeros(n * m), [r, None]), sides[0], atol=1e-6)
+    generic = coupled.solve(eta, [0.3 * rng.standard_normal(f.shape_v), None])
+    generic.vjp(g)
+    assert generic._backward_engine() is generic._engine
