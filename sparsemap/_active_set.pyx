@@ -1678,7 +1678,9 @@ cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_ite
     calls) where it converged or stalled, and checked for fibers (n not affine in m
     on it). A fibered face is untied (the backward set is then _untie's) if untie,
     else marked FACE_FIBERED: its backward set is right for eta_u only, and the
-    caller unties it when a derivative is asked for (reduce_support)."""
+    caller unties it when a derivative is asked for (reduce_support). Untying
+    that fails keeps the completed face: FACE_FIBERED, or FACE_BUDGET (which
+    makes a converged solve FACE_INCOMPLETE, as the completion's does)."""
     cdef Py_ssize_t n_pos = ws.nI
     cdef int face = FACE_CERTIFIED, fib
     cdef _FaceScale fs
@@ -1693,9 +1695,15 @@ cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_ite
             elif fib == 1 and not untie:
                 face = FACE_FIBERED
             elif fib == 1:
+                # the support and the completed face first: the backward set kept if
+                # untying fails (with its status, which the callers report)
                 _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
-                sol.face = _untie(ws, sol.u, max_iter, tol, &fs)
-                _export_backward(sol, ws)
+                face = _untie(ws, sol.u, max_iter, tol, &fs)
+                if face == FACE_CERTIFIED:
+                    _export_backward(sol, ws)
+                elif face == FACE_BUDGET and status == CONVERGED:
+                    sol.status = FACE_INCOMPLETE
+                sol.face = face if face != FACE_UNRESOLVED else FACE_FIBERED
                 return 0
     _export_to(sol, ws, n_iter, status, gap, obj, n_pos, face)
     return 0

@@ -14,6 +14,7 @@ import numbers
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -213,6 +214,10 @@ class SparseMAPResult:
                 warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
                      "that the backward set spans the optimal face; jvp/vjp may be "
                      "inexact. Raise max_iter.")
+            elif face == _active_set.FACE_STATUS_FIBERED:
+                warn(f"SparseMAP ({self.method}): ties in eta_v could not be broken "
+                     "(no solve at eta_v + delta r was certified to follow one piece); "
+                     "the eta_v part of jvp/vjp may not be a derivative")
         return self._backward
 
     def _backward_structures(self):
@@ -894,8 +899,13 @@ def _check_results(results):
 
 
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
+    n_threads = max(1, min(n_jobs, len(rs)))
+    lazy = [r for r in rs if r._backward is None]
+    if len(lazy) > 1 and n_threads > 1:
+        # reductions and untying release the GIL: run them in threads
+        with ThreadPoolExecutor(n_threads) as pool:
+            list(pool.map(SparseMAPResult._backward_solution, lazy))
     sols = [r._backward_solution() for r in rs]
-    n_threads = max(1, min(n_jobs, len(sols)))
     return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 

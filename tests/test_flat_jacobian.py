@@ -575,3 +575,17 @@ def test_factor_graph_at_tied_transitions():
     generic = coupled.solve(eta, [0.3 * rng.standard_normal(f.shape_v), None])
     generic.vjp(g)
     assert generic._backward_engine() is generic._engine
+
+
+def test_untying_that_fails_warns():
+    """max_iter bounds the solve at eta_v + delta r too: when it runs out, the backward
+    pass says so and keeps the tied face's backward set (its eta_u part stays exact)."""
+    f = sm.SequenceFactor(15, 5)
+    eta = 0.1 * np.random.default_rng(0).standard_normal(f.shape_u)
+    r = sm.solve(f, eta, max_iter=200)          # the solve takes 57; untying about 1000
+    assert r.converged
+    g = np.random.default_rng(1).standard_normal(f.shape_u)
+    with pytest.warns(sm.ConvergenceWarning, match="ties in eta_v"):
+        gu, _ = r.vjp(g)
+    assert not r._backward_solution().untied
+    np.testing.assert_allclose(gu, sm.solve(f, eta).vjp(g)[0], atol=1e-10)
