@@ -1163,7 +1163,6 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
             fs.eps = eps
 
 
-
 # -- untying: the eta_v part where n is not a function of m on the face -------------
 # The completion spans the optimal face in u-space, which fixes du/deta_u. The eta_v
 # part, M_I D N_I^T, is the derivative only where n is an affine function of m on the
@@ -1185,8 +1184,7 @@ cdef unsigned long long TIE_CHECK_SEED = 0xc4ec75eed2018ULL
 # untying times over 4 seeds, 1e-4 / 1e-3 / 1e-2 / 1e-1: 15 x 5 at scale 0.1: 7.0 /
 # 3.2 / 1.6 / 1.5 ms; 30 x 8 at scale 1: 1.1 / 0.7 / 0.9 / 1.1 ms.
 cdef double UNTIE_DELTA = 1e-2
-# Attempts at delta (shrunk by 8, or grown by 4 when ties are left at delta r) before
-# FACE_UNRESOLVED.
+# Attempts at delta (each shrinking it by 8) before FACE_UNRESOLVED.
 cdef Py_ssize_t UNTIE_TRIES = 8
 # Check (a) of _untie: weights down to -UNTIE_YTOL, and M y0 = u0 to UNTIE_YTOL max(1, |u0|).
 cdef double UNTIE_YTOL = 1e-9
@@ -1399,7 +1397,7 @@ cdef struct _Sol:
     double* v
     Py_ssize_t n_support, n_pos, b0, n_iter, n_map
     int status
-    int face            # FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED
+    int face            # FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED or FACE_FIBERED
     double gap, objective
     double seconds       # spent in the solve without the GIL (benchmarks)
     bint has_cholesky
