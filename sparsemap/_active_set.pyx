@@ -1669,20 +1669,28 @@ cdef int _export_backward(_Sol* sol, _Workspace ws) except -1 nogil:
     return 0
 
 
+cdef enum:
+    # what _finish prepares for the backward pass
+    BACKWARD_LAZY = 0  # the completed face, checked for fibers (FACE_FIBERED: untie later)
+    BACKWARD_NOW = 1   # the completed face, a fibered one untied now
+    BACKWARD_NONE = 2  # nothing: no derivative will be taken (losses; u and v as ever)
+
+
 cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_iter,
                  double tol, Py_ssize_t n_iter, int status, double gap, double obj,
-                 bint untie) except -1 nogil:
-    """A finished active-set loop into sol: its face completed (at most budget MAP
-    calls) where it converged or stalled, and checked for fibers (n not affine in m
-    on it). A fibered face is untied (the backward set is then _untie's) if untie,
-    else marked FACE_FIBERED: its backward set is right for eta_u only, and the
-    caller unties it when a derivative is asked for (reduce_support). Untying
-    that fails keeps the completed face: FACE_FIBERED, or FACE_BUDGET (which
-    makes a converged solve FACE_INCOMPLETE, as the completion's does)."""
+                 int backward) except -1 nogil:
+    """A finished active-set loop into sol: unless BACKWARD_NONE, its face
+    completed (at most budget MAP calls) where it converged or stalled, and
+    checked for fibers (n not affine in m on it). A fibered face is untied (the
+    backward set is then _untie's) with BACKWARD_NOW, else marked FACE_FIBERED:
+    its backward set is right for eta_u only, and the caller unties it when a
+    derivative is asked for (reduce_support). Untying that fails keeps the
+    completed face: FACE_FIBERED, or FACE_BUDGET (which makes a converged solve
+    FACE_INCOMPLETE, as the completion's does)."""
     cdef Py_ssize_t n_pos = ws.nI
     cdef int face = FACE_CERTIFIED, fib
     cdef _FaceScale fs
-    if status == CONVERGED or status == STALLED:
+    if (status == CONVERGED or status == STALLED) and backward != BACKWARD_NONE:
         face = _complete(ws, budget, gap, &fs)
         if face == FACE_BUDGET and status == CONVERGED:
             status = FACE_INCOMPLETE
@@ -1690,7 +1698,7 @@ cdef int _finish(_Workspace ws, _Sol* sol, Py_ssize_t budget, Py_ssize_t max_ite
             fib = _fibered(ws, ws.rv, &fs)
             if fib == 2:
                 face = FACE_UNRESOLVED
-            elif fib == 1 and not untie:
+            elif fib == 1 and backward == BACKWARD_LAZY:
                 face = FACE_FIBERED
             elif fib == 1:
                 # the support and the completed face first: the backward set kept if
@@ -1740,9 +1748,9 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
 
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
-                    double tol, bint untie) except -1 nogil:
+                    double tol, int backward) except -1 nogil:
     """One active-set solve into sol, its support completed to span the optimal face
-    (and a fibered face untied if untie, see _finish); status INFEASIBLE when every
+    (as backward says, see _finish); status INFEASIBLE when every
     structure is forbidden."""
     cdef Py_ssize_t n_iter = 0
     cdef double gap = 0, obj = 0, t0 = _now()
@@ -1764,7 +1772,7 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
             return 0
     status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     # max_iter bounds the loop's iterations and the completion's MAP calls together
-    _finish(ws, sol, max_iter - n_iter, max_iter, tol, n_iter, status, gap, obj, untie)
+    _finish(ws, sol, max_iter - n_iter, max_iter, tol, n_iter, status, gap, obj, backward)
     sol.seconds = _now() - t0
     return 0
 
@@ -2047,7 +2055,7 @@ cdef class _Batch:
     cdef int kind
     cdef Py_ssize_t max_iter
     cdef double tol
-    cdef bint untie              # solves untie fibered faces (else FACE_FIBERED, see _finish)
+    cdef int backward            # BACKWARD_NOW or BACKWARD_LAZY for solves (see _finish)
     cdef void* callback          # Python callable called per iteration (borrowed), or NULL;
                                  # the same for every problem, set in each new workspace
     cdef long long claimed       # problems claimed from the front (high 32 bits) and back
@@ -2244,7 +2252,7 @@ cdef class _Batch:
         elif self.kind == SOLVE:
             if not (flags & HAS_BAD):
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
-                           self.max_iter, self.tol, self.untie)
+                           self.max_iter, self.tol, self.backward)
             if self.padded:
                 _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
@@ -2289,8 +2297,8 @@ cdef class _Batch:
             for j in range(n_u):
                 eu[j] += self.margin * (1.0 - gu[j])            # -inf stays -inf
         if self.sparse:
-            # the loss's gradient is u - m_t: no backward set is used
-            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol, False)
+            # the loss's gradient is u - m_t: no derivative of u is taken
+            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol, BACKWARD_NONE)
             if p.sol.status == INFEASIBLE:
                 return _MAP_INFEASIBLE
             u = p.sol.u
@@ -2532,7 +2540,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
-    b.untie = untie
+    b.backward = BACKWARD_NOW if untie else BACKWARD_LAZY
     b.callback = NULL if callback is None else <void*> callback
     b.hists = [None] * n if return_history else None
     slots = {}
@@ -2766,7 +2774,8 @@ def reduce_support(Factor factor, const int[:, ::1] structures, const double[::1
     cdef _Solution sol = _Solution.__new__(_Solution)
     sol.factor = factor
     with nogil:
-        _finish(ws, &sol.s, budget, budget, tol, 0, CONVERGED, gap, 0.0, untie)
+        _finish(ws, &sol.s, budget, budget, tol, 0, CONVERGED, gap, 0.0,
+                BACKWARD_NOW if untie else BACKWARD_LAZY)
     y = sol.weights_array(True)
     return (sol.structures_array(rows=True), y / y.sum(), sol.cholesky_array(),
             sol.s.n_pos, sol.s.face, sol.s.b0)
