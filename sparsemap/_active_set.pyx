@@ -1291,6 +1291,11 @@ cdef int _untie(_Workspace ws, const double* u0, Py_ssize_t max_iter, double tol
     (b) every row of F' ties at eta (F' lies in F): then the face at
         eta + t r is F' for every t in (0, delta), and J (Prop. 1 on F') is
         the limit of the Jacobians there, an element of the B-subdifferential.
+        Ties here, and M y0 = u0 in (a), are up to FACE_MIN tie tolerances,
+        the completion's floor: a structure that close to the face is a kink
+        no finite difference resolves (binned transition scores gave ones 4
+        tolerances below F, which kept every delta down to 1e-7 from
+        passing; in the support at delta, they moved y0's u by 1e-9).
 
     Else delta was past the piece u follows from eta along r: it shrinks by 8.
     (a) is needed: on a sequence, u(delta) - u0 = delta J r held past a
@@ -1313,9 +1318,11 @@ cdef int _untie(_Workspace ws, const double* u0, Py_ssize_t max_iter, double tol
     return face
 
 
-cdef bint _extends_back(_Workspace ws, const double* u0, double delta) except -1 nogil:
+cdef bint _extends_back(_Workspace ws, const double* u0, double delta,
+                        double tie) except -1 nogil:
     """_untie's check (a): y - delta dy >= 0 and M (y - delta dy) = u0 on the support
-    (the leading rows of weight > 0; dy = D N^T r with r in ws.rv). Uses x1, pert."""
+    (the leading rows of weight > 0; dy = D N^T r with r in ws.rv), up to round-off
+    and, for the second, the tie tolerance tie. Uses x1, pert."""
     cdef Py_ssize_t t, j, n = 0, nI = ws.nI, k = ws.k
     cdef double y0, lo = 0.0, err = 0.0, ref = 1.0
     while n < nI and ws.y[n] > 0.0:
@@ -1336,7 +1343,7 @@ cdef bint _extends_back(_Workspace ws, const double* u0, double delta) except -1
     for j in range(ws.n_u):
         err = max(err, fabs(ws.pert[j] - u0[j]))
         ref = max(ref, fabs(u0[j]))
-    return lo >= -UNTIE_YTOL and err <= UNTIE_YTOL * ref
+    return lo >= -UNTIE_YTOL and err <= UNTIE_YTOL * ref + tie
 
 
 cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssize_t max_iter,
@@ -1358,13 +1365,13 @@ cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssiz
         status = _complete(ws, max_iter, gap, &fs2)
         if status != FACE_CERTIFIED:
             return status
-        ok = _extends_back(ws, u0, delta)
+        ok = _extends_back(ws, u0, delta, FACE_MIN * fs.tau)
         for j in range(ws.n_u):
             ws.pert[j] = ws.eta_u[j] - u0[j]
         t = 0
         while ok and t < ws.nI:
             ws.f.c_score(ws.S + t * ws.k, ws.pert, ev, &st)
-            ok = st - fs.s_ref >= -fs.tau
+            ok = st - fs.s_ref >= -FACE_MIN * fs.tau
             t += 1
         if ok:
             status = _fibered(ws, ws.rc, &fs2)
@@ -2032,6 +2039,9 @@ TARGET_FORBIDDEN = -2    # the target uses a part its scores forbid: infinite lo
 # A problem of a padded batch whose input block the run refused (nan or +inf in scores; any
 # non-finite value in a gradient or direction): not solved, zeros in its outputs.
 REFUSED = -1
+# A solve that was to untie a fibered face now (BACKWARD_NOW) and could not: converged,
+# its backward set the tied face's (see _finish).
+UNTIE_FAILED = -3
 
 
 cdef class _Batch:
@@ -2397,7 +2407,7 @@ cdef class _Batch:
         ``code`` is ``REFUSED`` for a problem of a padded batch whose input
         block held a value the run does not accept (nan or +inf in scores; any
         non-finite value in a backward input), else, for solves, the status of
-        a problem that did not converge. Usually empty.
+        a problem that did not converge, or ``UNTIE_FAILED``. Usually empty.
         """
         cdef Py_ssize_t j
         cdef int status
@@ -2419,6 +2429,8 @@ cdef class _Batch:
                 status = self.P[j].sol.status
                 if status != CONVERGED:
                     out.append((self.P[j].index, status))
+                elif self.backward == BACKWARD_NOW and self.P[j].sol.face == FACE_FIBERED:
+                    out.append((self.P[j].index, UNTIE_FAILED))
         out.sort()
         return out
 

@@ -215,9 +215,7 @@ class SparseMAPResult:
                      "that the backward set spans the optimal face; jvp/vjp may be "
                      "inexact. Raise max_iter.")
             elif face == _active_set.FACE_STATUS_FIBERED:
-                warn(f"SparseMAP ({self.method}): ties in eta_v could not be broken "
-                     "(no solve at eta_v + delta r was certified to follow one piece); "
-                     "the eta_v part of jvp/vjp may not be a derivative")
+                warn(f"SparseMAP ({self.method}): {_UNTIE_FAILED}")
         return self._backward
 
     def _backward_structures(self):
@@ -275,6 +273,11 @@ class SparseMAPResult:
         """
         g = self.factor._check_array(du, "du", False, False)
         return _backward_batch([self], [g], None, True, 1)[0]
+
+
+_UNTIE_FAILED = ("ties in eta_v could not be broken (no solve at eta_v + delta r was "
+                 "certified to follow one piece); the eta_v part of jvp/vjp may not be a "
+                 "derivative. Raise max_iter.")
 
 
 def _check_directions(factor, d_u, d_v, name_u, name_v):
@@ -1099,6 +1102,8 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
             _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
+        elif sol.face_status == _active_set.FACE_STATUS_FIBERED:
+            warn(f"SparseMAP: problem {i}: {_UNTIE_FAILED}")
 
 
 def _infeasible_error(f, i):

@@ -589,3 +589,32 @@ def test_untying_that_fails_warns():
         gu, _ = r.vjp(g)
     assert not r._backward_solution().untied
     np.testing.assert_allclose(gu, sm.solve(f, eta).vjp(g)[0], atol=1e-10)
+    import sparsemap.torch as smt            # the layer unties in its forward pass
+    ev = torch.zeros((1,) + f.shape_v, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(sm.ConvergenceWarning, match="problem 0: ties in eta_v"):
+        smt.sequence(torch.tensor(eta[None]), ev, max_iter=200)
+
+
+def test_binned_transition_scores_untie_to_the_piece_along_r():
+    """Transitions tied by construction (a score per jump bin, as in the alignment
+    example) rather than zero: the backward pass equals that of solves at eta_v + t r for
+    small t, which are generic (untied) points, at two t."""
+    from sparsemap.testing import tie_direction
+    rng = np.random.default_rng(3)
+    n_untied = 0
+    for _ in range(12):
+        n, m = rng.integers(3, 8), rng.integers(3, 9)
+        w = rng.choice([-0.003, 0.0, 0.003, 0.01], size=5)
+        jump = np.arange(m)[None, :] - np.arange(m)[:, None]
+        ev = np.broadcast_to(w[np.clip(jump, -2, 2) + 2], (n - 1, m, m)).copy()
+        eu = 0.5 * rng.standard_normal((n, m))
+        f = sm.SequenceFactor(n, m)
+        res = sm.solve(f, eu, ev)
+        g = rng.standard_normal(f.shape_u)
+        gu, gv = res.vjp(g)
+        for t in (1e-6, 1e-7):
+            hu, hv = sm.solve(f, eu, ev + t * tie_direction(f)).vjp(g)
+            np.testing.assert_allclose(hu, gu, atol=1e-9)
+            np.testing.assert_allclose(hv, gv, atol=1e-9)
+        n_untied += res._backward_solution().untied
+    assert n_untied >= 6
