@@ -14,6 +14,7 @@ Usage::
     python benchmarks/bench_flat.py                         # this checkout only
     python benchmarks/bench_flat.py --compare ../old-checkout   # ratios against another built checkout
     python benchmarks/bench_flat.py --quick                 # fewer sizes and repeats
+    python benchmarks/bench_flat.py --only sequence-v       # one family
 
 Timings are CPU seconds of the calling thread (``time.thread_time``; a single solve runs
 in it): for each seed the fastest of as many runs as fit in ~20 ms (at most 30; one for
@@ -54,7 +55,7 @@ def cases(quick):
         out.append(("tree", n, 0.01))
     out.append(("tree-proj", 20, 0.1))
     for fam, n in (("sequence", 30), ("sequence-v", 30), ("matching", 12)):
-        for scale in (1.0, 0.1):
+        for scale in (5.0, 1.0, 0.1):
             out.append((fam, n, scale))
     return out
 
@@ -127,6 +128,8 @@ def main():
                     help="rounds, each in fresh processes (checkouts alternating): the "
                          "medians over rounds are printed; a case whose round takes "
                          "over 2 s runs in the first 5 only")
+    ap.add_argument("--only", metavar="FAMILY", choices=sorted(FAMILIES),
+                    help="time this family's cases alone")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -134,7 +137,7 @@ def main():
     repeats = args.repeats or (5 if args.quick else 11)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [here] + ([os.path.abspath(args.compare)] if args.compare else [])
-    todo = cases(args.quick)
+    todo = [c for c in cases(args.quick) if args.only in (None, c[0])]
     results = {c: [] for c in todo}     # per case: one list of answers (one per path) a round
     slow = {}     # per case: its first round took over 2 s
     for r in range(args.rounds):
