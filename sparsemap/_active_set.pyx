@@ -222,9 +222,12 @@ cdef class _Workspace:
         # than a solve at scale 5)
         self.pv = <double*> malloc((2 * self.n_v + 1) * sizeof(double))
         self.qv = self.pv + self.n_v
-        self.tie_keep = (_tie_array(TIE_SEED, self.n_v), _tie_array(TIE_CHECK_SEED, self.n_v))
-        self.rv = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[0])
-        self.rc = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[1])
+        self.rv = self.rc = NULL
+        if self.n_v:
+            self.tie_keep = (_tie_array(TIE_SEED, self.n_v),
+                             _tie_array(TIE_CHECK_SEED, self.n_v))
+            self.rv = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[0])
+            self.rc = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[1])
         self.abs_eu = <double*> malloc((self.n_u + self.n_v + 1) * sizeof(double))
         self.abs_ev = (self.abs_eu + self.n_u) if self.n_v else NULL
         self.snew = <int*> malloc(self.k * sizeof(int))
