@@ -1217,19 +1217,29 @@ def tie_direction(Factor factor):
     return np.array(_tie_array(TIE_SEED, factor.n_v)[:factor.n_v])
 
 
-cdef double _v_direction(_Workspace ws, const double* r) except? -1.0 nogil:
-    """dvec <- -J_v r = -M_I D N_I^T r on the rows (as a jvp along (0, r)); returns c,
-    the rows' common value of phi_s = r . n_s - (J_v r) . m_s (Prop. 1 ties it)."""
-    cdef Py_ssize_t t, k = ws.k
-    cdef double c
+cdef int _v_weights(_Workspace ws, const double* r, Py_ssize_t n) except -1 nogil:
+    """x1[:n] <- D N^T r, Prop. 1 on the first n rows (the leading block of the factor
+    and of w2 is theirs): the weights' derivative along (0, r). Leaves dvec zero."""
+    cdef Py_ssize_t t, nI = ws.nI
     if ws.nI + 1 >= ws.cap:
         ws._grow(2 * ws.cap)
     memset(ws.dvec, 0, ws.n_u * sizeof(double))
-    for t in range(ws.nI):
-        ws.f.c_score(ws.S + t * k, ws.dvec, r, &ws.x1[t])
+    for t in range(n):
+        ws.f.c_score(ws.S + t * ws.k, ws.dvec, r, &ws.x1[t])
+    ws.nI = n
     ws._jacobian(ws.x1)
+    ws.nI = nI
+    return 0
+
+
+cdef double _v_direction(_Workspace ws, const double* r) except? -1.0 nogil:
+    """dvec <- -J_v r = -M_I D N_I^T r on the rows (as a jvp along (0, r)); returns c,
+    the rows' common value of phi_s = r . n_s - (J_v r) . m_s (Prop. 1 ties it)."""
+    cdef Py_ssize_t t
+    cdef double c
+    _v_weights(ws, r, ws.nI)
     for t in range(ws.nI):
-        ws.f.c_add(ws.S + t * k, -ws.x1[t], ws.dvec, NULL)
+        ws.f.c_add(ws.S + t * ws.k, -ws.x1[t], ws.dvec, NULL)
     ws.f.c_score(ws.S, ws.dvec, r, &c)
     return c
 
@@ -1325,26 +1335,18 @@ cdef bint _extends_back(_Workspace ws, const double* u0, double delta,
                         double tie) except -1 nogil:
     """_untie's check (a): y - delta dy >= 0 and M (y - delta dy) = u0 on the support
     (the leading rows of weight > 0; dy = D N^T r with r in ws.rv), up to round-off
-    and, for the second, the tie tolerance tie. Uses x1, pert."""
-    cdef Py_ssize_t t, j, n = 0, nI = ws.nI, k = ws.k
+    and, for the second, the tie tolerance tie. Uses x1, dvec."""
+    cdef Py_ssize_t t, j, n = 0
     cdef double y0, lo = 0.0, err = 0.0, ref = 1.0
-    while n < nI and ws.y[n] > 0.0:
+    while n < ws.nI and ws.y[n] > 0.0:
         n += 1
-    if ws.nI + 1 >= ws.cap:
-        ws._grow(2 * ws.cap)
-    memset(ws.pert, 0, ws.n_u * sizeof(double))
-    for t in range(n):
-        ws.f.c_score(ws.S + t * k, ws.pert, ws.rv, &ws.x1[t])
-    # Prop. 1 on the support alone: the leading block of the factor (and of w2)
-    ws.nI = n
-    ws._jacobian(ws.x1)
-    ws.nI = nI
+    _v_weights(ws, ws.rv, n)           # Prop. 1 on the support alone
     for t in range(n):
         y0 = ws.y[t] - delta * ws.x1[t]
         lo = min(lo, y0)
-        ws.f.c_add(ws.S + t * k, y0, ws.pert, NULL)
+        ws.f.c_add(ws.S + t * ws.k, y0, ws.dvec, NULL)
     for j in range(ws.n_u):
-        err = max(err, fabs(ws.pert[j] - u0[j]))
+        err = max(err, fabs(ws.dvec[j] - u0[j]))
         ref = max(ref, fabs(u0[j]))
     return lo >= -UNTIE_YTOL and err <= UNTIE_YTOL * ref + tie
 

@@ -739,13 +739,12 @@ cdef class _Engine:
         ws._compute_u(ws.y, False)
         return np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
 
-    def face_scores(self, Py_ssize_t f):
-        """Scores of factor f alone whose SparseMAP solution is its final support and whose
-        tied face is its final face: ``(nu_f + M_f y_f, eta_v[f])``, with ``nu`` the
-        certified multipliers (polished results only), flat."""
-        a = self._arrays
-        return (self.multipliers()[self.uoff[f]:self.uoff[f + 1]] + self.factor_u(f),
-                np.array(a["ev"][self.voff[f]:self.voff[f + 1]]))
+    def factor_face(self, Py_ssize_t f):
+        """``(nu_f, eta_v[f])``, flat: factor f's final face is the set of its structures
+        that maximise ``nu_f . m_s + eta_v[f] . n_s``, with ``nu`` the certified
+        multipliers (polished results only)."""
+        return (self.multipliers()[self.uoff[f]:self.uoff[f + 1]],
+                np.array(self._arrays["ev"][self.voff[f]:self.voff[f + 1]]))
 
     # -- LP-MAP decoding (sparsemap._lp_map): the multipliers behind its dual bound ----------------
     def multipliers(self):
@@ -1361,9 +1360,11 @@ class FactorGraphResult:
         for f, factor in enumerate(self.factors):
             if factor.n_v == 0:
                 continue
-            eu, ev = self._engine.face_scores(f)
+            nu, ev = self._engine.factor_face(f)
             _, S, y = self._engine.factor_result(f)
-            face = reduce_support(factor, S, y, eu, ev, 0.0, DEFAULT_MAX_ITER, untie=False)[4]
+            # as SparseMAP scores of the factor alone, eta_u - M y = nu
+            face = reduce_support(factor, S, y, nu + self._engine.factor_u(f), ev, 0.0,
+                                  DEFAULT_MAX_ITER, untie=False)[4]
             if face == FACE_STATUS_FIBERED:
                 return True
         return False
@@ -1388,7 +1389,7 @@ class FactorGraphResult:
         probes = [(rng.standard_normal(self.n_variables),
                    [rng.standard_normal(f.n_v) if f.n_v else None for f in self.factors])
                   for _ in range(2)]
-        faces = [self._engine.face_scores(f) if factor.n_v else None
+        faces = [self._engine.factor_face(f) if factor.n_v else None
                  for f, factor in enumerate(self.factors)]
         u0 = self._engine.u_raw()
         delta = UNTIE_DELTA * scale
@@ -1399,9 +1400,11 @@ class FactorGraphResult:
                      for e, r, f in zip(ev, rs, self.factors)], max_iter, tol, rho, polish)
             if not res.polished:
                 break
-            jac = [res._engine_jvp(du, dv) for du, dv in probes]
+            jac = [res._engine.project(res._direction(res._engine, du, dv))[0]
+                   for du, dv in probes]
             slope = (res._engine.u_raw() - u0) / delta
-            ok = np.allclose(res._engine_jvp(np.zeros(self.n_variables), rs), slope,
+            along = res._direction(res._engine, np.zeros(self.n_variables), rs)
+            ok = np.allclose(res._engine.project(along)[0], slope,
                              rtol=0, atol=1e-6 * max(1.0, float(np.abs(slope).max())))
             ok = ok and prev is not None and all(
                 np.allclose(a, b, rtol=0, atol=1e-9 * max(1.0, float(np.abs(b).max())))
@@ -1409,8 +1412,7 @@ class FactorGraphResult:
             for f, factor in enumerate(self.factors):
                 if not ok or faces[f] is None:
                     continue
-                fu, fv = faces[f]
-                nu = fu - self._engine.factor_u(f)
+                nu, fv = faces[f]
                 top = max(factor.score(s, nu.reshape(factor.shape_u), fv.reshape(factor.shape_v))
                           for s in self.structures[f])
                 ok = all(factor.score(s, nu.reshape(factor.shape_u), fv.reshape(factor.shape_v))
@@ -1424,14 +1426,14 @@ class FactorGraphResult:
              "use the solve's faces, whose eta_v part may not be a derivative")
         return self._engine
 
-    def _engine_jvp(self, d, dv):
-        """jvp through this result's own engine (no untying)."""
-        eng = self._engine
+    def _direction(self, engine, d, dv):
+        """``d + sum_f C~_f^T M_S D N_S^T dv[f]`` on engine's faces: what jvp projects."""
         w = np.array(d, dtype=np.float64)
         for f, e in enumerate(dv):
             if e is not None and self.factors[f].n_v:
-                eng.add_eta_v_direction(f, np.ascontiguousarray(e, dtype=np.float64).ravel(), w)
-        return eng.project(w)[0]
+                engine.add_eta_v_direction(f, np.ascontiguousarray(e, dtype=np.float64).ravel(),
+                                           w)
+        return w
 
     def _project(self, g):
         y, n_cg, res = self._backward_engine().project(g)
@@ -1478,12 +1480,7 @@ class FactorGraphResult:
         """
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
         dv = _check_per_factor(self.factors, d_eta_v, "d_eta_v", zeros=False)
-        w = np.array(d, dtype=np.float64)
-        engine = self._backward_engine()
-        for f, e in enumerate(dv):
-            if e is not None:
-                engine.add_eta_v_direction(f, e, w)
-        return self._project(w)
+        return self._project(self._direction(self._backward_engine(), d, dv))
 
     def vjp(self, du):
         """Transpose Jacobian product, for backpropagation.
