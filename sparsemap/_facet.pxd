@@ -1,0 +1,60 @@
+# The facet side: SparseMAP solved as a projection held by its tight constraints
+# (docs/solvers.rst, "Two representations"). One FacetSolver subclass per family
+# with a compact constraint description (non-projective trees, sequences,
+# matchings), each in a module of its own (_facet_tree, _facet_sequence,
+# _facet_matching); the solvers' layer picks this side or the active set's per
+# problem.
+from sparsemap._factors._base cimport Factor
+
+
+# What a facet-side solution keeps for its backward pass: family-specific ints
+# (positive coordinates, active rows, a basis) and doubles (a small factorisation),
+# in two malloc'ed arrays that the state owns. An all-zero state is empty.
+cdef struct FacetState:
+    int* ints
+    double* reals
+    Py_ssize_t n_ints, n_reals
+
+
+# Make room for exactly n_ints ints and n_reals doubles (contents not kept).
+cdef int state_resize(FacetState* st, Py_ssize_t n_ints, Py_ssize_t n_reals) except -1 nogil
+# Free both arrays and zero the state.
+cdef void state_clear(FacetState* st) noexcept nogil
+# dst <- a copy of src (dst's old arrays freed).
+cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil
+
+
+cdef enum:
+    FACET_SOLVED = 0     # u, v optimal up to round-off; the KKT residuals are reported
+    FACET_DECLINED = 1   # not solved here (budget spent, masks it does not handle,
+                         # residuals too large): the caller takes the vertex side
+
+
+cdef class FacetSolver:
+    # The factor this solver projects onto; its shapes are the solver's.
+    cdef readonly Factor factor
+
+    # SparseMAP for (eta_u, eta_v) (flat float64, eta_v NULL when factor.n_v == 0):
+    # u (n_u) and v (n_v) written, the backward data into st, the iteration count
+    # into n_iter[0] and the largest primal and dual residuals of the KKT system
+    # (absolute, in the units of the scores) into residuals[0], residuals[1].
+    # Returns FACET_SOLVED or FACET_DECLINED; at most `budget` iterations.
+    # Thread-safe: all state is in the arguments (scratch is malloc'ed per call).
+    cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
+                     FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
+                     double* residuals) except -1 nogil
+
+    # The Jacobian of u with respect to (eta_u, eta_v) at a solution, from its state:
+    # transpose=0 (jvp): out_u = J_u in_u + J_v in_v (in_v NULL: zeros);
+    # transpose=1 (vjp): out_u = J_u^T in_u, and out_v = J_v^T in_u unless out_v is NULL.
+    cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
+                     double* out_u, double* out_v, bint transpose) except -1 nogil
+
+
+# A solve's outcome, for tests and the Python-level solvers' layer.
+cdef class FacetSolution:
+    cdef FacetState st
+    cdef public FacetSolver solver
+    cdef public object u, v, residuals
+    cdef public int status
+    cdef public Py_ssize_t n_iter

@@ -1,0 +1,184 @@
+"""The facet side's shared interface: a solver per family, its state, Python wrappers.
+
+A :class:`FacetSolver` solves SparseMAP for one factor as a projection onto the
+factor's polytope described by constraints, and applies the Jacobian of ``u`` from
+the constraints tight at the solution (the active rows on the positive
+coordinates). The families (non-projective trees, sequences, matchings) subclass it
+in modules of their own and implement ``c_solve`` and ``c_apply`` at C level,
+without the GIL; the Python methods here wrap them for tests and for the solvers'
+layer.
+"""
+import numpy as np
+
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from sparsemap._factors._base cimport Factor
+
+
+cdef int state_resize(FacetState* st, Py_ssize_t n_ints, Py_ssize_t n_reals) except -1 nogil:
+    free(st.ints)
+    free(st.reals)
+    st.ints = <int*> malloc((n_ints if n_ints > 0 else 1) * sizeof(int))
+    st.reals = <double*> malloc((n_reals if n_reals > 0 else 1) * sizeof(double))
+    st.n_ints = n_ints
+    st.n_reals = n_reals
+    if st.ints == NULL or st.reals == NULL:
+        state_clear(st)
+        with gil:
+            raise MemoryError()
+    return 0
+
+
+cdef void state_clear(FacetState* st) noexcept nogil:
+    free(st.ints)
+    free(st.reals)
+    st.ints = NULL
+    st.reals = NULL
+    st.n_ints = 0
+    st.n_reals = 0
+
+
+cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil:
+    state_resize(dst, src.n_ints, src.n_reals)
+    if src.n_ints:
+        memcpy(dst.ints, src.ints, src.n_ints * sizeof(int))
+    if src.n_reals:
+        memcpy(dst.reals, src.reals, src.n_reals * sizeof(double))
+    return 0
+
+
+cdef class FacetSolver:
+    """The facet-side solver of one factor (a base class: families subclass it).
+
+    Parameters
+    ----------
+    factor : Factor
+        The factor whose polytope the solver projects onto.
+    """
+
+    def __init__(self, Factor factor):
+        self.factor = factor
+
+    cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
+                     FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
+                     double* residuals) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__}.c_solve")
+
+    cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
+                     double* out_u, double* out_v, bint transpose) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__}.c_apply")
+
+    def solve(self, eta_u, eta_v=None, Py_ssize_t budget=1000):
+        """Solve from the facet side (tests and the solvers' layer).
+
+        Parameters
+        ----------
+        eta_u, eta_v : array_like
+            Scores shaped like ``factor.shape_u`` and ``factor.shape_v``
+            (``eta_v=None``: zeros). Not validated beyond their size.
+        budget : int
+            Iteration limit; past it the solver declines.
+
+        Returns
+        -------
+        FacetSolution
+        """
+        cdef Factor f = self.factor
+        cdef const double[::1] eu = np.ascontiguousarray(eta_u, dtype=np.float64).reshape(-1)
+        cdef const double[::1] ev = np.ascontiguousarray(
+            np.zeros(f.n_v) if eta_v is None else eta_v, dtype=np.float64).reshape(-1)
+        if eu.shape[0] != f.n_u or ev.shape[0] != f.n_v:
+            raise ValueError(f"eta_u, eta_v: expected {f.n_u} and {f.n_v} entries, got "
+                             f"{eu.shape[0]} and {ev.shape[0]}")
+        cdef FacetSolution sol = FacetSolution.__new__(FacetSolution)
+        sol.solver = self
+        sol.u = np.zeros(f.n_u)
+        sol.v = np.zeros(f.n_v)
+        cdef double[::1] uu = sol.u, vv = sol.v
+        cdef double res[2]
+        cdef Py_ssize_t n_iter = 0
+        cdef int status
+        res[0] = res[1] = 0.0
+        with nogil:
+            status = self.c_solve(&eu[0] if f.n_u else NULL, &ev[0] if f.n_v else NULL,
+                                  &uu[0] if f.n_u else NULL, &vv[0] if f.n_v else NULL,
+                                  &sol.st, budget, &n_iter, res)
+        sol.status = status
+        sol.n_iter = n_iter
+        sol.residuals = (res[0], res[1])
+        sol.u = sol.u.reshape(f.shape_u)
+        sol.v = sol.v.reshape(f.shape_v)
+        return sol
+
+    def decompose(self, u, v=None):
+        """A convex combination of structures equal to ``(u, v)``.
+
+        Returns
+        -------
+        structures : ndarray of intc, shape (k, factor.struct_size)
+        weights : ndarray of float64, shape (k,)
+            Positive, summing to one, with ``sum_s w_s m_s = u`` (and ``n_s``: ``v``).
+        """
+        raise NotImplementedError(f"{type(self).__name__}.decompose")
+
+
+cdef class FacetSolution:
+    """A facet-side solve's outcome: ``u``, ``v``, its status and its backward state."""
+
+    def __dealloc__(self):
+        state_clear(&self.st)
+
+    def jvp(self, d_u, d_v=None):
+        """``J [d_u; d_v]``, shaped like ``u``."""
+        return _apply(self, d_u, d_v, False)[0]
+
+    def vjp(self, du):
+        """``(J_u^T du, J_v^T du)``, shaped like ``eta_u`` and ``eta_v``."""
+        return _apply(self, du, None, True)
+
+    def state_arrays(self):
+        """Copies of the state's ints and doubles (pickling)."""
+        ints = np.empty(self.st.n_ints, dtype=np.intc)
+        reals = np.empty(self.st.n_reals)
+        cdef int[::1] iv = ints
+        cdef double[::1] rv = reals
+        if self.st.n_ints:
+            memcpy(&iv[0], self.st.ints, self.st.n_ints * sizeof(int))
+        if self.st.n_reals:
+            memcpy(&rv[0], self.st.reals, self.st.n_reals * sizeof(double))
+        return ints, reals
+
+    def set_state(self, ints, reals):
+        """Restore the state from :meth:`state_arrays`."""
+        cdef const int[::1] iv = np.ascontiguousarray(ints, dtype=np.intc)
+        cdef const double[::1] rv = np.ascontiguousarray(reals, dtype=np.float64)
+        state_resize(&self.st, iv.shape[0], rv.shape[0])
+        if iv.shape[0]:
+            memcpy(self.st.ints, &iv[0], iv.shape[0] * sizeof(int))
+        if rv.shape[0]:
+            memcpy(self.st.reals, &rv[0], rv.shape[0] * sizeof(double))
+
+
+cdef tuple _apply(FacetSolution sol, a, b, bint transpose):
+    cdef FacetSolver solver = sol.solver
+    cdef Factor f = solver.factor
+    cdef const double[::1] ia = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+    cdef const double[::1] ib
+    if ia.shape[0] != f.n_u:
+        raise ValueError(f"expected {f.n_u} entries, got {ia.shape[0]}")
+    cdef bint with_b = (b is not None) and f.n_v > 0 and not transpose
+    if with_b:
+        ib = np.ascontiguousarray(b, dtype=np.float64).reshape(-1)
+        if ib.shape[0] != f.n_v:
+            raise ValueError(f"expected {f.n_v} entries, got {ib.shape[0]}")
+    out_u = np.zeros(f.n_u)
+    out_v = np.zeros(f.n_v)
+    cdef double[::1] ou = out_u, ov = out_v
+    with nogil:
+        solver.c_apply(&sol.st, &ia[0] if f.n_u else NULL, &ib[0] if with_b else NULL,
+                       &ou[0] if f.n_u else NULL,
+                       &ov[0] if (transpose and f.n_v) else NULL, transpose)
+    return out_u.reshape(f.shape_u), out_v.reshape(f.shape_v)
