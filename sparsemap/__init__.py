@@ -28,7 +28,7 @@ from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFact
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
-from sparsemap._exceptions import ConvergenceWarning
+from sparsemap._exceptions import ConvergenceError, ConvergenceWarning
 from sparsemap._factor_graph import FactorGraph, FactorGraphResult
 from sparsemap._lp_map import LPMAPResult, MAPAssignment
 from sparsemap._variables import VariableArray
@@ -42,6 +42,7 @@ __all__ = [
     "XorFactor", "AtMostOneFactor", "OrFactor", "BudgetFactor", "PairFactor", "OrOutFactor",
     "AndOutFactor", "XorOutFactor", "SequenceBudgetFactor", "ImplyFactor", "KnapsackFactor",
     "solve", "solve_batch", "vjp_batch", "jvp_batch", "SparseMAPResult", "ConvergenceWarning",
+    "ConvergenceError",
     "FactorGraph", "FactorGraphResult", "LPMAPResult", "MAPAssignment", "VariableArray",
     "sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss",
 ]

@@ -22,6 +22,35 @@ class ConvergenceWarning(UserWarning):
     """
 
 
+class ConvergenceError(RuntimeError):
+    """A factor graph's solve stopped without a certified solution.
+
+    :meth:`sparsemap.FactorGraph.solve` returns the optimum of its problem,
+    certified, or raises: its iterates are not points of the constraints, so an
+    uncertified one is never returned. This error is raised when ``max_iter``
+    ADMM iterations ran out first; an infeasible graph raises ``ValueError``
+    instead. Raising ``max_iter`` is the remedy.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> fg = sm.FactorGraph()
+    >>> x = fg.add_variables((3, 4))
+    >>> for i in range(3):
+    ...     _ = fg.add(sm.XorFactor(4), x[i])
+    >>> for j in range(4):
+    ...     _ = fg.add(sm.AtMostOneFactor(3), x[:, j])
+    >>> scores = np.random.default_rng(0).standard_normal((3, 4))
+    >>> try:
+    ...     fg.solve({x: scores}, max_iter=2)
+    ... except sm.ConvergenceError as exc:
+    ...     print(str(exc)[:59])
+    FactorGraph.solve: no certified solution after 2 ADMM itera
+    >>> fg.solve({x: scores}).converged
+    True
+    """
+
+
 # Frames of these packages lie between what a warning is about and the user's line:
 # sparsemap's own, torch's (autograd's Function.apply, the engine running a backward
 # pass), whose number changes between torch versions (2.14 has one fewer than 2.13), and

@@ -38,16 +38,20 @@ import numpy as np
 
 from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, INFINITY
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import (STATUS_CONVERGED, FACE_STATUS_FIBERED, reduce_support,
                                    tie_direction)
 from sparsemap import _variables
-from sparsemap._exceptions import warn
+from sparsemap._factors._logic import BudgetFactor, SequenceBudgetFactor, XorFactor
+from sparsemap._factors._matching import MatchingFactor
+from sparsemap._factors._sequence import SequenceFactor
+from sparsemap._factors._tree import TreeFactor
+from sparsemap._exceptions import ConvergenceError, warn
 from sparsemap._factors._base cimport Factor
-from sparsemap._factors._base import (_as_float_array, _typed_array, check_bool,
-                                     check_positive_int, check_real)
+from sparsemap._factors._base import (SCAN_BAD, _as_float_array, _real_array, _typed_array,
+                                     check_bool, check_positive_int, check_real, scan_values)
 
 DEFAULT_MAX_ITER = 10_000
 # Untying ties in eta_v (FactorGraphResult._untie): the first delta, relative to the
@@ -56,7 +60,16 @@ DEFAULT_MAX_ITER = 10_000
 UNTIE_DELTA = 1e-6
 UNTIE_TRIES = 6
 DEFAULT_TOL = 1e-10
-DEFAULT_RHO = 2.0
+
+
+def default_rho(scale):
+    """The ADMM penalty for scores divided by ``scale`` (>= 1): 1 / sqrt(scale), at least
+    0.1 (docs/lp_sparsemap.rst, "Any score scale": measured over twelve graphs and scales
+    from 1e-6 to 1e8)."""
+    return max(RHO_MIN, scale ** -0.5)
+
+
+RHO_MIN = 0.1
 
 # Over-relaxation of the ADMM steps (Eckstein and Bertsekas): the u and dual steps use
 # alpha y + (1 - alpha) u_prev for the factors' values y.
@@ -79,15 +92,30 @@ cdef double CG_RTOL = 1e-13
 # benchmarks/bench_factor_graph.py a successful attempt took at most 115): on
 # wrong supports the affine set may be empty, and CG would not converge.
 cdef double POLISH_START = 1e-4
+cdef Py_ssize_t POLISH_STABLE = 5
+cdef Py_ssize_t POLISH_GAP_MAX = 40
+cdef Py_ssize_t POLISH_ROUNDS = 8
+# Up to this scale the polish projects w / eps directly (one CG); beyond, it projects w
+# onto the scaled set and again onto the set (two), keeping u on its faces to round-off.
+cdef double SCALE_ONE_PROJECTION = 1e3
 cdef double KKT_TOL = 1e-11
 cdef Py_ssize_t POLISH_MAX_CG = 1000
 # Polished weights up to this are round-off zeros.
 cdef double ZERO_WEIGHT = 1e-12
 
+# Infeasibility (_Engine._farkas): first checked after FARKAS_FIRST iterations, then at
+# iterations growing by half (4, 6, 9, 13, ...), while the primal residual is above
+# FARKAS_MIN_RESIDUAL; a certificate must be negative by FARKAS_TOL of its size (round-off
+# in D is far smaller; on the infeasible graphs of the tests D / size is below -0.01).
+cdef Py_ssize_t FARKAS_FIRST = 4
+cdef double FARKAS_MIN_RESIDUAL = 1e-6
+cdef double FARKAS_TOL = 1e-9
+
 cdef enum:
     RUNNING = 0
     CONVERGED = 1
     MAX_ITER = 2
+    INFEASIBLE = 3     # no point satisfies every factor (a certificate, or a masked factor)
 
 cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
 
@@ -113,9 +141,9 @@ cdef class _Engine:
     A result keeps its engine: the supports and Cholesky factors in the
     workspaces are what the backward pass needs; a new solve builds a new engine.
     """
-    cdef Py_ssize_t V, F, L, LV
-    cdef list factors, workspaces
-    cdef object _arrays          # the NumPy arrays behind the pointers below
+    cdef readonly Py_ssize_t V, F, L, LV
+    cdef readonly list factors, workspaces
+    cdef readonly object _arrays  # the NumPy arrays behind the pointers below
     cdef PyObject** wsp          # borrowed: self.workspaces owns them
     cdef Py_ssize_t* uoff        # F + 1 offsets into the link arrays
     cdef Py_ssize_t* voff        # F + 1 offsets into the eta_v arrays
@@ -127,10 +155,17 @@ cdef class _Engine:
     cdef double* evs             # eta_v / rho (workspaces point here)
     cdef double* lam             # per link, variable space: the multiplier
     cdef double* yh              # per link, variable space: the factor's value
-    cdef double* eta             # V
+    cdef int* cvar               # per link: var, or -1 where it is not a free variable's
+                                 # (the linear algebra of the polish and the backward pass)
+    cdef char* lmask             # per link: 1 on a plain (not negated) link of a fixed
+                                 # variable: the factor sees -inf there (a mask)
+    cdef double* eta             # V, normalised: eta / scale on free variables, else 0
+    cdef double* eta0            # V, as given (degree-0 variables: clip; backward: 1[0<eta<1])
     cdef double* u               # V
     cdef double* uprev           # V
-    cdef int* deg                # V
+    cdef int* deg                # V: links of a free variable (0: in no factor, or fixed)
+    cdef char* fix               # V: fixed at 0 (a -inf score, a mask)
+    cdef double* lprev           # per link: lam before the last iteration (infeasibility)
     cdef double* zu              # zeros, max n_u
     cdef double* zv              # zeros, max n_v
     # polishing scratch: link arrays (L) and variable arrays (V)
@@ -150,13 +185,19 @@ cdef class _Engine:
     cdef double* ckp
     cdef double* ckq
     cdef public double rho, res_primal, res_dual
-    cdef public Py_ssize_t n_iter, n_inner_fail
+    # the scores' scale (>= 1): the engine solves (P) divided by it, whose quadratic term
+    # has the weight eps = 1 / scale (docs/lp_sparsemap.rst, "Any score scale")
+    cdef public double scale, eps
+    cdef public Py_ssize_t n_iter, n_inner_fail, n_polish
     cdef bint try_polish
     cdef public int status
     cdef public bint polished
+    cdef public Py_ssize_t infeasible_factor   # -1, or a factor that has no allowed structure
+    cdef public int polish_fail
+    cdef public Py_ssize_t n_rounds, n_cg_kappa, n_cg_proj
 
     def __cinit__(self, list factors, list variables, list negated, Py_ssize_t n_variables,
-                  eta_u, list eta_v, double rho, bint polish):
+                  eta_u, list eta_v, rho, bint polish, fixed=None):
         cdef Py_ssize_t f, F = len(factors)
         cdef Factor fac
         self.V = n_variables
@@ -177,17 +218,35 @@ cdef class _Engine:
                              + [np.full(1, -1, np.intc)]).astype(np.intc)
         neg = np.concatenate([np.asarray(v, dtype=bool).reshape(-1) for v in negated]
                              + [np.zeros(1, bool)])
-        deg = np.bincount(var[var >= 0], minlength=n_variables).astype(np.intc)
-        ev = np.concatenate([np.asarray(e, dtype=np.float64).reshape(-1) for e in eta_v]
-                            + [np.zeros(1)])
-        eta = np.array(eta_u, dtype=np.float64)
+        fix = np.zeros(n_variables + 1, dtype=np.int8)
+        if fixed is not None:
+            fix[:n_variables] = np.asarray(fixed, dtype=bool)
+        tied = var >= 0
+        free_link = tied & (fix[np.maximum(var, 0)] == 0)
+        deg = np.bincount(var[free_link], minlength=n_variables + 1).astype(np.intc)
+        ev0 = np.concatenate([np.asarray(e, dtype=np.float64).reshape(-1) for e in eta_v]
+                             + [np.zeros(1)])
+        eta0 = np.zeros(n_variables + 1)
+        eta0[:n_variables] = eta_u
+        # the scale: the largest score that counts (free variables, eta_v), at least 1 (the
+        # quadratic term's): scores are divided by it, so any magnitude is solved alike
+        on = deg[:n_variables] > 0
+        scale = max([1.0, float(np.abs(eta0[:n_variables][on]).max(initial=0.0)),
+                     float(np.abs(ev0).max(initial=0.0))])
+        eta = np.where(deg > 0, eta0, 0.0) / scale
+        ev = ev0 / scale
+        if rho is None:
+            rho = default_rho(scale)
+        u = np.clip(np.where(fix != 0, 0.0, eta0), 0.0, 1.0)  # degree-0 variables keep this
         L1, V1 = self.L + 1, n_variables + 1
-        a = dict(uoff=uoff, voff=voff, var=var, deg=deg, ev=ev, eta=eta,
+        a = dict(uoff=uoff, voff=voff, var=var, deg=deg, ev=ev, ev0=ev0, eta=eta, eta0=eta0,
+                 fix=fix, cvar=np.where(free_link, var, -1).astype(np.intc),
+                 lmask=(tied & ~free_link & ~neg).astype(np.int8),
                  sig=np.where(neg, -1.0, 1.0), sh=np.where(neg, 1.0, 0.0), evs=ev / rho,
-                 u=np.clip(eta, 0.0, 1.0),   # degree-0 variables keep this value
-                 uprev=np.zeros(V1), zu=np.zeros(max_nu), zv=np.zeros(max_nv),
+                 u=u, uprev=np.zeros(V1), zu=np.zeros(max_nu), zv=np.zeros(max_nv),
                  wsp=np.zeros(F + 1, dtype=np.intp))
-        for k in ("scores", "lam", "yh", "cz", "cr", "cp", "cq", "ctmp", "ct", "cg", "cmu"):
+        for k in ("scores", "lam", "lprev", "yh", "cz", "cr", "cp", "cq", "ctmp", "ct", "cg",
+                  "cmu"):
             a[k] = np.zeros(L1)
         for k in ("cw", "ca", "cu", "ck", "ckr", "ckp", "ckq"):
             a[k] = np.zeros(V1)
@@ -195,25 +254,34 @@ cdef class _Engine:
         self.uoff = <Py_ssize_t*> _ptr(a["uoff"])
         self.voff = <Py_ssize_t*> _ptr(a["voff"])
         self.var = <int*> _ptr(a["var"])
+        self.cvar = <int*> _ptr(a["cvar"])
+        self.lmask = <char*> _ptr(a["lmask"])
         self.deg = <int*> _ptr(a["deg"])
+        self.fix = <char*> _ptr(a["fix"])
         self.wsp = <PyObject**> _ptr(a["wsp"])
         self.sig, self.sh, self.ev, self.evs = _d(a, "sig"), _d(a, "sh"), _d(a, "ev"), _d(a, "evs")
-        self.eta, self.u, self.uprev = _d(a, "eta"), _d(a, "u"), _d(a, "uprev")
+        self.eta, self.eta0 = _d(a, "eta"), _d(a, "eta0")
+        self.u, self.uprev = _d(a, "u"), _d(a, "uprev")
         self.scores, self.lam, self.yh = _d(a, "scores"), _d(a, "lam"), _d(a, "yh")
+        self.lprev = _d(a, "lprev")
         self.zu, self.zv = _d(a, "zu"), _d(a, "zv")
         self.cz, self.cr, self.cp, self.cq = _d(a, "cz"), _d(a, "cr"), _d(a, "cp"), _d(a, "cq")
         self.ctmp, self.ct, self.cg, self.cmu = _d(a, "ctmp"), _d(a, "ct"), _d(a, "cg"), _d(a, "cmu")
         self.cw, self.ca, self.cu = _d(a, "cw"), _d(a, "ca"), _d(a, "cu")
         self.ck, self.ckr, self.ckp, self.ckq = _d(a, "ck"), _d(a, "ckr"), _d(a, "ckp"), _d(a, "ckq")
         self.rho = rho
+        self.scale = scale
+        self.eps = 1.0 / scale
         self.workspaces = [_Workspace(fac, 16) for fac in factors]
         for f in range(F):
             self.wsp[f] = <PyObject*> self.workspaces[f]
         self.n_iter = 0
         self.n_inner_fail = 0
+        self.n_polish = 0
         self.polished = False
         self.try_polish = polish
         self.status = RUNNING
+        self.infeasible_factor = -1
 
     # -- forward: ADMM (docs/lp_sparsemap.rst, "The ADMM iteration") --------------------------
     cdef void _set_scores(self, Py_ssize_t f) noexcept nogil:
@@ -223,27 +291,43 @@ cdef class _Engine:
         cdef double inv = 1.0 / self.rho
         for j in range(self.uoff[f], self.uoff[f + 1]):
             i = self.var[j]
-            if i >= 0:
+            if self.lmask[j]:
+                self.scores[j] = -INFINITY
+            elif i >= 0:
                 self.scores[j] = self.sh[j] + self.sig[j] * (self.u[i] + inv * self.lam[j])
             else:
                 self.scores[j] = 0.0
 
     def _start(self):
-        """Initial supports: the MAP structure of each factor at the first scores."""
+        """Initial supports: the MAP structure of each factor at the first scores. A factor
+        whose every structure uses a masked part (a fixed variable) stops the solve:
+        status INFEASIBLE, with ``infeasible_factor`` set."""
         cdef Py_ssize_t f
         cdef _Workspace ws
         cdef Factor fac
+        cdef double sc = 0.0
+        cdef int rc
         for f in range(self.F):
             ws = self.workspaces[f]
             fac = ws.f
             self._set_scores(f)
             ws._rescore(self.scores + self.uoff[f], self.evs + self.voff[f] if fac.n_v else NULL)
-            fac.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
+            rc = fac.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
             ws.n_map += 1
+            if rc == 0:
+                fac.c_score(ws.snew, ws.eta_u, ws.eta_v if fac.n_v else self.zv, &sc)
+            if rc != 0 or not (sc > -INFINITY):
+                self.infeasible_factor = f
+                self.status = INFEASIBLE
+                return False
             ws._start(ws.snew, 1, NULL)
+        return True
 
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
-        """Warm-started SparseMAP of factor f at the current scores; its values into yh."""
+        """Warm-started SparseMAP of factor f at the current scores; its values into yh.
+
+        The one place where a factor's step is solved (the single-factor solver is
+        called here and nowhere else in the loop)."""
         cdef Py_ssize_t j, a = self.uoff[f], n_it
         cdef double gap, obj
         self._set_scores(f)
@@ -263,32 +347,36 @@ cdef class _Engine:
         return h
 
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil:
-        cdef Py_ssize_t it, f, j, i
+        cdef Py_ssize_t it, f, j, i, next_check = FARKAS_FIRST
+        cdef Py_ssize_t n_same = 0, next_polish = POLISH_STABLE, polish_gap = POLISH_STABLE
         cdef double rho = self.rho, rp, rd, r, yr, polish_at = POLISH_START
         cdef int v
         cdef unsigned long long h, h_prev = 0
         for it in range(max_iter):
+            if it + 1 == next_check:
+                memcpy(self.lprev, self.lam, self.L * sizeof(double))
             for f in range(self.F):
                 self._factor_step(<_Workspace> self.wsp[f], f)
-            # u step, with over-relaxed values alpha y + (1 - alpha) u_prev
+            # u step, with over-relaxed values alpha y + (1 - alpha) u_prev; free
+            # variables only (fixed ones stay at 0)
             for i in range(self.V):
                 if self.deg[i] > 0:
                     self.uprev[i] = self.u[i]
                     self.u[i] = self.eta[i]
             for j in range(self.L):
-                v = self.var[j]
+                v = self.cvar[j]
                 if v >= 0:
                     yr = ALPHA * self.yh[j] + (1.0 - ALPHA) * self.uprev[v]
                     self.u[v] += rho * yr - self.lam[j]
             rd = 0.0
             for i in range(self.V):
                 if self.deg[i] > 0:
-                    self.u[i] /= 1.0 + rho * self.deg[i]
+                    self.u[i] /= self.eps + rho * self.deg[i]
                     r = fabs(self.u[i] - self.uprev[i])
                     if r > rd:
                         rd = r
             rd *= rho
-            # dual step
+            # dual step (links of fixed variables too: a negated one is pushed to 1)
             rp = 0.0
             for j in range(self.L):
                 v = self.var[j]
@@ -301,26 +389,96 @@ cdef class _Engine:
             self.n_iter = it + 1
             self.res_primal = rp
             self.res_dual = rd
-            # polishing: once the supports look settled, solve (P) on them and certify
+            # polishing: once the supports look settled, solve (P) on them and certify;
+            # tried when the primal residual is small, and when the supports stayed the
+            # same for a while (at large scales they settle long before ADMM converges)
             h = self._support_hash()
-            if self.try_polish and rp <= polish_at and h == h_prev:
+            n_same = n_same + 1 if h == h_prev else 0
+            if self.try_polish and n_same > 0 and (rp <= polish_at or
+                                                   (n_same >= 2 and it >= next_polish)):
                 if self._polish():
                     self.status = CONVERGED
                     return 0
-                polish_at = rp / 10
+                if rp <= polish_at:
+                    polish_at = rp / 10
+                next_polish = it + polish_gap
+                polish_gap = min(2 * polish_gap, POLISH_GAP_MAX)
             h_prev = h
             if rp <= tol and rd <= tol:
                 self.status = CONVERGED
                 return 0
+            if it + 1 == next_check:
+                next_check += max(2, next_check // 2)
+                if rp > FARKAS_MIN_RESIDUAL and self._farkas():
+                    self.status = INFEASIBLE
+                    return 0
         self.status = MAX_ITER
         return 0
 
+    cdef bint _farkas(self) except -1 nogil:
+        """Whether the last iteration's step in the multipliers proves that no point
+        satisfies every factor (docs/lp_sparsemap.rst, "Infeasible graphs").
+
+        On an infeasible graph ADMM's multipliers grow along a fixed direction. Its
+        step d (literal space, -inf on masked links), made to sum to zero over the
+        links of each free variable, is a Farkas certificate when
+        D(d) = sum_f max_s d_f . m_s - sum_j d_j s_j < 0: every point of the local
+        polytope would have D(d) >= 0. One MAP call per factor. The certificate is
+        kept in ``cert`` (the first L entries of ``cz``)."""
+        cdef Py_ssize_t j, f, i
+        cdef double D = 0.0, size = 0.0, best
+        cdef double* nu = self.cz
+        for i in range(self.V):
+            self.ca[i] = 0.0
+        for j in range(self.L):
+            if self.lmask[j]:
+                nu[j] = -INFINITY
+            elif self.var[j] >= 0:
+                nu[j] = self.sig[j] * (self.lam[j] - self.lprev[j])
+                if self.cvar[j] >= 0:
+                    self.ca[self.cvar[j]] += self.sig[j] * nu[j]
+            else:
+                nu[j] = 0.0
+        for j in range(self.L):
+            i = self.cvar[j]
+            if i >= 0:
+                nu[j] -= self.sig[j] * self.ca[i] / self.deg[i]
+        for j in range(self.L):
+            if self.var[j] >= 0 and not self.lmask[j]:
+                D -= nu[j] * self.sh[j]
+                size += fabs(nu[j])
+        if not (size > 0.0):
+            return False
+        for f in range(self.F):
+            best = self._best(<_Workspace> self.wsp[f], nu + self.uoff[f])
+            if not (best < INFINITY):
+                return False
+            D += best
+        return D < -FARKAS_TOL * size
+
+    cdef double _best(self, _Workspace ws, const double* nu) except? -1 nogil:
+        """max_s nu . m_s over the factor's structures (one MAP call; inf if MAP fails)."""
+        cdef double best = 0.0
+        if ws.f.c_map(nu, self.zv, ws.snew, ws.work) != 0:
+            return INFINITY
+        ws.n_map += 1
+        ws.f.c_score(ws.snew, nu, self.zv, &best)
+        return best
+
+    def certificate(self):
+        """Per link (literal space), the Farkas certificate of an INFEASIBLE status found
+        by ADMM (zeros otherwise, or when a single factor had no allowed structure)."""
+        if self.status != INFEASIBLE or self.infeasible_factor >= 0:
+            return np.zeros(self.L)
+        return np.array(self._arrays["cz"][:self.L])
+
     def run(self, Py_ssize_t max_iter, double tol):
-        self._start()
+        if not self._start():
+            return
         with nogil:
             self._admm(max_iter, tol)
-            if (self.try_polish and not self.polished and self.F > 0
-                    and self.res_primal <= POLISH_START):
+            if (self.status != INFEASIBLE and self.try_polish and not self.polished
+                    and self.F > 0 and self.res_primal <= POLISH_START):
                 # a last attempt at the returned supports (not counted as an iteration)
                 if self._polish():
                     self.status = CONVERGED
@@ -330,10 +488,29 @@ cdef class _Engine:
         """Polish now, whatever the residuals (tests: the certificate must reject wrong faces)."""
         with nogil:
             ok = self._polish()
-        return ok
+        return bool(ok)
 
     cdef bint _polish(self) except -1 nogil:
-        """Solve (P) restricted to the current supports; keep it if its KKT conditions hold.
+        """Polish rounds: after each, a factor whose weights came out negative drops those
+        structures, and one whose MAP oracle found a better structure at the multipliers
+        takes it in (a primal-dual active set over the faces, ADMM's supports its start);
+        at most POLISH_ROUNDS. If no round is certified, ADMM goes on from the changed
+        supports."""
+        cdef Py_ssize_t k
+        cdef int code
+        self.n_polish += 1
+        for k in range(POLISH_ROUNDS):
+            self.n_rounds += 1
+            code = self._polish_once()
+            if code == 1:
+                return True
+            if code == 0:
+                return False
+        return False
+
+    cdef int _polish_once(self) except -1 nogil:
+        """Solve (P) restricted to the current supports; keep it if its KKT conditions hold
+        (1), else 0, or 2 when supports were changed (see _polish).
 
         On the faces spanned by the supports, p_f is an affine function of the
         literals, so (P) becomes the projection of w = eta + g (g: the eta_v
@@ -347,20 +524,58 @@ cdef class _Engine:
         a second CG. The point is optimal for (P) when every factor's weights
         p_f = G_c^{-1} (M_S^T l_f + c 1) are >= 0 and no structure beats the
         support at the multipliers (MAP at scores (-mu_f, eta_v)).
+
+        Scores are divided by the scale (eps = 1 / scale weights the quadratic term),
+        so the projection is of w / eps: computed as Proj_{A_eps}(w) / eps, with
+        A_eps the affine set scaled by eps, then projected once more onto the affine
+        set itself (the division multiplies round-off by the scale; the second
+        projection, on numbers of the size of u, puts u back on the faces to round-off).
+        Variables fixed at 0 are constants: links to them are rows of R_f with no
+        column in C~.
         """
         cdef Py_ssize_t f, j, i
         cdef double res
+        cdef int code
+        cdef bint changed = False
         for i in range(self.V):
-            self.cw[i] = self.eta[i]
+            self.cw[i] = self.eta[i]      # 0 where deg == 0
         for f in range(self.F):
             self._polish_prepare(<_Workspace> self.wsp[f], f)
         for j in range(self.L):
-            if self.var[j] >= 0:
-                self.cw[self.var[j]] += self.sig[j] * self.cg[j]
-        self._project(self.cw, self.ct, self.cu, self.cz, self.cr, self.cp, self.cq, self.ctmp,
-                      self.ca, NULL, POLISH_MAX_CG, &res)
-        if res > 1e3 * CG_RTOL:
-            return False
+            if self.cvar[j] >= 0:
+                self.cw[self.cvar[j]] += self.sig[j] * self.cg[j]
+        if self.scale <= SCALE_ONE_PROJECTION:
+            # w / eps = scale * w: round-off in u of 1e-16 scale |w|, no worse than CG's
+            if self.eps != 1.0:
+                for i in range(self.V):
+                    self.cw[i] *= self.scale
+            self._project(self.cw, self.ct, self.cu, self.cz, self.cr, self.cp, self.cq,
+                          self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
+            if res > 1e3 * CG_RTOL:
+                self.polish_fail = 1
+                return 0
+            if self.eps != 1.0:
+                for j in range(self.L):
+                    self.cz[j] *= self.eps
+        else:
+            for j in range(self.L):
+                self.cmu[j] = self.eps * self.ct[j]
+            self._project(self.cw, self.cmu, self.cu, self.cz, self.cr, self.cp, self.cq,
+                          self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
+            if res > 1e3 * CG_RTOL:
+                self.polish_fail = 1
+                return 0
+            for i in range(self.V):
+                if self.deg[i] > 0:
+                    self.cw[i] = self.cu[i] / self.eps
+            # the second projection; its z (times eps) adds to the first's
+            self._project(self.cw, self.ct, self.cu, self.cmu, self.cr, self.cp, self.cq,
+                          self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
+            if res > 1e3 * CG_RTOL:
+                self.polish_fail = 1
+                return 0
+            for j in range(self.L):
+                self.cz[j] += self.eps * self.cmu[j]
         # the multipliers: cmu = -mu = -g - R (mu_A - C~ kappa), with mu_A = -sigma lam
         for j in range(self.L):
             self.cmu[j] = -self.sig[j] * self.lam[j] + self.cz[j] if self.var[j] >= 0 else 0.0
@@ -372,10 +587,19 @@ cdef class _Engine:
             self.ctmp[j] = -self.sig[j] * self.lam[j] - self.ctmp[j] if self.var[j] >= 0 else 0.0
         self._R(self.ctmp, self.cmu, NULL)
         for j in range(self.L):
-            self.cmu[j] = -(self.cg[j] + self.cmu[j]) if self.var[j] >= 0 else 0.0
+            if self.lmask[j]:
+                self.cmu[j] = -INFINITY     # a masked part: no structure may use it
+            else:
+                self.cmu[j] = -(self.cg[j] + self.cmu[j]) if self.var[j] >= 0 else 0.0
         for f in range(self.F):
-            if not self._polish_check(<_Workspace> self.wsp[f], f):
-                return False
+            code = self._polish_check(<_Workspace> self.wsp[f], f)
+            if code == 2 or code == 5:
+                self._polish_repair(<_Workspace> self.wsp[f], code)
+                changed = True
+            elif code != 1:
+                return 0
+        if changed:
+            return 2
         # accepted: the weights (kept in each ws.x1 by the check), and the polished u
         for f in range(self.F):
             self._polish_accept(<_Workspace> self.wsp[f])
@@ -385,7 +609,26 @@ cdef class _Engine:
         self.res_primal = self._primal_residual()
         self.res_dual = 0.0
         self.polished = True
-        return True
+        return 1
+
+    cdef int _polish_repair(self, _Workspace ws, int code) except -1 nogil:
+        """code 2: drop the structures whose polished weight (ws.x1) is negative; code 5:
+        take in MAP's structure (ws.snew) at weight 0. The weights are then the polished
+        ones clipped (uniform if none is left), and ws.u a point of the new face."""
+        cdef Py_ssize_t t, n = ws.nI
+        cdef double psum = 0.0
+        if code == 5:
+            ws._insert(ws.snew, 0.0)
+            return 0
+        t = n - 1
+        while t >= 0 and ws.nI > 1:
+            if ws.x1[t] < -KKT_TOL:
+                ws._remove(t)
+            t -= 1
+        for t in range(ws.nI):
+            ws.y[t] = 1.0 / ws.nI
+        ws._compute_u(ws.y, False)
+        return 0
 
     cdef int _solve_kappa(self) except -1 nogil:
         """ck = kappa with (C~^T R C~) kappa = ckr, by CG from 0 (variables of degree >= 1)."""
@@ -417,6 +660,7 @@ cdef class _Engine:
                 self.ckp[i] = self.ckr[i] + (rs_new / rs) * self.ckp[i]
             rs = rs_new
             it += 1
+        self.n_cg_kappa += it
         return 0
 
     cdef int _polish_prepare(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
@@ -430,7 +674,10 @@ cdef class _Engine:
         return 0
 
     cdef int _polish_check(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
-        """Factor f's KKT conditions at the polished point; its weights are left in ws.x1."""
+        """Factor f's KKT conditions at the polished point: 1 when they hold, else the
+        first that fails: 2 a negative weight, 3 weights that do not sum to one, 4 support
+        structures of different reduced scores, 5 a better structure (in ws.snew). Its
+        weights are left in ws.x1."""
         cdef Py_ssize_t j, t, a = self.uoff[f], b = self.uoff[f + 1], n = ws.nI
         cdef double* x = ws.x1
         cdef double* ev = self.ev + self.voff[f] if ws.n_v else NULL
@@ -446,12 +693,14 @@ cdef class _Engine:
         ws._solve_upper(x)
         for t in range(n):
             if x[t] < -KKT_TOL:
-                return 0
+                self.polish_fail = 2
+                return 2
             psum += x[t]
         if fabs(psum - 1.0) > 1e-9:
-            return 0
+            self.polish_fail = 3
+            return 3
         for j in range(a, b):
-            if fabs(self.cmu[j]) > scale:
+            if fabs(self.cmu[j]) > scale and not self.lmask[j]:
                 scale = fabs(self.cmu[j])
         if ws.n_v:
             scale = max(scale, _amax(ev, ws.n_v))
@@ -461,11 +710,13 @@ cdef class _Engine:
             tau_hi = max(tau_hi, val)
             tau_lo = min(tau_lo, val)
         if tau_hi - tau_lo > KKT_TOL * scale:
-            return 0
+            self.polish_fail = 4
+            return 4
         ws.f.c_map(self.cmu + a, ev, ws.snew, ws.work)
         ws.n_map += 1
         ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
-        return 1 if best - tau_hi <= KKT_TOL * scale else 0
+        self.polish_fail = 5
+        return 1 if best - tau_hi <= KKT_TOL * scale else 5
 
     cdef int _polish_accept(self, _Workspace ws) except -1 nogil:
         """The polished weights; those at round-off level (ADMM approached the face
@@ -538,10 +789,10 @@ cdef class _Engine:
         return 0
 
     cdef void _C(self, const double* y, double* out) noexcept nogil:
-        """out = C~ y: per link sigma_j y_i (0 where untied)."""
+        """out = C~ y: per link sigma_j y_i (0 where untied or the variable is fixed)."""
         cdef Py_ssize_t j
         for j in range(self.L):
-            out[j] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
+            out[j] = self.sig[j] * y[self.cvar[j]] if self.cvar[j] >= 0 else 0.0
 
     cdef void _Ct(self, const double* z, double* out) noexcept nogil:
         """out = C~^T z on the variables of degree >= 1 (others untouched)."""
@@ -550,8 +801,8 @@ cdef class _Engine:
             if self.deg[i] > 0:
                 out[i] = 0.0
         for j in range(self.L):
-            if self.var[j] >= 0:
-                out[self.var[j]] += self.sig[j] * z[j]
+            if self.cvar[j] >= 0:
+                out[self.cvar[j]] += self.sig[j] * z[j]
 
     cdef double _residual(self, const double* y, const double* t, double* r, double* tmp,
                           double* buf) except -1 nogil:
@@ -621,6 +872,7 @@ cdef class _Engine:
                     y[i] = w[i] - a[i]
             rs = self._residual(y, t, r, tmp, buf)
             n_restart += 1
+            self.n_cg_proj += it
             if sqrt(rs) <= target or it >= max_cg or stalled or n_restart > 3:
                 res_out[0] = sqrt(rs) / scale if scale > 0 else 0.0
                 return it
@@ -632,7 +884,7 @@ cdef class _Engine:
         outside (-1e-15, 1 + 2e-15), and a downstream log(u) or log(1 - u) must not see it.
         Only the reported values: the engine's own u (and so the backward pass, which
         depends on the supports alone) is untouched."""
-        return np.clip(self._arrays["u"], 0.0, 1.0)
+        return np.clip(self._arrays["u"][:self.V], 0.0, 1.0)
 
     def factor_result(self, Py_ssize_t f):
         """(v, structures, weights) of factor f."""
@@ -655,13 +907,14 @@ cdef class _Engine:
         F = self.F
         variables = [a["var"][uoff[f]:uoff[f + 1]] for f in range(F)]
         negated = [a["sig"][uoff[f]:uoff[f + 1]] < 0 for f in range(F)]
-        eta_v = [a["ev"][voff[f]:voff[f + 1]] for f in range(F)]
+        eta_v = [a["ev0"][voff[f]:voff[f + 1]] for f in range(F)]
         arrays = {k: v for k, v in a.items() if k != "wsp"}   # wsp: this process's pointers
         scalars = dict(res_primal=self.res_primal, res_dual=self.res_dual, n_iter=self.n_iter,
                        n_inner_fail=self.n_inner_fail, status=self.status,
-                       polished=self.polished)
+                       polished=self.polished, n_polish=self.n_polish,
+                       infeasible_factor=self.infeasible_factor)
         return (_engine_from_state,
-                (self.factors, variables, negated, self.V, a["eta"][:self.V], eta_v, self.rho,
+                (self.factors, variables, negated, self.V, a["eta0"][:self.V], eta_v, self.rho,
                  self.try_polish, arrays, scalars,
                  [_workspace_state(ws) for ws in self.workspaces]))
 
@@ -676,6 +929,8 @@ cdef class _Engine:
         self.n_inner_fail = scalars["n_inner_fail"]
         self.status = scalars["status"]
         self.polished = scalars["polished"]
+        self.n_polish = scalars["n_polish"]
+        self.infeasible_factor = scalars["infeasible_factor"]
         for f in range(self.F):
             fac = self.factors[f]
             _workspace_restore(self.workspaces[f], workspaces[f], self.scores + self.uoff[f],
@@ -697,7 +952,7 @@ cdef class _Engine:
             n_cg = self._project(&w[0], NULL, &y[0], &z[0], &r[0], &p[0], &q[0], &tmp[0], &a[0],
                                  &buf[0], 10 * (self.L + 10), &res)
             for i in range(self.V):
-                if self.deg[i] == 0 and not (0.0 < self.eta[i] < 1.0):
+                if self.deg[i] == 0 and not (0.0 < self.eta0[i] < 1.0):
                     y[i] = 0.0
         return np.asarray(y), n_cg, res
 
@@ -712,8 +967,8 @@ cdef class _Engine:
         with nogil:
             self._prop1(ws, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
             for j in range(a, self.uoff[f + 1]):
-                if self.var[j] >= 0:
-                    out[self.var[j]] += self.sig[j] * lit[j - a]
+                if self.cvar[j] >= 0:
+                    out[self.cvar[j]] += self.sig[j] * lit[j - a]
 
     def eta_v_gradient(self, Py_ssize_t f, const double[::1] y):
         """N_S D M_S^T C~_f y: the gradient of factor f's eta_v, given Proj_S g = y."""
@@ -725,7 +980,7 @@ cdef class _Engine:
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
             for j in range(a, self.uoff[f + 1]):
-                lit[j - a] = self.sig[j] * y[self.var[j]] if self.var[j] >= 0 else 0.0
+                lit[j - a] = self.sig[j] * y[self.cvar[j]] if self.cvar[j] >= 0 else 0.0
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
@@ -744,24 +999,27 @@ cdef class _Engine:
         that maximise ``nu_f . m_s + eta_v[f] . n_s``, with ``nu`` the certified
         multipliers (polished results only)."""
         return (self.multipliers()[self.uoff[f]:self.uoff[f + 1]],
-                np.array(self._arrays["ev"][self.voff[f]:self.voff[f + 1]]))
+                np.array(self._arrays["ev0"][self.voff[f]:self.voff[f + 1]]))
 
     # -- LP-MAP decoding (sparsemap._lp_map): the multipliers behind its dual bound ----------------
     def multipliers(self):
         """Per link, in literal space, the multipliers nu of the constraints M_f p_f = l_f(u):
         the certified ones when polished (then sum_j sigma_j nu_j = eta_i - u_i and every
-        support structure maximises nu_f . m_s + eta_v[f] . n_s), ADMM's otherwise."""
+        support structure maximises nu_f . m_s + eta_v[f] . n_s), ADMM's otherwise; in the
+        scores' units (the engine's are divided by ``scale``), -inf on masked links."""
         a = self._arrays
         if self.polished:
-            return np.array(a["cmu"][:self.L])
-        return a["sig"][:self.L] * a["lam"][:self.L]
+            return a["cmu"][:self.L] * self.scale
+        nu = a["sig"][:self.L] * a["lam"][:self.L] * self.scale
+        nu[a["lmask"][:self.L] != 0] = -np.inf
+        return nu
 
 
 def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, rho, polish,
                        arrays, scalars, workspaces):
     """Unpickle an :class:`_Engine` (see ``_Engine.__reduce__``)."""
     engine = _Engine(list(factors), list(variables), list(negated), n_variables, eta_u,
-                     list(eta_v), rho, polish)
+                     list(eta_v), rho, polish, arrays["fix"][:n_variables] != 0)
     engine._restore(arrays, scalars, workspaces)
     return engine
 
@@ -814,6 +1072,7 @@ cdef double* _d(dict arrays, str key):
 _MESSAGES = {
     CONVERGED: "converged",
     MAX_ITER: "maximum number of iterations reached",
+    INFEASIBLE: "infeasible: no point satisfies every factor",
 }
 
 
@@ -1004,7 +1263,7 @@ class FactorGraph:
         self.negated.append(neg)
         return len(self.factors) - 1
 
-    def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
+    def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=None,
               polish=True):
         """LP-SparseMAP marginals of the graph's variables.
 
@@ -1053,29 +1312,39 @@ class FactorGraph:
         """
         if isinstance(eta_u, dict):
             eta_u = self.scores(eta_u)
-        result = self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish)
-        if not result.converged:
-            _warn_not_converged(result, "")
-        return result
+        return _raise_unless_solved(self._solve_quiet(eta_u, eta_v, max_iter, tol, rho, polish),
+                                    "")
 
-    def _solve_quiet(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=DEFAULT_RHO,
+    def _solve_quiet(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=None,
                      polish=True):
-        """:meth:`solve` without its warning: callers that solve in threads (the torch
-        layer) warn from their own thread, naming the problem."""
-        eu = _as_float_array(eta_u, "eta_u", (self.n_variables,))
+        """:meth:`solve` without raising on an infeasible graph or a solve that stopped
+        uncertified: the result says which (``_status``). Callers that solve in threads
+        (the torch layer) raise from their own thread, naming the problem; LP-MAP
+        decoding reads uncertified results."""
+        eu = _eta_u_array(eta_u, self.n_variables)
         ev = _check_per_factor(self.factors, eta_v, "eta_v", zeros=True)
         max_iter = DEFAULT_MAX_ITER if max_iter is None else check_positive_int(max_iter, "max_iter")
         tol = check_real(tol, "tol")
-        rho = check_real(rho, "rho", positive=True)
+        rho = None if rho is None else check_real(rho, "rho", positive=True)
         polish = check_bool(polish, "polish")
-        engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
-                         self.n_variables, eu, ev, rho, polish)
-        engine.run(max_iter, tol)
+        hard = np.isneginf(eu)
+        soft = _mask_candidates(eu, ev, hard)
+        if soft.any():
+            eu, soft = _cancel_forced(self, eu, soft)
+        engine = self._engine(eu, ev, max_iter, tol, rho, polish, hard | soft)
+        if soft.any() and (engine.status == INFEASIBLE or not _masks_hold(engine, eu, soft)):
+            # a huge negative score that cannot be read as a mask: solve (P) as it is
+            engine = self._engine(eu, ev, max_iter, tol, rho, polish, hard)
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
         result._solve_args = (max_iter, tol, rho, polish)
         return result
 
+    def _engine(self, eu, ev, max_iter, tol, rho, polish, fixed):
+        engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
+                         self.n_variables, eu, ev, rho, polish, fixed if fixed.any() else None)
+        engine.run(max_iter, tol)
+        return engine
 
     # -- LP-MAP decoding (issue 16): the method; the algorithm is in sparsemap/_lp_map.py ------
     def solve_map(self, eta_u, eta_v=None, max_iter=None, tol=1e-9):
@@ -1230,11 +1499,193 @@ class FactorGraph:
 
 
 
-def _warn_not_converged(result, where):
-    warn(f"{where}FactorGraph.solve stopped after {result.n_iter} iterations with "
-         f"residuals {result.primal_residual:.3g} (primal), "
-         f"{result.dual_residual:.3g} (dual) above tol={result._tol:g}; raise "
-         f"max_iter or tol.")
+# A finite score below -MASK_GAP times every other score's magnitude (and 1) is tried as a
+# mask first: such a variable is 0 at the solution whenever that is feasible and the
+# certificate below holds (its multipliers absorb the score); otherwise (P) is solved
+# as given, at the scale of that score.
+MASK_GAP = 1e6
+
+
+def _eta_u_array(x, Py_ssize_t V):
+    """eta_u as float64 (V,), -inf allowed (a mask: the variable is fixed at 0)."""
+    arr = _real_array(x, "eta_u")
+    if arr.shape != (V,):
+        raise ValueError(f"eta_u: expected shape {(V,)}, got {arr.shape}")
+    arr = np.ascontiguousarray(arr)
+    if scan_values(arr) & SCAN_BAD:
+        raise ValueError("eta_u: contains non-finite values other than -inf (nan or +inf); "
+                         "only -inf is accepted, to fix a variable at 0 (a mask)")
+    return arr
+
+
+def _mask_candidates(eu, ev, hard):
+    """Finite scores that dwarf all others from below (the dtype's minimum as a padding
+    fill): below -MASK_GAP times the largest other magnitude, eta_v's and 1 included."""
+    neg = np.flatnonzero(~hard & (eu < 0))
+    out = np.zeros(eu.shape[0], bool)
+    if neg.size == 0:
+        return out
+    rest = max([1.0, float(eu[~hard & (eu >= 0)].max(initial=0.0))]
+               + [float(np.abs(e).max(initial=0.0)) for e in ev])
+    order = neg[np.argsort(-eu[neg])]             # smallest magnitude first
+    mags = -eu[order]
+    below = np.maximum.accumulate(np.r_[rest, mags[:mags.size - 1]])
+    gap = np.flatnonzero(mags > MASK_GAP * below)
+    if gap.size:
+        out[order[gap[0]:]] = True
+    return out
+
+
+def _constant_sums(factor):
+    """Groups of a factor's unary parts (flat indices) whose sum is the same for every
+    structure: a row of a XorFactor or an exact budget, a position of a sequence, the
+    heads of a tree's word, the rows (or columns) of a matching that match them all."""
+    cdef Py_ssize_t n, m
+    if isinstance(factor, XorFactor) or (isinstance(factor, (BudgetFactor, SequenceBudgetFactor))
+                                         and factor.exact):
+        return [np.arange(factor.n_u)]
+    if isinstance(factor, SequenceFactor):
+        return list(np.arange(factor.n_u).reshape(factor.shape_u))
+    if isinstance(factor, TreeFactor):
+        n = factor.n_words + 1
+        return [np.array([h * n + m for h in range(n) if h != m]) for m in range(1, n)]
+    if isinstance(factor, MatchingFactor):
+        ix = np.arange(factor.n_u).reshape(factor.shape_u)
+        if factor.n_rows <= factor.n_cols:
+            return list(ix)
+        return list(ix.T)
+    return []
+
+
+def _cancel_forced(graph, eu, soft):
+    """Scores with the huge negative scores of forced groups taken off.
+
+    A group of a factor's parts whose literals sum to a constant (a row of a XorFactor:
+    exactly one on, whatever the scores) keeps that sum at every point of the local
+    polytope, so adding the same number to the scores of its variables changes (P)'s
+    objective by a constant and its solution not at all. A group whose variables all
+    carry huge negative scores (a padded row) cannot be masked: the factor needs one of
+    them on; here the largest of those scores is taken off the whole group, which leaves
+    the rest of the problem at its own scale. Only groups of plain (not negated) parts."""
+    eu = eu.copy()
+    changed = False
+    for f, factor in enumerate(graph.factors):
+        groups = _constant_sums(factor)
+        if not groups:
+            continue
+        var = graph.variables[f].reshape(-1)
+        neg = graph.negated[f].reshape(-1)
+        for g in groups:
+            vs = var[g]
+            if vs.size == 0 or np.any(vs < 0) or np.any(neg[g]) or not np.all(soft[vs]):
+                continue
+            top = eu[vs].max()
+            np.add.at(eu, vs, -top)
+            changed = True
+    if not changed:
+        return eu, soft
+    return eu, soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
+
+
+def _masks_hold(engine, eu, soft):
+    """Whether variables fixed at 0 for a huge negative (finite) score are 0 at the solution
+    of (P) with that score: the certified multipliers, changed on the variable's links so
+    that they sum to eta_i, still make every factor's support optimal (the links of a
+    fixed variable have no stationarity condition, so any sum certifies the masked
+    problem; this checks the one the score asks for). Polished results only."""
+    if not engine.polished:
+        return False
+    a = engine._arrays
+    L = engine.L
+    var, sig, lmask = a["var"][:L], a["sig"][:L], a["lmask"][:L] != 0
+    nu = engine.multipliers()
+    touched = set()
+    for i in np.flatnonzero(soft):
+        links = np.flatnonzero(var == i)
+        if links.size == 0:
+            continue
+        plain, negd = links[lmask[links]], links[~lmask[links]]
+        if plain.size:
+            nu[plain] = (eu[i] + nu[negd].sum()) / plain.size     # sum sigma nu = eta_i
+        else:
+            nu[negd] += (-eu[i] - nu[negd].sum()) / negd.size
+        touched.update(int(np.searchsorted(a["uoff"], j, side="right")) - 1 for j in links)
+    for f in touched:
+        factor = engine.factors[f]
+        o0, o1 = a["uoff"][f], a["uoff"][f + 1]
+        nf = np.ascontiguousarray(nu[o0:o1])
+        ef = np.ascontiguousarray(a["ev0"][a["voff"][f]:a["voff"][f + 1]])
+        finite = np.abs(nf[np.isfinite(nf)])
+        scale = max([1.0, float(finite.max(initial=0.0)), float(np.abs(ef).max(initial=0.0))])
+        _, S, _ = engine.factor_result(f)
+        tau = factor.score(factor._to_public(S[0]), nf.reshape(factor.shape_u),
+                           ef.reshape(factor.shape_v))
+        best = factor._map_score(nf, ef)[1]
+        if best - tau > 1e-9 * scale:
+            return False
+    return True
+
+
+def _conflict_message(graph, engine, where):
+    """The ValueError message of an infeasible graph, naming the factors in conflict."""
+    masked = bool(np.any(engine._arrays["fix"]))
+    how = " (with the variables whose score is -inf fixed at 0)" if masked else ""
+    f = engine.infeasible_factor
+    if f >= 0:
+        factor = graph.factors[f]
+        var = graph.variables[f].reshape(-1)
+        fixed = np.flatnonzero(engine._arrays["fix"][:graph.n_variables])
+        hit = np.intersect1d(var[var >= 0], fixed)
+        return (f"{where}eta_u: infeasible: every structure of factor {f} ({factor!r}) uses a "
+                f"masked part: variables {_short_list(hit)} are fixed at 0 by their -inf "
+                f"scores, and the factor needs one of them on")
+    cert = engine.certificate()
+    off = engine._arrays["uoff"]
+    size = [np.abs(np.where(np.isfinite(cert[off[g]:off[g + 1]]),
+                            cert[off[g]:off[g + 1]], 0.0)).max(initial=0.0)
+            for g in range(engine.F)]
+    top = max(size + [0.0])
+    involved = [g for g in range(engine.F) if size[g] > 1e-6 * top]
+    return (f"{where}eta_u: infeasible: no assignment of the variables satisfies every "
+            f"factor{how}; factors {_factor_groups(graph, involved)} conflict (an LP "
+            f"infeasibility certificate: multipliers that every point of their constraints "
+            f"would make non-negative sum to a negative number)")
+
+
+def _short_list(xs, k=8):
+    xs = [int(x) for x in xs]
+    return ", ".join(map(str, xs[:k])) + (f", ... ({len(xs)} in all)" if len(xs) > k else "")
+
+
+def _factor_groups(graph, idx):
+    """'0-4 (XorFactor(3)) and 5-7 (AtMostOneFactor(5))': runs of factors by repr."""
+    groups = []             # [first, last, repr]
+    for f in idx:
+        r = repr(graph.factors[f])
+        if groups and groups[len(groups) - 1][2] == r and groups[len(groups) - 1][1] == f - 1:
+            groups[len(groups) - 1][1] = f
+        else:
+            groups.append([f, f, r])
+    parts = [(f"{a}" if a == b else f"{a}-{b}") + f" ({r})" for a, b, r in groups]
+    if len(parts) > 6:
+        parts = parts[:6] + [f"... ({len(idx)} factors in all)"]
+    n = len(parts)
+    return ", ".join(parts[:n - 1]) + (" and " if n > 1 else "") + parts[n - 1]
+
+
+def _raise_unless_solved(result, where):
+    """The result of a solve, or the error that says why there is none: ValueError for an
+    infeasible graph, ConvergenceError for a solve that stopped without a certified
+    point (``where`` names the batch element)."""
+    if result._status == INFEASIBLE:
+        raise ValueError(_conflict_message(result._graph, result._engine, where))
+    if not result.converged:
+        raise ConvergenceError(
+            f"{where}FactorGraph.solve: no certified solution after {result.n_iter} ADMM "
+            f"iterations (primal residual {result.primal_residual:.3g}, dual residual "
+            f"{result.dual_residual:.3g}); the last iterate is not returned because it "
+            f"may violate the constraints. Raise max_iter (it was {result._solve_args[0]}).")
+    return result
 
 
 class FactorGraphResult:
@@ -1330,8 +1781,12 @@ class FactorGraphResult:
         self.n_inner_unconverged = int(engine.n_inner_fail)
         self.polished = bool(engine.polished)
         self.message = _MESSAGES[engine.status]
-        self.objective = float(0.5 * self.u @ self.u - eta_u @ self.u
-                               - sum(float(e @ v.reshape(-1)) for e, v in zip(eta_v, self.v)))
+        self._status = engine.status
+        on = self.u != 0              # a masked (-inf) variable is 0 and adds nothing
+        with np.errstate(over="ignore"):  # scores near the dtype's maximum
+            self.objective = float(0.5 * self.u @ self.u - eta_u[on] @ self.u[on]
+                                   - sum(float(e @ v.reshape(-1))
+                                         for e, v in zip(eta_v, self.v)))
         self.backward_info = None
         # what untying ties in eta_v needs (_backward_engine)
         self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None

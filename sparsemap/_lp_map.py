@@ -56,7 +56,6 @@ PRIMAL_TOL = 1e-8  # largest primal residual of an accepted point
 _T0 = 10.0         # the first t, times max |eta|
 _GROWTH = 10.0
 _SOLVES = 6
-_RHO = 0.2         # the ADMM penalty, times t max |eta|: the scale of the scores
 _STABLE = 1e-7     # u moved less than this between two solves: it looks LP-optimal
 _SLOW = 2000       # ADMM iterations of a solve beyond which t stops growing
 
@@ -219,12 +218,11 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
     t = _T0 / s
     best, n_iter, last, prev_u = None, 0, None, None
     for k in range(_SOLVES):
-        rho = _RHO * t * s
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             r = graph._solve_quiet(t * eu, [t * e.reshape(f.shape_v) if f.n_v else None
                                             for e, f in zip(ev, graph.factors)],
-                                   max_iter=max_iter, rho=rho)
+                                   max_iter=max_iter)
         n_iter += r.n_iter
         out, nu = _from_solve(graph, links, r, t, eu, ev, scale, tol)
         if r.primal_residual <= PRIMAL_TOL:

@@ -232,8 +232,9 @@ def scores(graph, assignments, batch=True):
         if nb < 0 or arr.shape[nb:] != x.shape:
             raise ValueError(f"{name} scores: expected shape {x.shape} (with any leading batch "
                              f"dimensions), got {arr.shape}")
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"{name} scores: contains non-finite values (nan or inf)")
+        if np.any(np.isnan(arr) | np.isposinf(arr)):
+            raise ValueError(f"{name} scores: contains nan or +inf (-inf is accepted: it fixes "
+                             f"a variable at 0, a mask)")
         if lead is None:
             lead = arr.shape[:nb]
         elif arr.shape[:nb] != lead:

@@ -1466,7 +1466,7 @@ def _in_threads(fn, layout, n_jobs):
 
 
 def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
-    from sparsemap._factor_graph import _warn_not_converged
+    from sparsemap._factor_graph import _raise_unless_solved
     eu = layout.host_u(eta_u)
     evs = layout.host_v(tensors)
 
@@ -1480,10 +1480,9 @@ def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
             raise
 
     results = _in_threads(one, layout, n_jobs)
-    for b, r in enumerate(results):
-        if not r.converged:
-            where = f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape else ""
-            _warn_not_converged(r, where)
+    for b, r in enumerate(results):      # an infeasible graph or an uncertified solve
+        _raise_unless_solved(r, f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape
+                             else "")
     return results
 
 

@@ -58,14 +58,6 @@ def test_losses():
     check(record, line)
 
 
-def test_factor_graph_solve():
-    fg, _, eta_u, eta_v, _ = make("tree_budgets", 0)
-    with pytest.warns(sm.ConvergenceWarning) as record:
-        line = next_line()
-        fg.solve(eta_u, eta_v, max_iter=1, polish=False)
-    check(record, line)
-
-
 class _InexactBackward:
     """A result's engine whose backward conjugate gradient reports a large residual."""
 
@@ -102,17 +94,6 @@ def test_torch_sparsemap():
         line = next_line()
         smt.sparsemap(f, eta, max_iter=1)
     check(record, line, 2)
-
-
-def test_torch_factor_graph():
-    fg, _, eta_u, eta_v, _ = make("tree_budgets", 0)
-    eta = torch.tensor(np.stack([eta_u] * 2))
-    with pytest.warns(sm.ConvergenceWarning) as record:
-        line = next_line()
-        smt.factor_graph(fg, eta, max_iter=1, polish=False)
-    check(record, line, 2)
-    assert [str(w.message).split(":")[0] for w in record] == ["batch element 0",
-                                                              "batch element 1"]
 
 
 def test_torch_factor_graph_backward():
