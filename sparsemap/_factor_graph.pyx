@@ -84,13 +84,16 @@ cdef double INNER_TOL = 1e-12
 # residual ||R (C y - t)|| is below CG_RTOL times the scale of its input.
 cdef double CG_RTOL = 1e-13
 
-# Polishing: first tried once the primal residual is below POLISH_START and no
-# support changed in the last iteration; after a failed attempt, once it is ten
-# times smaller. A polished point is accepted when its KKT conditions hold up
-# to KKT_TOL (relative to the scale of the scores and multipliers). Its two CG
-# solves take at most POLISH_MAX_CG iterations each (on the graphs measured in
-# benchmarks/bench_factor_graph.py a successful attempt took at most 115): on
-# wrong supports the affine set may be empty, and CG would not converge.
+# Polishing: tried once the primal residual is below POLISH_START and no support
+# changed in the last iteration (after a failed attempt, once it is ten times smaller),
+# and, from iteration POLISH_STABLE on, whenever the supports stayed the same for two
+# iterations, at gaps that double after each failure up to POLISH_GAP_MAX iterations
+# (at large scales ADMM finds the faces long before its residuals are small). An
+# attempt runs up to POLISH_ROUNDS rounds of an active set over the faces (see
+# _Engine._polish). A polished point is accepted when its KKT conditions hold up to
+# KKT_TOL (relative to the scale of the scores and multipliers). Its CG solves take
+# at most POLISH_MAX_CG iterations each: on wrong supports the affine set may be
+# empty, and CG would not converge.
 cdef double POLISH_START = 1e-4
 cdef Py_ssize_t POLISH_STABLE = 5
 cdef Py_ssize_t POLISH_GAP_MAX = 40
@@ -99,6 +102,10 @@ cdef Py_ssize_t POLISH_ROUNDS = 8
 # onto the scaled set and again onto the set (two), keeping u on its faces to round-off.
 cdef double SCALE_ONE_PROJECTION = 1e3
 cdef double KKT_TOL = 1e-11
+# The support's reduced scores agree by construction; they differ by the round-off of
+# the face's projector, which an ill-conditioned support (nearly dependent structures)
+# takes to a few 1e-11.
+cdef double SPREAD_TOL = 1e-9
 cdef Py_ssize_t POLISH_MAX_CG = 1000
 # Polished weights up to this are round-off zeros.
 cdef double ZERO_WEIGHT = 1e-12
@@ -143,6 +150,7 @@ cdef class _Engine:
     """
     cdef readonly Py_ssize_t V, F, L, LV
     cdef readonly list factors, workspaces
+    cdef readonly object structure   # the graph's _Structure (shared by its solves)
     cdef readonly object _arrays  # the NumPy arrays behind the pointers below
     cdef PyObject** wsp          # borrowed: self.workspaces owns them
     cdef Py_ssize_t* uoff        # F + 1 offsets into the link arrays
@@ -193,63 +201,59 @@ cdef class _Engine:
     cdef public int status
     cdef public bint polished
     cdef public Py_ssize_t infeasible_factor   # -1, or a factor that has no allowed structure
-    cdef public int polish_fail
-    cdef public Py_ssize_t n_rounds, n_cg_kappa, n_cg_proj
+    cdef public Py_ssize_t n_rounds     # polish rounds, over all attempts
 
-    def __cinit__(self, list factors, list variables, list negated, Py_ssize_t n_variables,
-                  eta_u, list eta_v, rho, bint polish, fixed=None):
-        cdef Py_ssize_t f, F = len(factors)
-        cdef Factor fac
-        self.V = n_variables
+    def __cinit__(self, st, eta_u, ev0, rho, bint polish, fixed=None):
+        """One solve of the graph ``st`` at scores ``eta_u`` (V,) and ``ev0`` (every
+        factor's eta_v, concatenated, with a spare entry), variables ``fixed`` at 0."""
+        cdef Py_ssize_t f, F = st.F, V = st.V
+        cdef Py_ssize_t L1 = st.L + 1, V1 = V + 1, LV1 = st.LV + 1
+        self.V = V
         self.F = F
-        self.factors = factors
-        uoff = np.zeros(F + 1, dtype=np.intp)
-        voff = np.zeros(F + 1, dtype=np.intp)
-        for f in range(F):
-            fac = factors[f]
-            uoff[f + 1] = uoff[f] + fac.n_u
-            voff[f + 1] = voff[f] + fac.n_v
-        self.L = uoff[F]
-        self.LV = voff[F]
-        max_nu = max([(<Factor> x).n_u for x in factors] + [1])
-        max_nv = max([(<Factor> x).n_v for x in factors] + [1])
-        # every array gets one spare entry, so that none is empty
-        var = np.concatenate([np.asarray(v, dtype=np.intc).reshape(-1) for v in variables]
-                             + [np.full(1, -1, np.intc)]).astype(np.intc)
-        neg = np.concatenate([np.asarray(v, dtype=bool).reshape(-1) for v in negated]
-                             + [np.zeros(1, bool)])
-        fix = np.zeros(n_variables + 1, dtype=np.int8)
-        if fixed is not None:
-            fix[:n_variables] = np.asarray(fixed, dtype=bool)
-        tied = var >= 0
-        free_link = tied & (fix[np.maximum(var, 0)] == 0)
-        deg = np.bincount(var[free_link], minlength=n_variables + 1).astype(np.intc)
-        ev0 = np.concatenate([np.asarray(e, dtype=np.float64).reshape(-1) for e in eta_v]
-                             + [np.zeros(1)])
-        eta0 = np.zeros(n_variables + 1)
-        eta0[:n_variables] = eta_u
-        # the scale: the largest score that counts (free variables, eta_v), at least 1 (the
-        # quadratic term's): scores are divided by it, so any magnitude is solved alike
-        on = deg[:n_variables] > 0
-        scale = max([1.0, float(np.abs(eta0[:n_variables][on]).max(initial=0.0)),
-                     float(np.abs(ev0).max(initial=0.0))])
-        eta = np.where(deg > 0, eta0, 0.0) / scale
-        ev = ev0 / scale
-        if rho is None:
-            rho = default_rho(scale)
-        u = np.clip(np.where(fix != 0, 0.0, eta0), 0.0, 1.0)  # degree-0 variables keep this
-        L1, V1 = self.L + 1, n_variables + 1
-        a = dict(uoff=uoff, voff=voff, var=var, deg=deg, ev=ev, ev0=ev0, eta=eta, eta0=eta0,
-                 fix=fix, cvar=np.where(free_link, var, -1).astype(np.intc),
-                 lmask=(tied & ~free_link & ~neg).astype(np.int8),
-                 sig=np.where(neg, -1.0, 1.0), sh=np.where(neg, 1.0, 0.0), evs=ev / rho,
-                 u=u, uprev=np.zeros(V1), zu=np.zeros(max_nu), zv=np.zeros(max_nv),
+        self.L = st.L
+        self.LV = st.LV
+        self.factors = st.factors
+        a = dict(uoff=st.uoff, voff=st.voff, var=st.var, sig=st.sig, sh=st.sh,
+                 zu=np.zeros(st.max_nu), zv=np.zeros(st.max_nv),
                  wsp=np.zeros(F + 1, dtype=np.intp))
+        if fixed is None:
+            a["fix"], a["deg"], a["cvar"], a["lmask"] = st.nofix, st.deg, st.var, st.nomask
+        else:
+            fix = np.zeros(V1, dtype=np.int8)
+            fix[:V] = fixed
+            free_link = st.tied & (fix[np.maximum(st.var, 0)] == 0)
+            a["fix"] = fix
+            a["deg"] = np.bincount(st.var[free_link], minlength=V1).astype(np.intc)
+            a["cvar"] = np.where(free_link, st.var, -1).astype(np.intc)
+            a["lmask"] = (st.tied & ~free_link & (st.sig > 0)).astype(np.int8)
+        deg = a["deg"]
+        # one block for every per-solve double array (views below)
+        sizes = dict(ev=LV1, ev0=LV1, evs=LV1, eta=V1, eta0=V1, u=V1, uprev=V1,
+                     cw=V1, ca=V1, cu=V1, ck=V1, ckr=V1, ckp=V1, ckq=V1)
         for k in ("scores", "lam", "lprev", "yh", "cz", "cr", "cp", "cq", "ctmp", "ct", "cg",
                   "cmu"):
-            a[k] = np.zeros(L1)
-        for k in ("cw", "ca", "cu", "ck", "ckr", "ckp", "ckq"):
-            a[k] = np.zeros(V1)
+            sizes[k] = L1
+        block = np.zeros(sum(sizes.values()))
+        o = 0
+        for k, n in sizes.items():
+            a[k] = block[o:o + n]
+            o += n
+        a["eta0"][:V] = eta_u
+        a["ev0"][:] = ev0
+        on = deg[:V] > 0
+        # the scale: the largest score that counts (free variables, eta_v), at least 1 (the
+        # quadratic term's): scores are divided by it, so any magnitude is solved alike
+        scale = max(1.0, float(np.abs(a["eta0"][:V][on]).max(initial=0.0)),
+                    float(np.abs(ev0).max(initial=0.0)))
+        np.divide(a["eta0"], scale, out=a["eta"], where=deg > 0)
+        np.divide(ev0, scale, out=a["ev"])
+        if rho is None:
+            rho = default_rho(scale)
+        np.divide(a["ev"], rho, out=a["evs"])
+        # degree-0 variables keep this value, fixed ones 0
+        np.clip(a["eta0"], 0.0, 1.0, out=a["u"])
+        if fixed is not None:
+            a["u"][a["fix"] != 0] = 0.0
         self._arrays = a
         self.uoff = <Py_ssize_t*> _ptr(a["uoff"])
         self.voff = <Py_ssize_t*> _ptr(a["voff"])
@@ -272,7 +276,8 @@ cdef class _Engine:
         self.rho = rho
         self.scale = scale
         self.eps = 1.0 / scale
-        self.workspaces = [_Workspace(fac, 16) for fac in factors]
+        self.structure = st
+        self.workspaces = [_Workspace(fac, 16) for fac in st.factors]
         for f in range(F):
             self.wsp[f] = <PyObject*> self.workspaces[f]
         self.n_iter = 0
@@ -298,29 +303,30 @@ cdef class _Engine:
             else:
                 self.scores[j] = 0.0
 
-    def _start(self):
+    cdef bint _start(self) except -1 nogil:
         """Initial supports: the MAP structure of each factor at the first scores. A factor
         whose every structure uses a masked part (a fixed variable) stops the solve:
         status INFEASIBLE, with ``infeasible_factor`` set."""
         cdef Py_ssize_t f
-        cdef _Workspace ws
-        cdef Factor fac
-        cdef double sc = 0.0
-        cdef int rc
         for f in range(self.F):
-            ws = self.workspaces[f]
-            fac = ws.f
-            self._set_scores(f)
-            ws._rescore(self.scores + self.uoff[f], self.evs + self.voff[f] if fac.n_v else NULL)
-            rc = fac.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
-            ws.n_map += 1
-            if rc == 0:
-                fac.c_score(ws.snew, ws.eta_u, ws.eta_v if fac.n_v else self.zv, &sc)
-            if rc != 0 or not (sc > -INFINITY):
+            if not self._start_factor(<_Workspace> self.wsp[f], f):
                 self.infeasible_factor = f
                 self.status = INFEASIBLE
                 return False
-            ws._start(ws.snew, 1, NULL)
+        return True
+
+    cdef bint _start_factor(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
+        cdef double sc = 0.0
+        cdef int rc
+        self._set_scores(f)
+        ws._rescore(self.scores + self.uoff[f], self.evs + self.voff[f] if ws.n_v else NULL)
+        rc = ws.f.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work)
+        ws.n_map += 1
+        if rc == 0:
+            ws.f.c_score(ws.snew, ws.eta_u, ws.eta_v if ws.n_v else self.zv, &sc)
+        if rc != 0 or not (sc > -INFINITY):
+            return False
+        ws._start(ws.snew, 1, NULL)
         return True
 
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
@@ -465,6 +471,34 @@ cdef class _Engine:
         ws.f.c_score(ws.snew, nu, self.zv, &best)
         return best
 
+    def verify(self, const double[::1] nu, const char[::1] touched):
+        """The first factor among ``touched`` whose support is beaten, at multipliers ``nu``
+        (per link, normalised), by a structure MAP finds: its index, or -1 (see
+        _masks_hold). The tolerance scales with the certified multipliers of the factor's
+        links other than the masked ones."""
+        cdef Py_ssize_t f, j
+        cdef double tau, best, scale
+        cdef const double* ev
+        cdef _Workspace ws
+        for f in range(self.F):
+            if not touched[f]:
+                continue
+            ws = self.workspaces[f]
+            ev = self.ev + self.voff[f] if ws.n_v else self.zv
+            scale = 1.0
+            for j in range(self.uoff[f], self.uoff[f + 1]):
+                if not self.lmask[j] and fabs(self.cmu[j]) > scale:
+                    scale = fabs(self.cmu[j])
+            if ws.n_v:
+                scale = max(scale, _amax(self.ev + self.voff[f], ws.n_v))
+            ws.f.c_score(ws.S, &nu[self.uoff[f]], ev, &tau)
+            if ws.f.c_map(&nu[self.uoff[f]], ev, ws.snew, ws.work) != 0:
+                return f
+            ws.f.c_score(ws.snew, &nu[self.uoff[f]], ev, &best)
+            if best - tau > KKT_TOL * scale:
+                return f
+        return -1
+
     def certificate(self):
         """Per link (literal space), the Farkas certificate of an INFEASIBLE status found
         by ADMM (zeros otherwise, or when a single factor had no allowed structure)."""
@@ -473,15 +507,19 @@ cdef class _Engine:
         return np.array(self._arrays["cz"][:self.L])
 
     def run(self, Py_ssize_t max_iter, double tol):
-        if not self._start():
-            return
         with nogil:
-            self._admm(max_iter, tol)
-            if (self.status != INFEASIBLE and self.try_polish and not self.polished
-                    and self.F > 0 and self.res_primal <= POLISH_START):
-                # a last attempt at the returned supports (not counted as an iteration)
-                if self._polish():
-                    self.status = CONVERGED
+            self._run_nogil(max_iter, tol)
+
+    cdef int _run_nogil(self, Py_ssize_t max_iter, double tol) except -1 nogil:
+        if not self._start():
+            return 0
+        self._admm(max_iter, tol)
+        if (self.status != INFEASIBLE and self.try_polish and not self.polished
+                and self.F > 0 and self.res_primal <= POLISH_START):
+            # a last attempt at the returned supports (not counted as an iteration)
+            if self._polish():
+                self.status = CONVERGED
+        return 0
 
     # -- polishing: (P) on the current faces, and its KKT certificate --------------------------
     def _try_polish(self):
@@ -552,7 +590,6 @@ cdef class _Engine:
             self._project(self.cw, self.ct, self.cu, self.cz, self.cr, self.cp, self.cq,
                           self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
             if res > 1e3 * CG_RTOL:
-                self.polish_fail = 1
                 return 0
             if self.eps != 1.0:
                 for j in range(self.L):
@@ -563,7 +600,6 @@ cdef class _Engine:
             self._project(self.cw, self.cmu, self.cu, self.cz, self.cr, self.cp, self.cq,
                           self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
             if res > 1e3 * CG_RTOL:
-                self.polish_fail = 1
                 return 0
             for i in range(self.V):
                 if self.deg[i] > 0:
@@ -572,7 +608,6 @@ cdef class _Engine:
             self._project(self.cw, self.ct, self.cu, self.cmu, self.cr, self.cp, self.cq,
                           self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
             if res > 1e3 * CG_RTOL:
-                self.polish_fail = 1
                 return 0
             for j in range(self.L):
                 self.cz[j] += self.eps * self.cmu[j]
@@ -635,9 +670,10 @@ cdef class _Engine:
         cdef Py_ssize_t i, it = 0, V = self.V
         cdef double rs, rs_new, pq, alpha, target
         for i in range(V):
-            self.ck[i] = 0.0
             if self.deg[i] == 0:
                 self.ckr[i] = 0.0
+        for i in range(V):
+            self.ck[i] = 0.0
             self.ckp[i] = self.ckr[i]
         rs = _dot(self.ckr, self.ckr, V)
         target = CG_RTOL * CG_RTOL * max(rs, 1e-300)
@@ -660,7 +696,6 @@ cdef class _Engine:
                 self.ckp[i] = self.ckr[i] + (rs_new / rs) * self.ckp[i]
             rs = rs_new
             it += 1
-        self.n_cg_kappa += it
         return 0
 
     cdef int _polish_prepare(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
@@ -693,11 +728,9 @@ cdef class _Engine:
         ws._solve_upper(x)
         for t in range(n):
             if x[t] < -KKT_TOL:
-                self.polish_fail = 2
                 return 2
             psum += x[t]
         if fabs(psum - 1.0) > 1e-9:
-            self.polish_fail = 3
             return 3
         for j in range(a, b):
             if fabs(self.cmu[j]) > scale and not self.lmask[j]:
@@ -709,13 +742,11 @@ cdef class _Engine:
             ws.f.c_score(ws.S + t * ws.k, self.cmu + a, ev if ev != NULL else self.zv, &val)
             tau_hi = max(tau_hi, val)
             tau_lo = min(tau_lo, val)
-        if tau_hi - tau_lo > KKT_TOL * scale:
-            self.polish_fail = 4
+        if tau_hi - tau_lo > SPREAD_TOL * scale:
             return 4
         ws.f.c_map(self.cmu + a, ev, ws.snew, ws.work)
         ws.n_map += 1
         ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
-        self.polish_fail = 5
         return 1 if best - tau_hi <= KKT_TOL * scale else 5
 
     cdef int _polish_accept(self, _Workspace ws) except -1 nogil:
@@ -821,7 +852,10 @@ cdef class _Engine:
         """y = w - C~^T R z, the point of {y : R (C~ y - t) = 0} closest to w (degree >= 1).
 
         (R C~ C~^T R) z = R (C~ w - t) is solved by conjugate gradient from z = 0;
-        the system is consistent, so CG converges to its minimum-norm solution.
+        the system is consistent, so CG converges to its minimum-norm solution (a warm
+        start from the last polish round's z saved a tenth of the iterations on the
+        alignments, but lets a part of z that CG does not see grow from round to round,
+        and with it the round-off of the multipliers).
         With t NULL (t = 0) this is y = Proj_S w, the backward pass. Stops when
         the true constraint residual ||R (C~ y - t)|| is below CG_RTOL times
         max(||w||, ||t||) (checked directly: the recursive residual drifts).
@@ -872,7 +906,6 @@ cdef class _Engine:
                     y[i] = w[i] - a[i]
             rs = self._residual(y, t, r, tmp, buf)
             n_restart += 1
-            self.n_cg_proj += it
             if sqrt(rs) <= target or it >= max_cg or stalled or n_restart > 3:
                 res_out[0] = sqrt(rs) / scale if scale > 0 else 0.0
                 return it
@@ -903,26 +936,25 @@ cdef class _Engine:
         weights, Cholesky factor, ``w2``), bitwise: ``jvp`` / ``vjp`` after the trip are
         those before it, with no new solve."""
         a = self._arrays
-        uoff, voff = a["uoff"], a["voff"]
-        F = self.F
-        variables = [a["var"][uoff[f]:uoff[f + 1]] for f in range(F)]
-        negated = [a["sig"][uoff[f]:uoff[f + 1]] < 0 for f in range(F)]
-        eta_v = [a["ev0"][voff[f]:voff[f + 1]] for f in range(F)]
-        arrays = {k: v for k, v in a.items() if k != "wsp"}   # wsp: this process's pointers
+        st = self.structure
+        # wsp: this process's pointers; the structure's arrays are rebuilt from the graph
+        arrays = {k: v for k, v in a.items()
+                  if k not in ("wsp", "uoff", "voff", "var", "sig", "sh")}
         scalars = dict(res_primal=self.res_primal, res_dual=self.res_dual, n_iter=self.n_iter,
                        n_inner_fail=self.n_inner_fail, status=self.status,
                        polished=self.polished, n_polish=self.n_polish,
                        infeasible_factor=self.infeasible_factor)
         return (_engine_from_state,
-                (self.factors, variables, negated, self.V, a["eta0"][:self.V], eta_v, self.rho,
-                 self.try_polish, arrays, scalars,
+                (st.factors, st.variables, st.negated, self.V, a["eta0"][:self.V], a["ev0"],
+                 self.rho, self.try_polish, arrays, scalars,
                  [_workspace_state(ws) for ws in self.workspaces]))
 
     def _restore(self, dict arrays, dict scalars, list workspaces):
         cdef Py_ssize_t f
         cdef Factor fac
         for k, v in arrays.items():
-            np.copyto(self._arrays[k], v)
+            if self._arrays[k] is not self.structure.__dict__.get(k):   # never the shared
+                np.copyto(self._arrays[k], v)
         self.res_primal = scalars["res_primal"]
         self.res_dual = scalars["res_dual"]
         self.n_iter = scalars["n_iter"]
@@ -1018,8 +1050,9 @@ cdef class _Engine:
 def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, rho, polish,
                        arrays, scalars, workspaces):
     """Unpickle an :class:`_Engine` (see ``_Engine.__reduce__``)."""
-    engine = _Engine(list(factors), list(variables), list(negated), n_variables, eta_u,
-                     list(eta_v), rho, polish, arrays["fix"][:n_variables] != 0)
+    fixed = arrays["fix"][:n_variables] != 0
+    engine = _Engine(_Structure(factors, variables, negated, n_variables), eta_u, eta_v, rho,
+                     polish, fixed if fixed.any() else None)
     engine._restore(arrays, scalars, workspaces)
     return engine
 
@@ -1106,6 +1139,49 @@ def _check_per_factor(factors, values, name, bint zeros):
         else:
             out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
     return out
+
+
+class _Structure:
+    """What every solve of a graph shares: the links (each factor's parts, flat), their
+    variables, signs and shifts, the degrees, and the groups of links whose literals sum
+    to a constant (see _constant_sums). Built once per graph structure (FactorGraph
+    keeps it until a factor or variable is added); engines only read it."""
+
+    def __init__(self, factors, variables, negated, n_variables):
+        F = len(factors)
+        self.factors = list(factors)
+        self.variables, self.negated = list(variables), list(negated)
+        self.F, self.V = F, n_variables
+        nu = [f.n_u for f in factors]
+        nv = [f.n_v for f in factors]
+        self.uoff = np.zeros(F + 1, dtype=np.intp)
+        self.voff = np.zeros(F + 1, dtype=np.intp)
+        np.cumsum(nu, out=self.uoff[1:])
+        np.cumsum(nv, out=self.voff[1:])
+        self.L, self.LV = int(self.uoff[F]), int(self.voff[F])
+        self.max_nu, self.max_nv = max(nu + [1]), max(nv + [1])
+        # every link array gets one spare entry, so that none is empty
+        self.var = np.concatenate([np.asarray(v, dtype=np.intc).reshape(-1) for v in variables]
+                                  + [np.full(1, -1, np.intc)]).astype(np.intc)
+        neg = np.concatenate([np.asarray(v, dtype=bool).reshape(-1) for v in negated]
+                             + [np.zeros(1, bool)])
+        self.tied = self.var >= 0
+        self.sig = np.where(neg, -1.0, 1.0)
+        self.sh = np.where(neg, 1.0, 0.0)
+        self.deg = np.bincount(self.var[self.tied], minlength=n_variables + 1).astype(np.intc)
+        self.nofix = np.zeros(n_variables + 1, dtype=np.int8)
+        self.nomask = np.zeros(self.L + 1, dtype=np.int8)
+        self.factor_of = np.repeat(np.arange(F), nu)          # per link (no spare)
+        # groups of links whose literals sum to a constant (plain parts only): id per link
+        gid = np.full(self.L, -1, dtype=np.intp)
+        k = 0
+        for f, factor in enumerate(factors):
+            for g in _constant_sums(factor):
+                links = self.uoff[f] + g
+                if np.all(self.var[links] >= 0) and not np.any(neg[links]):
+                    gid[links] = k
+                    k += 1
+        self.group, self.n_groups = gid, k
 
 
 class FactorGraph:
@@ -1263,6 +1339,15 @@ class FactorGraph:
         self.negated.append(neg)
         return len(self.factors) - 1
 
+    def _structure(self):
+        """The graph's _Structure, rebuilt when factors or variables were added."""
+        key = (len(self.factors), self.n_variables)
+        st = self.__dict__.get("_st")
+        if st is None or st[0] != key:
+            st = self._st = (key, _Structure(self.factors, self.variables, self.negated,
+                                             self.n_variables))
+        return st[1]
+
     def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=None,
               polish=True):
         """LP-SparseMAP marginals of the graph's variables.
@@ -1330,19 +1415,20 @@ class FactorGraph:
         hard = np.isneginf(eu)
         soft = _mask_candidates(eu, ev, hard)
         if soft.any():
-            eu, soft = _cancel_forced(self, eu, soft)
-        engine = self._engine(eu, ev, max_iter, tol, rho, polish, hard | soft)
+            eu, soft = _cancel_forced(self._structure(), eu, soft)
+        flat = np.concatenate(ev + [np.zeros(1)])
+        engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft)
         if soft.any() and (engine.status == INFEASIBLE or not _masks_hold(engine, eu, soft)):
             # a huge negative score that cannot be read as a mask: solve (P) as it is
-            engine = self._engine(eu, ev, max_iter, tol, rho, polish, hard)
+            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard)
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
         result._solve_args = (max_iter, tol, rho, polish)
         return result
 
     def _engine(self, eu, ev, max_iter, tol, rho, polish, fixed):
-        engine = _Engine(list(self.factors), list(self.variables), list(self.negated),
-                         self.n_variables, eu, ev, rho, polish, fixed if fixed.any() else None)
+        engine = _Engine(self._structure(), eu, ev, rho, polish,
+                         fixed if fixed.any() else None)
         engine.run(max_iter, tol)
         return engine
 
@@ -1557,7 +1643,7 @@ def _constant_sums(factor):
     return []
 
 
-def _cancel_forced(graph, eu, soft):
+def _cancel_forced(st, eu, soft):
     """Scores with the huge negative scores of forced groups taken off.
 
     A group of a factor's parts whose literals sum to a constant (a row of a XorFactor:
@@ -1565,65 +1651,64 @@ def _cancel_forced(graph, eu, soft):
     polytope, so adding the same number to the scores of its variables changes (P)'s
     objective by a constant and its solution not at all. A group whose variables all
     carry huge negative scores (a padded row) cannot be masked: the factor needs one of
-    them on; here the largest of those scores is taken off the whole group, which leaves
-    the rest of the problem at its own scale. Only groups of plain (not negated) parts."""
-    eu = eu.copy()
-    changed = False
-    for f, factor in enumerate(graph.factors):
-        groups = _constant_sums(factor)
-        if not groups:
-            continue
-        var = graph.variables[f].reshape(-1)
-        neg = graph.negated[f].reshape(-1)
-        for g in groups:
-            vs = var[g]
-            if vs.size == 0 or np.any(vs < 0) or np.any(neg[g]) or not np.all(soft[vs]):
-                continue
-            top = eu[vs].max()
-            np.add.at(eu, vs, -top)
-            changed = True
-    if not changed:
+    them on; the largest of those scores is taken off the whole group, which leaves the
+    rest of the problem at its own scale. Groups that share a variable are taken one
+    at a time (a variable is shifted once per round)."""
+    if st.n_groups == 0:
         return eu, soft
-    return eu, soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
+    eu = eu.copy()
+    links = np.flatnonzero(st.group >= 0)
+    g, v = st.group[links], st.var[links]
+    while True:
+        cand = np.bincount(g, weights=soft[v], minlength=st.n_groups)
+        full = (cand == np.bincount(g, minlength=st.n_groups)) & (cand > 0)
+        if not full.any():
+            break
+        sel = full[g]
+        # groups whose variables no other full group has: all at once; else the first
+        uses = np.bincount(v[sel], minlength=st.V)
+        shared = np.zeros(st.n_groups, bool)
+        shared[g[sel & (uses[v] > 1)]] = True
+        take = full & ~shared
+        if not take.any():
+            take = np.zeros(st.n_groups, bool)
+            take[np.flatnonzero(full)[0]] = True
+        top = np.full(st.n_groups, -np.inf)
+        np.maximum.at(top, g[take[g]], eu[v[take[g]]])
+        np.add.at(eu, v[take[g]], -top[g[take[g]]])
+        soft = soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
+    return eu, soft
 
 
 def _masks_hold(engine, eu, soft):
     """Whether variables fixed at 0 for a huge negative (finite) score are 0 at the solution
     of (P) with that score: the certified multipliers, changed on the variable's links so
-    that they sum to eta_i, still make every factor's support optimal (the links of a
-    fixed variable have no stationarity condition, so any sum certifies the masked
-    problem; this checks the one the score asks for). Polished results only."""
+    that they sum to eta_i (plain links share it; a variable with negated links only
+    moves those), still make every factor's support optimal. The links of a fixed
+    variable have no stationarity condition, so any sum certifies the masked problem;
+    this checks the one the score asks for. Polished results only."""
     if not engine.polished:
         return False
+    st = engine.structure
     a = engine._arrays
-    L = engine.L
-    var, sig, lmask = a["var"][:L], a["sig"][:L], a["lmask"][:L] != 0
-    nu = engine.multipliers()
-    touched = set()
-    for i in np.flatnonzero(soft):
-        links = np.flatnonzero(var == i)
-        if links.size == 0:
-            continue
-        plain, negd = links[lmask[links]], links[~lmask[links]]
-        if plain.size:
-            nu[plain] = (eu[i] + nu[negd].sum()) / plain.size     # sum sigma nu = eta_i
-        else:
-            nu[negd] += (-eu[i] - nu[negd].sum()) / negd.size
-        touched.update(int(np.searchsorted(a["uoff"], j, side="right")) - 1 for j in links)
-    for f in touched:
-        factor = engine.factors[f]
-        o0, o1 = a["uoff"][f], a["uoff"][f + 1]
-        nf = np.ascontiguousarray(nu[o0:o1])
-        ef = np.ascontiguousarray(a["ev0"][a["voff"][f]:a["voff"][f + 1]])
-        finite = np.abs(nf[np.isfinite(nf)])
-        scale = max([1.0, float(finite.max(initial=0.0)), float(np.abs(ef).max(initial=0.0))])
-        _, S, _ = engine.factor_result(f)
-        tau = factor.score(factor._to_public(S[0]), nf.reshape(factor.shape_u),
-                           ef.reshape(factor.shape_v))
-        best = factor._map_score(nf, ef)[1]
-        if best - tau > 1e-9 * scale:
-            return False
-    return True
+    L, V = st.L, st.V
+    var, tied, lmask = st.var[:L], st.tied[:L], a["lmask"][:L] != 0
+    nu = np.array(a["cmu"][:L])                     # normalised units
+    sel = tied & soft[np.maximum(var, 0)]
+    plain, negd = sel & lmask, sel & ~lmask
+    target = np.where(soft, eu, 0.0)[:V] / engine.scale
+    sneg = np.bincount(var[negd], weights=nu[negd], minlength=V)
+    n_plain = np.bincount(var[plain], minlength=V)
+    n_neg = np.bincount(var[negd], minlength=V)
+    # sum_j sigma_j nu_j = target: sigma = 1 on plain links, -1 on negated ones
+    vp = var[plain]
+    nu[plain] = (target[vp] + sneg[vp]) / n_plain[vp]
+    only = negd & (n_plain[np.maximum(var, 0)] == 0)
+    vn = var[only]
+    nu[only] += (-target[vn] - sneg[vn]) / n_neg[vn]
+    touched = np.zeros(st.F, dtype=np.int8)
+    touched[np.unique(st.factor_of[sel])] = 1
+    return engine.verify(np.ascontiguousarray(nu), touched) < 0
 
 
 def _conflict_message(graph, engine, where):
@@ -1766,12 +1851,6 @@ class FactorGraphResult:
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
         self.u = engine.u_array()
-        self.v, self.structures, self.weights = [], [], []
-        for f, factor in enumerate(self.factors):
-            v, S, y = engine.factor_result(f)
-            self.v.append(v.reshape(factor.shape_v))
-            self.structures.append([factor._to_public(s) for s in S])
-            self.weights.append(y)
         self.converged = engine.status == CONVERGED
         self.n_iter = int(engine.n_iter)
         self.primal_residual = float(engine.res_primal)
@@ -1782,14 +1861,43 @@ class FactorGraphResult:
         self.polished = bool(engine.polished)
         self.message = _MESSAGES[engine.status]
         self._status = engine.status
-        on = self.u != 0              # a masked (-inf) variable is 0 and adds nothing
-        with np.errstate(over="ignore"):  # scores near the dtype's maximum
-            self.objective = float(0.5 * self.u @ self.u - eta_u[on] @ self.u[on]
-                                   - sum(float(e @ v.reshape(-1))
-                                         for e, v in zip(eta_v, self.v)))
+        self._parts = None
         self.backward_info = None
         # what untying ties in eta_v needs (_backward_engine)
         self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None
+
+    # v, structures, weights and objective are read off the engine on first use (a layer
+    # that only wants u does not pay for them)
+    def _read_parts(self):
+        if self._parts is None:
+            v, structures, weights = [], [], []
+            for f, factor in enumerate(self.factors):
+                vf, S, y = self._engine.factor_result(f)
+                v.append(vf.reshape(factor.shape_v))
+                structures.append([factor._to_public(x) for x in S])
+                weights.append(y)
+            self._parts = (v, structures, weights)
+        return self._parts
+
+    @property
+    def v(self):
+        return self._read_parts()[0]
+
+    @property
+    def structures(self):
+        return self._read_parts()[1]
+
+    @property
+    def weights(self):
+        return self._read_parts()[2]
+
+    @property
+    def objective(self):
+        eta_u, eta_v = self._eta
+        on = self.u != 0              # a masked (-inf) variable is 0 and adds nothing
+        with np.errstate(over="ignore"):  # scores near the dtype's maximum
+            return float(0.5 * self.u @ self.u - eta_u[on] @ self.u[on]
+                         - sum(float(e @ v.reshape(-1)) for e, v in zip(eta_v, self.v)))
 
     def __repr__(self):
         return (f"FactorGraphResult(converged={self.converged}, n_iter={self.n_iter}, "
