@@ -44,7 +44,8 @@ from sparsemap._active_set cimport _Workspace, _dot, _run
 from sparsemap._active_set import (STATUS_CONVERGED, FACE_STATUS_FIBERED, reduce_support,
                                    tie_direction)
 from sparsemap import _variables
-from sparsemap._factors._logic import BudgetFactor, SequenceBudgetFactor, XorFactor
+from sparsemap._factors._logic import (AtMostOneFactor, BudgetFactor, OrFactor,
+                                       SequenceBudgetFactor, XorFactor)
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
@@ -101,6 +102,7 @@ cdef Py_ssize_t POLISH_ROUNDS = 8
 # Up to this scale the polish projects w / eps directly (one CG); beyond, it projects w
 # onto the scaled set and again onto the set (two), keeping u on its faces to round-off.
 cdef double SCALE_ONE_PROJECTION = 1e3
+cdef double SCALE_FACE = 1e12
 cdef double KKT_TOL = 1e-11
 # The support's reduced scores agree by construction; they differ by the round-off of
 # the face's projector, which an ill-conditioned support (nearly dependent structures)
@@ -110,11 +112,13 @@ cdef Py_ssize_t POLISH_MAX_CG = 1000
 # Polished weights up to this are round-off zeros.
 cdef double ZERO_WEIGHT = 1e-12
 
-# Infeasibility (_Engine._farkas): first checked after FARKAS_FIRST iterations, then at
-# iterations growing by half (4, 6, 9, 13, ...), while the primal residual is above
-# FARKAS_MIN_RESIDUAL; a certificate must be negative by FARKAS_TOL of its size (round-off
-# in D is far smaller; on the infeasible graphs of the tests D / size is below -0.01).
+# Infeasibility (_Engine._farkas): checked after FARKAS_FIRST iterations, then every
+# FARKAS_EVERY (one MAP call per factor: a fifth of an iteration's work), while the
+# primal residual is above FARKAS_MIN_RESIDUAL; a certificate must be negative by
+# FARKAS_TOL of its size (round-off in D is far smaller; on the infeasible graphs of the
+# tests D / size is below -0.01).
 cdef Py_ssize_t FARKAS_FIRST = 4
+cdef Py_ssize_t FARKAS_EVERY = 4
 cdef double FARKAS_MIN_RESIDUAL = 1e-6
 cdef double FARKAS_TOL = 1e-9
 
@@ -201,6 +205,7 @@ cdef class _Engine:
     cdef public int status
     cdef public bint polished
     cdef public Py_ssize_t infeasible_factor   # -1, or a factor that has no allowed structure
+    cdef public object counted   # infeasible by counting: (side A, side B, need, room)
     cdef public Py_ssize_t n_rounds     # polish rounds, over all attempts
 
     def __cinit__(self, st, eta_u, ev0, rho, bint polish, fixed=None):
@@ -414,7 +419,7 @@ cdef class _Engine:
                 self.status = CONVERGED
                 return 0
             if it + 1 == next_check:
-                next_check += max(2, next_check // 2)
+                next_check += FARKAS_EVERY
                 if rp > FARKAS_MIN_RESIDUAL and self._farkas():
                     self.status = INFEASIBLE
                     return 0
@@ -603,7 +608,11 @@ cdef class _Engine:
                 return 0
             for i in range(self.V):
                 if self.deg[i] > 0:
-                    self.cw[i] = self.cu[i] / self.eps
+                    # beyond SCALE_FACE the division leaves round-off of 1e-16 scale, over
+                    # 1e-4 along the faces: the scores do not fix u there to better than
+                    # that, and ADMM's u (on a face of the polytope, nearly) is projected
+                    self.cw[i] = self.cu[i] / self.eps if self.scale <= SCALE_FACE \
+                        else self.u[i]
             # the second projection; its z (times eps) adds to the first's
             self._project(self.cw, self.ct, self.cu, self.cmu, self.cr, self.cp, self.cq,
                           self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
@@ -1182,6 +1191,100 @@ class _Structure:
                     gid[links] = k
                     k += 1
         self.group, self.n_groups = gid, k
+        self.counting = _counting_parts(self, factors, neg)
+
+
+def _cardinality(factor):
+    """(lo, hi): the bounds a factor puts on the sum of its parts, when those are all it
+    says (a XorFactor, AtMostOneFactor, OrFactor, BudgetFactor); else None."""
+    if isinstance(factor, XorFactor):
+        return 1, 1
+    if isinstance(factor, AtMostOneFactor):
+        return 0, 1
+    if isinstance(factor, OrFactor):
+        return 1, factor.n_u
+    if isinstance(factor, BudgetFactor):
+        return (factor.budget if factor.exact else 0), factor.budget
+    return None
+
+
+def _counting_parts(st, factors, neg):
+    """Parts of a graph where a count proves infeasibility at once: sets of cardinality
+    factors (plain, distinct variables) that split into two sides, each covering every
+    variable of the set exactly once (the rows and the columns of an alignment). Then
+    every point has sum(lo, side A) <= sum(u) <= sum(hi, side B), and the reverse: more
+    Xor rows than AtMostOne columns is infeasible. Returns [(side A, side B, lo, hi)],
+    lo and hi per factor of the graph."""
+    F = len(factors)
+    lo = np.zeros(F)
+    hi = np.zeros(F)
+    card = np.zeros(F, bool)
+    for f, factor in enumerate(factors):
+        b = _cardinality(factor)
+        links = np.arange(st.uoff[f], st.uoff[f + 1])
+        v = st.var[links]
+        if b is None or np.any(v < 0) or np.any(neg[links]) or np.unique(v).size != v.size:
+            continue
+        card[f] = True
+        lo[f], hi[f] = b
+    if card.sum() < 2:
+        return []
+    links = np.flatnonzero(card[st.factor_of])
+    var, fac = st.var[links], st.factor_of[links]
+    uses = np.bincount(var, minlength=st.V)
+    # factors joined through variables shared by exactly two cardinality factors
+    by_var = {}
+    for v, f in zip(var.tolist(), fac.tolist()):
+        by_var.setdefault(v, []).append(f)
+    adj = {}
+    for v, fs in by_var.items():
+        if len(fs) == 2:
+            a, b = fs
+            adj.setdefault(a, set()).add(b)
+            adj.setdefault(b, set()).add(a)
+    side = {}
+    out = []
+    for f0 in adj:
+        if f0 in side:
+            continue
+        side[f0] = 0
+        comp, stack, ok = [f0], [f0], True
+        while stack:
+            f = stack.pop()
+            for g in adj[f]:
+                if g not in side:
+                    side[g] = 1 - side[f]
+                    comp.append(g)
+                    stack.append(g)
+                elif side[g] == side[f]:
+                    ok = False
+        # every variable of the component in one factor of each side
+        if ok and all(uses[v] == 2 for f in comp
+                      for v in st.var[st.uoff[f]:st.uoff[f + 1]].tolist()):
+            A = np.array(sorted(f for f in comp if side[f] == 0))
+            B = np.array(sorted(f for f in comp if side[f] == 1))
+            out.append((A, B))
+    return [(A, B, lo, hi) for A, B in out]
+
+
+def _count_conflict(st, fixed):
+    """(side A, side B, need, room) of a counting part that no point satisfies: one
+    side needs more variables on than the other has room for (room shrinks with the
+    masked variables), or None."""
+    if not st.counting:
+        return None
+    room_cut = None
+    if fixed is not None and fixed.any():
+        links = np.flatnonzero(st.tied[:st.L] & fixed[np.maximum(st.var[:st.L], 0)])
+        room_cut = np.bincount(st.factor_of[links], minlength=st.F)
+    for A, B, lo, hi in st.counting:
+        n = np.diff(st.uoff)
+        hi_eff = hi if room_cut is None else np.minimum(hi, n - room_cut)
+        for X, Y in ((A, B), (B, A)):
+            need, room = lo[X].sum(), hi_eff[Y].sum()
+            if need > room:
+                return X, Y, float(need), float(room)
+    return None
 
 
 class FactorGraph:
@@ -1427,9 +1530,14 @@ class FactorGraph:
         return result
 
     def _engine(self, eu, ev, max_iter, tol, rho, polish, fixed):
-        engine = _Engine(self._structure(), eu, ev, rho, polish,
-                         fixed if fixed.any() else None)
-        engine.run(max_iter, tol)
+        st = self._structure()
+        engine = _Engine(st, eu, ev, rho, polish, fixed if fixed.any() else None)
+        clash = _count_conflict(st, fixed)
+        if clash is None:
+            engine.run(max_iter, tol)
+        else:                           # infeasible by counting: no iteration needed
+            engine.status = INFEASIBLE
+            engine.counted = clash
         return engine
 
     # -- LP-MAP decoding (issue 16): the method; the algorithm is in sparsemap/_lp_map.py ------
@@ -1616,7 +1724,7 @@ def _mask_candidates(eu, ev, hard):
     order = neg[np.argsort(-eu[neg])]             # smallest magnitude first
     mags = -eu[order]
     below = np.maximum.accumulate(np.r_[rest, mags[:mags.size - 1]])
-    gap = np.flatnonzero(mags > MASK_GAP * below)
+    gap = np.flatnonzero(mags / MASK_GAP > below)
     if gap.size:
         out[order[gap[0]:]] = True
     return out
@@ -1711,30 +1819,46 @@ def _masks_hold(engine, eu, soft):
     return engine.verify(np.ascontiguousarray(nu), touched) < 0
 
 
+def _conflicting(engine):
+    """The factors an infeasibility involves: the one with no allowed structure, or those
+    the Farkas certificate puts weight on."""
+    if engine.infeasible_factor >= 0:
+        return [int(engine.infeasible_factor)]
+    if engine.counted is not None:
+        return sorted(int(f) for f in np.concatenate(engine.counted[:2]))
+    cert = engine.certificate()
+    off = engine._arrays["uoff"]
+    size = [float(np.abs(np.where(np.isfinite(cert[off[g]:off[g + 1]]),
+                                  cert[off[g]:off[g + 1]], 0.0)).max(initial=0.0))
+            for g in range(engine.F)]
+    top = max(size + [0.0])
+    return [g for g in range(engine.F) if size[g] > 1e-6 * top]
+
+
 def _conflict_message(graph, engine, where):
     """The ValueError message of an infeasible graph, naming the factors in conflict."""
     masked = bool(np.any(engine._arrays["fix"]))
-    how = " (with the variables whose score is -inf fixed at 0)" if masked else ""
     f = engine.infeasible_factor
     if f >= 0:
         factor = graph.factors[f]
         var = graph.variables[f].reshape(-1)
         fixed = np.flatnonzero(engine._arrays["fix"][:graph.n_variables])
         hit = np.intersect1d(var[var >= 0], fixed)
-        return (f"{where}eta_u: infeasible: every structure of factor {f} ({factor!r}) uses a "
-                f"masked part: variables {_short_list(hit)} are fixed at 0 by their -inf "
-                f"scores, and the factor needs one of them on")
-    cert = engine.certificate()
-    off = engine._arrays["uoff"]
-    size = [np.abs(np.where(np.isfinite(cert[off[g]:off[g + 1]]),
-                            cert[off[g]:off[g + 1]], 0.0)).max(initial=0.0)
-            for g in range(engine.F)]
-    top = max(size + [0.0])
-    involved = [g for g in range(engine.F) if size[g] > 1e-6 * top]
-    return (f"{where}eta_u: infeasible: no assignment of the variables satisfies every "
-            f"factor{how}; factors {_factor_groups(graph, involved)} conflict (an LP "
-            f"infeasibility certificate: multipliers that every point of their constraints "
-            f"would make non-negative sum to a negative number)")
+        return (f"{where}FactorGraph.solve: infeasible: every structure of factor {f} "
+                f"({factor!r}) uses a masked part: variables {_short_list(hit)} are fixed "
+                f"at 0 by their -inf scores, and the factor needs one of them on")
+    how = " (with the variables whose score is -inf fixed at 0)" if masked else ""
+    if engine.counted is not None:
+        X, Y, need, room = engine.counted
+        why = (f"factors {_factor_groups(graph, X)} need at least {need:g} of their "
+               f"variables on, and factors {_factor_groups(graph, Y)}, over the same "
+               f"variables, allow at most {room:g}")
+    else:
+        why = (f"factors {_factor_groups(graph, _conflicting(engine))} conflict (an LP "
+               f"certificate: multipliers on their parts under which every point of their "
+               f"constraints would score below zero)")
+    return (f"{where}FactorGraph.solve: infeasible: no assignment of the variables satisfies "
+            f"every factor{how}; {why}")
 
 
 def _short_list(xs, k=8):
@@ -1758,12 +1882,18 @@ def _factor_groups(graph, idx):
     return ", ".join(parts[:n - 1]) + (" and " if n > 1 else "") + parts[n - 1]
 
 
-def _raise_unless_solved(result, where):
+def _raise_unless_solved(result, where, element=None):
     """The result of a solve, or the error that says why there is none: ValueError for an
     infeasible graph, ConvergenceError for a solve that stopped without a certified
-    point (``where`` names the batch element)."""
+    point (``where`` names the batch element ``element``). The ValueError carries
+    ``factors`` (the conflicting factors' indices), ``masked`` (whether masks took part)
+    and ``batch_element``."""
     if result._status == INFEASIBLE:
-        raise ValueError(_conflict_message(result._graph, result._engine, where))
+        exc = ValueError(_conflict_message(result._graph, result._engine, where))
+        exc.factors = _conflicting(result._engine)
+        exc.masked = bool(np.any(result._engine._arrays["fix"]))
+        exc.batch_element = element
+        raise exc
     if not result.converged:
         raise ConvergenceError(
             f"{where}FactorGraph.solve: no certified solution after {result.n_iter} ADMM "

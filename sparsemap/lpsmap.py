@@ -53,6 +53,9 @@ _SOLVE_DOC_PARAMS = """
 
 
 # -- small helpers ---------------------------------------------------------------------
+_NONFINITE = ("scores: contains nan or +inf (-inf is accepted: it fixes a variable at 0, a "
+              "mask)")
+
 _FACTORS = {}
 
 
@@ -70,19 +73,58 @@ def _factor(cls, *args, **kwargs):
 _GRAPHS = {}
 
 
-def _native_graph(n_variables, pieces):
-    """The native FactorGraph of a structure, cached by its factors and index arrays."""
+class _Part:
+    """One connected part of a drop-in graph as a native FactorGraph: its variables
+    (global indices, in the part's order) and its pieces (indices into the list)."""
+    __slots__ = ("graph", "var", "pieces")
+
+    def __init__(self, graph, var, pieces):
+        self.graph, self.var, self.pieces = graph, var, pieces
+
+
+def _native_parts(n_variables, pieces):
+    """The native FactorGraphs of a structure, one per connected part (factors that share
+    no variable, directly or through others, are separate problems: a padded batch of
+    documents in one graph is one problem per document); cached by the factors and
+    index arrays."""
     key = (n_variables,) + tuple((id(p.factor), p.idx.tobytes(), p.idx.shape) for p in pieces)
-    g = _GRAPHS.get(key)
-    if g is None:
-        g = sm.FactorGraph(n_variables)
-        for p in pieces:
-            g.add(p.factor, p.idx)
-        if len(_GRAPHS) > 256:
-            _GRAPHS.clear()
-        _GRAPHS[key] = (g, [p.factor for p in pieces])   # keep the factors alive with the key
-        return g
-    return g[0]
+    hit = _GRAPHS.get(key)
+    if hit is not None:
+        return hit[0]
+    # union-find over variables, joined through each piece's variables
+    parent = np.arange(n_variables)
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    flat = [p.idx.reshape(-1)[p.idx.reshape(-1) >= 0] for p in pieces]
+    for ids in flat:
+        if ids.size > 1:
+            r0 = root(ids[0])
+            for i in ids[1:]:
+                r = root(i)
+                if r != r0:
+                    parent[r] = r0
+    comp = {}
+    for k, ids in enumerate(flat):
+        comp.setdefault(root(ids[0]) if ids.size else -1, []).append(k)
+    parts = []
+    for ks in comp.values():
+        var = np.unique(np.concatenate([flat[k] for k in ks]))
+        local = np.full(n_variables, -1, dtype=np.intp)
+        local[var] = np.arange(var.size)
+        g = sm.FactorGraph(max(var.size, 1))
+        for k in ks:
+            idx = pieces[k].idx
+            g.add(pieces[k].factor, np.where(idx >= 0, local[np.maximum(idx, 0)], -1))
+        parts.append(_Part(g, var, ks))
+    if len(_GRAPHS) > 256:
+        _GRAPHS.clear()
+    _GRAPHS[key] = (parts, [p.factor for p in pieces])   # keep the factors alive with the key
+    return parts
 
 
 def _is_tensor(x):
@@ -351,20 +393,69 @@ class _Ops:
         m = factor.vertex(factor.map(hu, hv))[0]
         return t.as_tensor(m, dtype=eta_u.dtype, device=eta_u.device)
 
-    def graph(self, native, eta_u, eta_v):
+    def graph(self, parts, eta_u, eta_v, report):
+        """Each part's LP-SparseMAP marginals ``[(variables, u)]``; the native results are
+        appended to ``report``."""
         if self.torch is None:
-            return native.solve(eta_u, eta_v).u
+            out = []
+            for k, p in enumerate(parts):
+                ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
+                try:
+                    r = p.graph.solve(eta_u[p.var], ev)
+                except ValueError as exc:
+                    exc.part = k
+                    raise
+                report.append(r)
+                out.append((p.var, r.u))
+            return out
         import sparsemap.torch as smt
-        return smt.factor_graph(native, eta_u, eta_v, n_jobs=1)
-
-    def graph_map(self, native, eta_u, eta_v):
-        if self.torch is None:
-            return native.solve_map(eta_u, eta_v).u
         t = self.torch
-        hu = eta_u.detach().cpu().numpy()
-        hv = None if eta_v is None else [None if e is None else e.detach().cpu().numpy()
-                                         for e in eta_v]
-        return t.as_tensor(native.solve_map(hu, hv).u, dtype=eta_u.dtype, device=eta_u.device)
+        if len(parts) == 1:
+            p = parts[0]
+            ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
+            eu = eta_u if p.var.size == eta_u.shape[0] else eta_u[t.as_tensor(p.var,
+                                                                             device=eta_u.device)]
+            try:
+                u = smt.factor_graph(p.graph, eu, ev, n_jobs=1, _report=report)
+            except ValueError as exc:
+                exc.part = 0
+                raise
+            return [(p.var, u)]
+        # several parts: one ragged batch of graphs, solved in the layer's threads
+        width = max(p.var.size for p in parts)
+        pad = np.full((len(parts), width), eta_u.shape[0], dtype=np.int64)
+        for k, p in enumerate(parts):
+            pad[k, :p.var.size] = p.var
+        ext = t.cat([eta_u, eta_u.new_zeros(1)])
+        eu = ext[t.as_tensor(pad, device=eta_u.device)]
+        ev = None if eta_v is None else [[eta_v[i] for i in p.pieces] for p in parts]
+        try:
+            u = smt.factor_graph([p.graph for p in parts], eu, ev, _report=report)
+        except ValueError as exc:
+            exc.part = getattr(exc, "batch_element", 0)
+            raise
+        return [(p.var, u[k, :p.var.size]) for k, p in enumerate(parts)]
+
+    def graph_map(self, parts, eta_u, eta_v, report):
+        out = []
+        for k, p in enumerate(parts):
+            ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
+            if self.torch is None:
+                hu, hv = eta_u[p.var], ev
+            else:
+                hu = eta_u.detach().cpu().numpy()[p.var]
+                hv = None if ev is None else [None if e is None else e.detach().cpu().numpy()
+                                              for e in ev]
+            try:
+                r = p.graph.solve_map(hu, hv)
+            except ValueError as exc:
+                exc.part = k
+                raise
+            report.append(r)
+            u = r.u if self.torch is None else self.torch.as_tensor(
+                r.u, dtype=eta_u.dtype, device=eta_u.device)
+            out.append((p.var, u))
+        return out
 
 
 _SOLO = []
@@ -400,9 +491,7 @@ def _solo_function():
     class _SoloSparseMAP(torch.autograd.Function):
         @staticmethod
         def forward(ctx, factor, eta_u, eta_v):
-            eu = host(eta_u)
-            if not np.isfinite(eu).all():       # as everywhere in the drop-in (no -inf masks)
-                raise ValueError("scores: expected finite values")
+            eu = host(eta_u)          # -inf is a mask; sm.solve refuses nan and +inf
             r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
             ctx.r, ctx.eta_u, ctx.eta_v = r, eta_u.detach(), (
                 None if eta_v is None else eta_v.detach())
@@ -950,6 +1039,69 @@ class DepTree(_LPFactor):
 
 
 # -- graphs -----------------------------------------------------------------------------------
+def _how_solved(parts, report, decode):
+    """What ``verbose`` prints for a graph: how many connected parts, and how each solve
+    went (iterations, certified or not, the largest constraint violation)."""
+    n = len(parts)
+    head = (f"{n} connected parts, each" if n > 1 else "one connected graph,")
+    if decode:
+        exact = sum(bool(r.exact) for r in report)
+        gap = max(float(r.gap) for r in report)
+        return (f"{head} LP-MAP certified by a duality gap (largest {gap:.2g}); "
+                f"{exact} of {n} integral and exact MAP")
+    its = [r.n_iter for r in report]
+    pol = sum(bool(r.polished) for r in report)
+    viol = max(float(r.primal_residual) for r in report)
+    rng = f"{min(its)}-{max(its)}" if n > 1 and min(its) != max(its) else f"{its[0]}"
+    return (f"{head} an LP-SparseMAP factor graph: ADMM, {rng} iterations, certified "
+            f"optimal ({pol} of {n} by the KKT conditions on the final faces, the rest by "
+            f"residuals below 1e-10); largest constraint violation {viol:.1e}")
+
+
+def _describe_factor(factor, names):
+    """``Xor(variable 0[2, 3, :])``: the factor's class and the variables it is on."""
+    vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
+    return f"{type(factor).__name__}({', '.join(_describe_vars(v, names) for v in vs)})"
+
+
+def _describe_vars(v, names):
+    base = _base(v)
+    label = f"variable {names.get(id(base), '?')}"
+    if isinstance(v, Variable):
+        return label
+    idx = np.unravel_index(v._ix.reshape(-1), base.shape)
+    axes = []
+    for d, ix in enumerate(idx):
+        u = np.unique(ix)
+        if u.size == 1:
+            axes.append(str(int(u[0])))
+        elif u.size == base.shape[d]:
+            axes.append(":")
+        elif u.size == int(u[u.size - 1]) - int(u[0]) + 1:
+            axes.append(f"{int(u[0])}:{int(u[u.size - 1]) + 1}")
+        else:
+            axes.append("...")
+    return f"{label}[{', '.join(axes)}]"
+
+
+def _common_prefix(factors, names):
+    """' (all on variable 0[2]: batch element 2)' when every factor's variables lie in one
+    slice along the first axis of one variable (a batch); '' otherwise."""
+    first = set()
+    for f in factors:
+        vs = f._variables if isinstance(f._variables, tuple) else (f._variables,)
+        for v in vs:
+            base = _base(v)
+            if len(base.shape) < 2:
+                return ""
+            lead = np.unique(np.unravel_index(v._ix.reshape(-1), base.shape)[0])
+            first.update((id(base), int(x)) for x in lead)
+    if len(first) != 1:
+        return ""
+    (b, i), = first
+    return f" (all on variable {names.get(b, '?')}[{i}]: batch element {i})"
+
+
 class FactorGraph:
     """A factor graph with lp-sparsemap's interface; NumPy in and out.
 
@@ -1049,8 +1201,8 @@ class FactorGraph:
         if _is_tensor(scores):
             scores = scores.detach().cpu().numpy()
         a = np.asarray(scores, dtype=np.float64)
-        if not np.all(np.isfinite(a)):
-            raise ValueError("scores: expected finite values")
+        if np.any(np.isnan(a) | np.isposinf(a)):
+            raise ValueError(_NONFINITE)
         return a
 
     def add(self, factor):
@@ -1099,7 +1251,10 @@ class FactorGraph:
     def _run(self, decode, verbose):
         ops = self._ops()
         offsets, V = self._layout()
+        what = "LP-MAP" if decode else "LP-SparseMAP"
         if V == 0:
+            if verbose:
+                print(f"sparsemap.lpsmap: {what}: no variables, nothing to solve")
             return
         if len(self.factors) == 1 and not decode and self.factors[0]._variables is \
                 self.variables[0] and len(self.variables) == 1:
@@ -1107,44 +1262,68 @@ class FactorGraph:
             native = self.factors[0]._plain()
             if native is not None:
                 var = self.variables[0]
+                self._scores(ops)           # the checks (nan, +inf) of every path
                 u = ops.solve(native, var._scores.reshape(native.shape_u), None)
                 var.value = u.reshape(var.shape)
                 if verbose:
-                    print(f"sparsemap.lpsmap: LP-SparseMAP of {V} variables and 1 factor, "
-                          f"solved exactly as independent factors")
+                    print(f"sparsemap.lpsmap: {what} of {V} variables and 1 factor: plain "
+                          f"SparseMAP of {native!r} (the active set, certified by its "
+                          f"duality gap)")
                 return
         ids = [f._ids(offsets) for f in self.factors]
         eta = self._scores(ops)
         flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in ids]
         count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
+        free = np.flatnonzero(count == 0)
+        parts = []
+        if free.size:
+            e = ops.gather(eta, free)
+            parts.append((free, ops.positive(e) if decode else ops.clip(e)))
+        report = []
         if count.max(initial=0) <= 1:
-            how = "independent factors"
-            parts = []
+            how = (f"{len(self.factors)} independent factors (no variable is shared), each "
+                   f"by its own {'MAP oracle' if decode else 'SparseMAP solve'}")
             for f, fid in zip(self.factors, ids):
                 out_ids, out_vals = f._alone(fid, eta, ops, decode)
                 parts += list(zip(out_ids, out_vals))
-            free = np.flatnonzero(count == 0)
-            if free.size:
-                e = ops.gather(eta, free)
-                parts.append((free, ops.positive(e) if decode else ops.clip(e)))
-            u = ops.assemble(V, parts)
         else:
-            how = "factor graph"
-            pieces, extra = [], []
-            for f, fid in zip(self.factors, ids):
+            pieces, extra, owner = [], [], []
+            for k, (f, fid) in enumerate(zip(self.factors, ids)):
                 p, e = f._pieces(fid, ops)
                 pieces += p
                 extra += e
-            native = _native_graph(V, pieces)
+                owner += [k] * len(p)
+            native = _native_parts(V, pieces)
             eu = ops.add_at(eta, [e[0] for e in extra], [e[1] for e in extra]) if extra else eta
             ev = [p.eta_v if p.factor.n_v else None for p in pieces]
             if all(e is None for e in ev):
                 ev = None
-            u = (ops.graph_map if decode else ops.graph)(native, eu, ev)
+            try:
+                parts += (ops.graph_map if decode else ops.graph)(native, eu, ev, report)
+            except ValueError as exc:
+                if getattr(exc, "factors", None) is None:
+                    raise
+                raise ValueError(self._conflict(exc, native, owner)) from None
+            how = _how_solved(native, report, decode)
         if verbose:
-            print(f"sparsemap.lpsmap: {'LP-MAP' if decode else 'LP-SparseMAP'} of {V} variables "
-                  f"and {len(self.factors)} factors, solved exactly as {how}")
-        self._set_values(u, offsets)
+            print(f"sparsemap.lpsmap: {what} of {V} variables and {len(self.factors)} "
+                  f"factors: {how}")
+        self._set_values(ops.assemble(V, parts), offsets)
+
+    def _conflict(self, exc, native, owner):
+        """The native solver's infeasibility error in this graph's terms: which of its
+        factors (and on which variables) conflict."""
+        part = native[getattr(exc, "part", 0)]
+        mine = sorted({owner[part.pieces[f]] for f in exc.factors})
+        names = {id(v): k for k, v in enumerate(self.variables)}
+        shown = [f"{k}: {_describe_factor(self.factors[k], names)}" for k in mine[:6]]
+        more = f", ... ({len(mine)} factors in all)" if len(mine) > 6 else ""
+        masked = " (with the variables whose score is -inf fixed at 0)" if exc.masked else ""
+        where = _common_prefix([self.factors[k] for k in mine], names)
+        return (f"FactorGraph.solve: infeasible: no assignment of the variables satisfies "
+                f"these factors together{masked}: {'; '.join(shown)}{more}{where}. "
+                f"lp-sparsemap returns a point that breaks them instead (see the migration "
+                f"guide, 'Infeasible graphs').")
 
     def _scores(self, ops):
         return np.concatenate([v._scores.reshape(-1) for v in self.variables])
@@ -1271,8 +1450,9 @@ class TorchFactorGraph(FactorGraph):
         parts = [v._scores.reshape(-1).to(dtype=t.float64, device=ops.device)
                  for v in self.variables]
         eta = parts[0] if len(parts) == 1 else t.cat(parts)
-        if not bool(t.isfinite(eta.detach()).all()):
-            raise ValueError("scores: expected finite values")
+        d = eta.detach()
+        if bool((t.isnan(d) | t.isposinf(d)).any()):
+            raise ValueError(_NONFINITE)
         return eta
 
     def _set_values(self, u, offsets):

@@ -1482,7 +1482,7 @@ def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
     results = _in_threads(one, layout, n_jobs)
     for b, r in enumerate(results):      # an infeasible graph or an uncertified solve
         _raise_unless_solved(r, f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape
-                             else "")
+                             else "", b)
     return results
 
 
@@ -1517,7 +1517,10 @@ class _GraphJacobian:
 class _FactorGraphFunction(_JacobianFunction):
     @staticmethod
     def forward(ctx, layout, n_jobs, solve_kw, eta_u, *tensors):
+        report = solve_kw.pop("_report", None)
         results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
+        if report is not None:      # sparsemap.lpsmap's verbose reads how the solves went
+            report.extend(results)
         ctx.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
         return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
 
@@ -1600,7 +1603,7 @@ def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.3333, -0.3333,  0.3333])
     """
     for k in solve_kw:
-        if k not in _GRAPH_SOLVE_KW:
+        if k not in _GRAPH_SOLVE_KW and k != "_report":
             raise ValueError(f"{k}: not an option of FactorGraph.solve (expected one of "
                              f"{', '.join(_GRAPH_SOLVE_KW)})")
     layout = _GraphLayout(graph, eta_u, eta_v)
