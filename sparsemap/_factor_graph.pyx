@@ -577,7 +577,7 @@ cdef class _Engine:
         column in C~.
         """
         cdef Py_ssize_t f, j, i
-        cdef double res
+        cdef double res, wmax
         cdef int code
         cdef bint changed = False
         for i in range(self.V):
@@ -600,6 +600,7 @@ cdef class _Engine:
                 for j in range(self.L):
                     self.cz[j] *= self.eps
         else:
+            wmax = _amax(self.cw, self.V)
             for j in range(self.L):
                 self.cmu[j] = self.eps * self.ct[j]
             self._project(self.cw, self.cmu, self.cu, self.cz, self.cr, self.cp, self.cq,
@@ -607,6 +608,7 @@ cdef class _Engine:
             if res > 1e3 * CG_RTOL:
                 return 0
             for i in range(self.V):
+                self.ckq[i] = self.cu[i]          # eps u' (free until the kappa solve)
                 if self.deg[i] > 0:
                     # beyond SCALE_FACE the division leaves round-off of 1e-16 scale, over
                     # 1e-4 along the faces: the scores do not fix u there to better than
@@ -618,8 +620,17 @@ cdef class _Engine:
                           self.ctmp, self.ca, NULL, POLISH_MAX_CG, &res)
             if res > 1e3 * CG_RTOL:
                 return 0
-            for j in range(self.L):
-                self.cz[j] += self.eps * self.cmu[j]
+            if self.scale <= SCALE_FACE:
+                for j in range(self.L):
+                    self.cz[j] += self.eps * self.cmu[j]
+            else:
+                # stationarity holds for eps u' (the first projection's z); it holds for
+                # u too only where the face is optimal: there u' - u is round-off along
+                # the face, elsewhere u' leaves the polytope by 1 / eps
+                for i in range(self.V):
+                    if self.deg[i] > 0 and \
+                            fabs(self.eps * self.cu[i] - self.ckq[i]) > KKT_TOL * max(1.0, wmax):
+                        return 0
         # the multipliers: cmu = -mu = -g - R (mu_A - C~ kappa), with mu_A = -sigma lam
         for j in range(self.L):
             self.cmu[j] = -self.sig[j] * self.lam[j] + self.cz[j] if self.var[j] >= 0 else 0.0
@@ -1453,27 +1464,39 @@ class FactorGraph:
 
     def solve(self, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL, rho=None,
               polish=True):
-        """LP-SparseMAP marginals of the graph's variables.
+        """LP-SparseMAP marginals of the graph's variables: the certified optimum, or an error.
 
         Parameters
         ----------
         eta_u : array_like, shape ``(n_variables,)``, or dict
             Unary scores of the variables (each counted once, whatever the
             number of factors the variable is in), or a dict
-            ``{VariableArray: scores}`` (see :meth:`scores`).
+            ``{VariableArray: scores}`` (see :meth:`scores`). Any finite
+            magnitude; ``-inf`` fixes the variable at 0 (a mask). A finite
+            score far below all others (below ``-1e6`` times the largest other
+            magnitude, as a padding fill with the dtype's minimum) is tried as
+            a mask first, and kept as one when the certificate shows the
+            variable is 0 at the solution of the given scores; a group of
+            variables that a factor forces to a constant sum (a row of a
+            :class:`XorFactor`) and whose scores are all that low has the
+            largest of them taken off, which does not change the answer.
         eta_v : list, optional
             One entry per added factor, in order: its additional scores
-            (shape ``factor.shape_v``), or None (zeros). Must be None for a
-            factor without additional scores.
+            (shape ``factor.shape_v``, finite), or None (zeros). Must be None
+            for a factor without additional scores.
         max_iter : int, optional
-            ADMM iteration limit (default 10000).
+            ADMM iteration limit (default 10000); reaching it without a
+            certified point raises :class:`~sparsemap.ConvergenceError`.
         tol : float, default 1e-10
-            ADMM stops when every factor agrees with ``u`` up to ``tol``
-            (primal residual ``max |l_f(u) - M_f p_f|``) and ``u`` moved by at
-            most ``tol / rho`` in the last iteration (dual residual), unless a
-            polished point was certified before.
-        rho : float, default 2.0
-            ADMM penalty.
+            With ``polish=False``, ADMM stops when every factor agrees with
+            ``u`` up to ``tol`` (primal residual ``max |l_f(u) - M_f p_f|``)
+            and ``rho max |u - u_prev| <= tol`` (dual residual, relative to the
+            scale of the scores). With ``polish=True`` this also ends a solve
+            whose polish was not certified first.
+        rho : float, optional
+            ADMM penalty, relative to the scale of the scores (which are
+            divided by ``max(1, max |scores|)``); by default
+            ``max(0.1, scale ** -0.5)``.
         polish : bool, default True
             Once the factors' supports settle, solve the problem exactly on
             them and keep the result if its KKT conditions hold (then
@@ -1487,16 +1510,17 @@ class FactorGraph:
         Raises
         ------
         ValueError
-            Wrong shapes or lengths, non-finite scores, ``eta_v`` for a factor
-            without additional scores, bad ``max_iter``, ``tol``, ``rho`` or
-            ``polish``.
-
-        Warns
-        -----
-        ConvergenceWarning
-            When neither a certified polished point nor residuals below ``tol``
-            were reached within ``max_iter``; the last iterate is returned with
-            ``converged=False``.
+            Wrong shapes or lengths, nan or ``+inf`` scores, ``eta_v`` for a
+            factor without additional scores, bad ``max_iter``, ``tol``,
+            ``rho`` or ``polish``; or a graph that no point satisfies (with the
+            masked variables at 0): the message names the factors in conflict
+            (found by counting, by a factor whose every structure is masked,
+            or by a Farkas certificate from ADMM's multipliers, within a few
+            iterations).
+        ConvergenceError
+            When ``max_iter`` iterations ran out before a certified point: the
+            last iterate is not returned, since it need not satisfy the
+            constraints.
         """
         if isinstance(eta_u, dict):
             eta_u = self.scores(eta_u)
@@ -1920,7 +1944,8 @@ class FactorGraphResult:
         Per factor, their weights (positive, summing to one).
     converged : bool
         Whether a polished point was certified optimal, or both residuals
-        reached ``tol``.
+        reached ``tol`` (always True for a result that :meth:`FactorGraph.solve`
+        returns: it raises otherwise).
     polished : bool
         Whether the returned point is the exact solution on the final
         supports, certified by the KKT conditions of the problem (every
@@ -1933,15 +1958,20 @@ class FactorGraphResult:
         ``max_{f, j} |l_fj(u) - (M_f p_f)_j|``: how far the factors' marginals
         are from the variables' (round-off when polished).
     dual_residual : float
-        ``rho * max_i |u_i - u_i^{prev}|`` over the last ADMM iteration (0 when
-        polished: the certificate replaces it).
+        ``rho * max_i |u_i - u_i^{prev}|`` over the last ADMM iteration,
+        relative to the scale of the scores (0 when polished: the certificate
+        replaces it).
     objective : float
         ``1/2 ||u||^2 - eta_u . u - sum_f eta_v[f] . v[f]`` (a minimisation,
         as for :func:`solve`).
     rho : float
-        The ADMM penalty used.
+        The ADMM penalty used, relative to the scale of the scores.
     n_map : int
         MAP oracle calls, over all factors.
+    scale : float
+        ``max(1, max |scores|)`` over the variables in factors (masked ones
+        excepted) and the additional scores: the engine solves the problem
+        divided by it, and residuals are relative to it.
     n_inner_unconverged : int
         Factor steps whose SparseMAP solve stopped before its gap tolerance
         (0 in normal use).
@@ -1956,6 +1986,7 @@ class FactorGraphResult:
     support and Cholesky factor), so one solved on a process pool or a Dask
     worker comes back with :meth:`jvp` and :meth:`vjp` exact, without a new
     solve.
+
     Examples
     --------
     >>> import numpy as np, sparsemap as sm
@@ -1986,6 +2017,7 @@ class FactorGraphResult:
         self.primal_residual = float(engine.res_primal)
         self.dual_residual = float(engine.res_dual)
         self.rho = float(engine.rho)
+        self.scale = float(engine.scale)
         self.n_map = int(engine.n_map())
         self.n_inner_unconverged = int(engine.n_inner_fail)
         self.polished = bool(engine.polished)

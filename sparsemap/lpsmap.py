@@ -35,21 +35,29 @@ _SOLVE_DOC_PARAMS = """
         Parameters
         ----------
         max_iter : int, default 1000
-            Accepted for compatibility; ignored (lp-sparsemap's ADMM iteration
-            limit; sparsemap's solvers run until the answer is exact).
+            Accepted for compatibility and ignored. In lp-sparsemap it stops
+            AD3's ADMM early, and code written for it sets it low as a speed
+            setting (``max_iter=10``), getting a point that may break the
+            constraints. Here the answer is always the certified optimum (or
+            an error that says why there is none): see "Speed" in
+            :doc:`/migration` for what that costs on such graphs.
         max_inner_iter : int, default 10
-            Accepted for compatibility; ignored (each factor's SparseMAP step
-            is solved exactly).
+            Accepted for compatibility and ignored (each factor's SparseMAP
+            step is solved exactly).
         tol : float, default 1e-6
-            Accepted for compatibility; ignored (lp-sparsemap's residual
-            threshold).
+            Accepted for compatibility and ignored (the answer is certified to
+            round-off, far below any ``tol``).
         step_size : float, default 0.1
-            Accepted for compatibility; ignored (lp-sparsemap's ADMM penalty;
-            ``step_size=0`` is accepted too).
+            Accepted for compatibility and ignored (AD3's penalty; sparsemap
+            sets its own from the scale of the scores). ``step_size=0`` is
+            accepted too.
         adapt : bool, default True
-            Accepted for compatibility; ignored (penalty adaptation).
+            Accepted for compatibility and ignored.
         verbose : int or bool, default False
-            When true, print one line describing how the graph was solved."""
+            When true, print one line saying how the graph was solved: as
+            plain SparseMAP, as independent factors, or as factor graphs (one
+            per connected part), with ADMM's iterations, how the answer was
+            certified and the largest constraint violation."""
 
 
 # -- small helpers ---------------------------------------------------------------------
@@ -213,9 +221,11 @@ class Variable:
     Attributes
     ----------
     shape : tuple of int
-    value : ndarray, Tensor or None
-        The variables' marginals after a solve (None before), shaped like the
-        scores; on a :class:`TorchFactorGraph`, on the scores' device and dtype.
+    value : ndarray or Tensor
+        The variables' marginals after a solve, shaped like the scores; on a
+        :class:`TorchFactorGraph`, on the scores' device and dtype. Before the
+        graph is solved, reading it raises ``AttributeError``, as in
+        lp-sparsemap (``hasattr(u, "value")`` is False).
 
     Examples
     --------
@@ -232,7 +242,18 @@ class Variable:
         self._scores = scores
         self.shape = tuple(scores.shape)
         self._ix = np.arange(math.prod(self.shape)).reshape(self.shape)
-        self.value = None
+        self._value = None
+
+    @property
+    def value(self):
+        if self._value is None:
+            raise AttributeError("value: the graph has not been solved yet (call "
+                                 "fg.solve() or fg.solve_map() first)")
+        return self._value
+
+    @value.setter
+    def value(self, val):
+        self._value = val
 
     def __getitem__(self, key):
         return Slice(self, self._ix[_index_key(key)])
@@ -247,9 +268,10 @@ class Slice:
     Attributes
     ----------
     shape : tuple of int
-    value : ndarray, Tensor or None
+    value : ndarray or Tensor
         The marginals of these entries (indexed out of the variable's
-        ``value``; differentiable on a :class:`TorchFactorGraph`).
+        ``value``; differentiable on a :class:`TorchFactorGraph`);
+        ``AttributeError`` before a solve.
 
     Examples
     --------
@@ -277,8 +299,6 @@ class Slice:
     @property
     def value(self):
         val = self._base_var.value
-        if val is None:
-            return None
         if _is_tensor(val):
             import torch
             ix = torch.as_tensor(self._ix, dtype=torch.long, device=val.device)
@@ -1363,8 +1383,15 @@ class FactorGraph:
         Raises
         ------
         ValueError
-            On bad arguments, additional scores of the wrong size, or
-            infeasible constraints.
+            On bad arguments, additional scores of the wrong size, nan or
+            ``+inf`` scores, or constraints that no assignment satisfies (the
+            message names the factors in conflict, by their place in
+            ``fg.factors`` and the variables they are on, and the batch element
+            when they all lie in one slice of a variable's first axis).
+            lp-sparsemap returns a point that breaks the constraints instead.
+        sparsemap.ConvergenceError
+            If no certified optimum was found within the native solver's
+            iteration limit (not seen on any graph we measured).
 
         Examples
         --------
