@@ -828,3 +828,98 @@ def test_migration_example_runs_and_agrees():
     diff = mod.main(verbose=False)
     assert len(diff) == 6
     assert max(diff.values()) < 1e-9, diff
+
+
+# -- issue 25: padded batches, masks, infeasible graphs, true messages -------------------
+
+def alignment_batch(sizes, P, fill, graph_cls=TorchFactorGraph, seed=0):
+    """A padded batch of square documents in one graph: Xor on every row and AtMostOne on
+    every column of each document's P x P block, padding filled with ``fill``."""
+    rng = np.random.default_rng(seed)
+    x = np.full((len(sizes), P, P), fill)
+    for b, n in enumerate(sizes):
+        x[b, :n, :n] = rng.standard_normal((n, n))
+    fg = graph_cls()
+    u = fg.variable_from(torch.tensor(x) if graph_cls is TorchFactorGraph else x)
+    for b in range(len(sizes)):
+        for i in range(P):
+            fg.add(Xor(u[b, i, :]))
+        for j in range(P):
+            fg.add(AtMostOne(u[b, :, j]))
+    return fg, u, x
+
+
+@pytest.mark.parametrize("fill", [float(np.finfo(np.float32).min), -1e30])
+def test_padded_batch_is_each_document_alone(fill):
+    """On main: row sums up to 4 and column sums up to 1.95 on a padded row, seconds per
+    batch. A padded document's rows are forced (Xor) and its fill is one common score on
+    each, which cancels; the real block is the unpadded document's answer, and the
+    gradient flows."""
+    sizes, P = [3, 5, 4], 5
+    fg, u, x = alignment_batch(sizes, P, fill)
+    fg.solve()
+    val = u.value.detach().numpy()
+    for b, n in enumerate(sizes):
+        g = TorchFactorGraph()
+        z = g.variable_from(torch.tensor(x[b, :n, :n]))
+        for i in range(n):
+            g.add(Xor(z[i, :]))
+        for j in range(n):
+            g.add(AtMostOne(z[:, j]))
+        g.solve()
+        np.testing.assert_allclose(val[b, :n, :n], z.value.detach().numpy(), atol=1e-9)
+        np.testing.assert_allclose(val[b].sum(1), 1, atol=1e-12)
+        assert val[b].sum(0).max() <= 1 + 1e-12
+    assert (val[:, :, :][x == fill] >= 0).all()
+
+
+def test_infeasible_graph_raises_naming_factors_and_batch_element():
+    """On main: 10000 iterations, a ConvergenceWarning advising max_iter or tol (neither
+    helps), and a point that breaks the constraints."""
+    x = torch.tensor(np.random.default_rng(0).standard_normal((3, 4, 3)))
+    for graph_cls, scores in ((TorchFactorGraph, x), (FactorGraph, x.numpy())):
+        fg = graph_cls()
+        u = fg.variable_from(scores)
+        for b in range(3):
+            for i in range(4 if b == 1 else 3):   # element 1: 4 rows on 3 columns
+                fg.add(Xor(u[b, i, :]))
+            for j in range(3):
+                fg.add(AtMostOne(u[b, :, j]))
+        with pytest.raises(ValueError, match=r"infeasible.*batch element 1") as info:
+            fg.solve(max_iter=100000, tol=1e-3)
+        msg = str(info.value)
+        assert "Xor(variable 0[1, 0, :])" in msg and "AtMostOne(variable 0[1, :, 1])" in msg
+        assert "(7 factors in all)" in msg
+        assert "max_iter" not in msg and "tol" not in msg
+
+
+def test_masks_in_the_drop_in():
+    """-inf fixes a variable at 0 (on main: refused with 'expected finite values')."""
+    x = np.random.default_rng(2).standard_normal((3, 4))
+    x[0, 1] = x[2, 3] = -np.inf
+    fg = FactorGraph()
+    u = fg.variable_from(x)
+    for i in range(3):
+        fg.add(Xor(u[i, :]))
+    for j in range(4):
+        fg.add(AtMostOne(u[:, j]))
+    fg.solve()
+    assert u.value[0, 1] == 0 and u.value[2, 3] == 0
+    np.testing.assert_allclose(u.value.sum(1), 1, atol=1e-12)
+    ref = factor_graph_qp(12, [(np.eye(4)[:, [0, 2, 3]], None, [0, 1, 2, 3], None),
+                               (np.eye(4), None, [4, 5, 6, 7], None),
+                               (np.eye(4)[:, :3], None, [8, 9, 10, 11], None)]
+                          + [(np.c_[np.zeros(3), np.eye(3)], None, [j, 4 + j, 8 + j], None)
+                             for j in range(4)], np.where(np.isinf(x), 0, x).ravel())
+    np.testing.assert_allclose(u.value.ravel(), ref["u"], atol=1e-9)
+
+
+def test_value_before_solve_raises_attribute_error_as_lpsmap():
+    fg = FactorGraph()
+    u = fg.variable_from(np.zeros(3))
+    fg.add(Xor(u))
+    assert not hasattr(u, "value")
+    with pytest.raises(AttributeError, match="not been solved"):
+        u[1:].value
+    fg.solve()
+    assert u.value.shape == (3,)

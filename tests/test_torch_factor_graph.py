@@ -317,3 +317,21 @@ def test_default_n_jobs_of_the_graph_layer_for_oracles(monkeypatch):
     seen.clear()
     smt.factor_graph(fg, x.detach(), n_jobs=4)
     assert len(seen) > 1
+
+
+def test_infeasible_element_is_named():
+    """A ragged batch whose element 1 has more Xor rows than AtMostOne columns."""
+    graphs = []
+    for m in (2, 3, 2):
+        g = sm.FactorGraph()
+        x = g.add_variables((m, 2))
+        for i in range(m):
+            g.add(sm.XorFactor(2), x[i])
+        for j in range(2):
+            g.add(sm.AtMostOneFactor(m), x[:, j])
+        graphs.append(g)
+    eta = torch.randn(3, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^batch element 1: FactorGraph.solve: infeasible") \
+            as info:
+        smt.factor_graph(graphs, eta)
+    assert info.value.batch_element == 1 and info.value.factors == [0, 1, 2, 3, 4]
