@@ -1,13 +1,22 @@
 """sparsemap.lpsmap (the drop-in) against lp-sparsemap itself, line by line.
 
-Three workloads, each written once against lp-sparsemap's API and run with either
-``from lpsmap import ...`` or ``from sparsemap.lpsmap import ...``:
+Workloads, each written once against lp-sparsemap's API and run with either
+``from lpsmap import ...`` or ``from sparsemap.lpsmap import ...``; the last seven are
+the downstream shapes of issue 25 (see ``_downstream_cases``):
 
 * ``budget_loop``: rationale-robustness' per-sentence loop, 32 sentences of 20 to 40
   words, one TorchFactorGraph and one ``Budget(z, budget=torch.round(0.3 * n))`` each;
 * ``constrained_tree``: lp-sparsemap's examples/constrained_tree.py at n=10 (a packed
   projective tree, at most 2 modifiers per head), its ``u.value[1, -1].backward()``;
-* ``grid``: an 8x12 grid, Xor on each row and AtMostOne on each column.
+* ``grid``: an 8x12 grid, Xor on each row and AtMostOne on each column;
+* ``alignN (per doc)``: square alignments of N = 10, 20, 30 words (Xor rows, AtMostOne
+  columns), ``solve(max_iter=10)`` as the alignment project calls it (lp-sparsemap stops
+  there; the drop-in's answer is exact), time per document;
+* ``padded batch of 4``: four such documents of 12 to 30 words in one graph, padded to 30
+  with the float32 minimum;
+* ``constrained_tree n=5``: lp-sparsemap's example at n = 5 without budgets (one tree),
+  then with them;
+* ``pair_seq``: lp-sparsemap's example (a chain of Pair factors).
 
 Each is timed forward (build the graph, ``fg.solve()`` at lp-sparsemap's defaults) and
 forward + backward, as the median of ``--repeats`` runs after a warm-up, in the process's
@@ -43,6 +52,21 @@ def _data(seed=0):
     tree = rng.normal(size=(10, 10)).astype(np.float32)
     grid = rng.normal(size=(8, 12)).astype(np.float32)
     return sentences, tree, grid
+
+
+def _downstream_data(seed=0):
+    """The downstream shapes of issue 25: square alignments (8 documents each of 10, 20 and
+    30 words), a padded batch of 4 documents (12, 25, 18 and 30 words, padded to 30 with
+    the float32 minimum, as allennlp-style code does), lp-sparsemap's constrained_tree.py
+    at n = 5 (its seed and scores) and its pair_seq.py."""
+    rng = np.random.default_rng(seed)
+    aligns = {n: [rng.normal(size=(n, n)).astype(np.float32) for _ in range(8)]
+              for n in (10, 20, 30)}
+    sizes, P = [12, 25, 18, 30], 30
+    padded = np.full((len(sizes), P, P), np.finfo(np.float32).min, np.float32)
+    for b, n in enumerate(sizes):
+        padded[b, :n, :n] = rng.normal(size=(n, n))
+    return aligns, padded
 
 
 def worker(impl, repeats):
@@ -97,6 +121,7 @@ def worker(impl, repeats):
 
     cases = {"budget_loop": budget_loop, "constrained_tree": constrained_tree,
              "grid": grid_case}
+    cases.update(_downstream_cases(impl, TorchFactorGraph, Xor, AtMostOne, DepTree, Budget))
     if impl == "native":
         cases = _native_cases(sentences, tree, grid)
     out = {}
@@ -104,15 +129,97 @@ def worker(impl, repeats):
         for backward in (False, True):
             fn(backward)          # warm-up (and caches)
             times, cpu = [], []
+            per = getattr(fn, "per", 1)
             for _ in range(repeats):
                 t, c = time.perf_counter(), time.process_time()
                 val = fn(backward)
-                cpu.append(time.process_time() - c)
-                times.append(time.perf_counter() - t)
+                cpu.append((time.process_time() - c) / per)
+                times.append((time.perf_counter() - t) / per)
             out[f"{name}/{'fwd+bwd' if backward else 'fwd'}"] = {
                 "median": statistics.median(cpu), "wall": statistics.median(times),
                 "value": val.tolist()}
     return out
+
+
+def _downstream_cases(impl, TorchFactorGraph, Xor, AtMostOne, DepTree, Budget):
+    """Issue 25's shapes, as the downstream projects call lp-sparsemap: alignments and the
+    padded batch with ``solve(max_iter=10)`` (the alignment project's speed setting, which
+    the drop-in ignores: its answers are exact), the examples at their defaults. Values
+    are per document for the alignments (8 documents per call, time divided by 8)."""
+    import torch
+    if impl == "lpsmap":
+        from lpsmap import Pair
+    else:
+        from sparsemap.lpsmap import Pair
+    aligns, padded = _downstream_data()
+
+    def alignment(x, backward):
+        m, n = x.shape
+        fg = TorchFactorGraph()
+        z = fg.variable_from(x)
+        for i in range(m):
+            fg.add(Xor(z[i, :]))
+        for j in range(n):
+            fg.add(AtMostOne(z[:, j]))
+        fg.solve(max_iter=10)
+        if backward:
+            (z.value * torch.arange(m * n).reshape(m, n)).sum().backward()
+        return z.value.detach().numpy().ravel()
+
+    def aligned(n):
+        def run(backward):
+            xs = [torch.tensor(a, requires_grad=backward) for a in aligns[n]]
+            return np.concatenate([alignment(x, backward) for x in xs])
+        run.per = len(aligns[n])
+        return run
+
+    def padded_batch(backward):
+        x = torch.tensor(padded, requires_grad=backward)
+        B, P, _ = x.shape
+        fg = TorchFactorGraph()
+        z = fg.variable_from(x)
+        for b in range(B):
+            for i in range(P):
+                fg.add(Xor(z[b, i, :]))
+            for j in range(P):
+                fg.add(AtMostOne(z[b, :, j]))
+        fg.solve(max_iter=10)
+        if backward:
+            (z.value * torch.arange(z.value.numel()).reshape(z.value.shape)).sum().backward()
+        return z.value.detach().numpy().ravel()
+
+    def tree5(constrain):
+        def run(backward):            # examples/constrained_tree.py, n = 5
+            torch.manual_seed(4)
+            x = torch.randn(5, 5, requires_grad=True)
+            fg = TorchFactorGraph()
+            u = fg.variable_from(x)
+            fg.add(DepTree(u, packed=True, projective=True))
+            if constrain:
+                for k in range(5):
+                    fg.add(Budget(u[list(range(k)) + list(range(k + 1, 5)), k], budget=2))
+            fg.solve()
+            if backward:
+                u.value[1, -1].backward()
+            return u.value.detach().numpy().ravel()
+        return run
+
+    def pair_seq(backward):           # examples/pair_seq.py
+        torch.manual_seed(4)
+        x = torch.randn(6, requires_grad=True)
+        transition = torch.randn(5, requires_grad=True)
+        fg = TorchFactorGraph()
+        u = fg.variable_from(.1 * x)
+        fg.add(Pair(u[:-1], u[1:], transition))
+        fg.solve()
+        if backward:
+            u.value[1].backward()
+        return u.value.detach().numpy().ravel()
+
+    return {"align10 (per doc)": aligned(10), "align20 (per doc)": aligned(20),
+            "align30 (per doc)": aligned(30), "padded batch of 4": padded_batch,
+            "constrained_tree n=5": tree5(False), "  with budgets": tree5(True),
+            "pair_seq": pair_seq}
 
 
 def accuracy(impl, seeds=20):
@@ -210,8 +317,100 @@ def _native_cases(sentences, tree, grid):
             (u * torch.arange(m * k)).sum().backward()
         return u.detach().numpy()
 
-    return {"budget_loop": budget_loop, "constrained_tree": constrained_tree,
-            "grid": grid_case}
+    cases = {"budget_loop": budget_loop, "constrained_tree": constrained_tree,
+             "grid": grid_case}
+    cases.update(_native_downstream())
+    return cases
+
+
+def _native_downstream():
+    """Issue 25's shapes in the native forms: one batched call per shape (the alignments'
+    8 documents through one shared graph; the padded batch as a ragged list of graphs, one
+    per document at its own size, no padding), the examples as native factors."""
+    import torch
+    import sparsemap as sm
+    import sparsemap.torch as smt
+    aligns, padded = _downstream_data()
+
+    def grid_graph(m, n):
+        g = sm.FactorGraph()
+        z = g.add_variables((m, n))
+        for i in range(m):
+            g.add(sm.XorFactor(n), z[i])
+        for j in range(n):
+            g.add(sm.AtMostOneFactor(m), z[:, j])
+        return g
+
+    def aligned(n):
+        g = grid_graph(n, n)
+
+        def run(backward):
+            x = torch.tensor(np.stack(aligns[n]).reshape(len(aligns[n]), -1),
+                             requires_grad=backward)
+            u = smt.factor_graph(g, x)
+            if backward:
+                (u * torch.arange(n * n)).sum().backward()
+            return u.detach().numpy().ravel()
+        run.per = len(aligns[n])
+        return run
+
+    sizes = [12, 25, 18, 30]
+    graphs = [grid_graph(n, n) for n in sizes]
+    ragged = np.zeros((len(sizes), 30 * 30), np.float32)
+    for b, n in enumerate(sizes):
+        ragged[b, :n * n] = padded[b, :n, :n].ravel()
+
+    def padded_batch(backward):
+        x = torch.tensor(ragged, requires_grad=backward)
+        u = smt.factor_graph(graphs, x)
+        if backward:
+            (u * torch.arange(u.shape[1])).sum().backward()
+        return u.detach().numpy().ravel()
+
+    head = np.full((6, 6), -1)
+    ids = np.arange(25).reshape(5, 5)
+    head[1:, 1:] = ids.T
+    head[0, 1:] = np.diagonal(ids)
+    head[np.arange(1, 6), np.arange(1, 6)] = -1
+    tree = sm.TreeFactor(5, projective=True, single_root=True)
+    tg = sm.FactorGraph(25)
+    tg.add(tree, head)
+    for k in range(5):
+        tg.add(sm.BudgetFactor(4, 2), [ids[i, k] for i in range(5) if i != k])
+
+    def tree5(constrain):
+        def run(backward):
+            torch.manual_seed(4)
+            x = torch.randn(5, 5, requires_grad=True)
+            if constrain:
+                u = smt.factor_graph(tg, x.reshape(-1))
+            else:
+                eta = torch.zeros(6, 6)
+                eta[1:, 1:] = x.T
+                eta[0, 1:] = torch.diagonal(x)
+                u = smt.sparsemap(tree, eta)
+            if backward:
+                u.sum().backward()
+            return u.detach().numpy().ravel()
+        return run
+
+    chain = sm.FactorGraph(6)
+    for i in range(5):
+        chain.add(sm.PairFactor(), [i, i + 1])
+
+    def pair_seq(backward):
+        torch.manual_seed(4)
+        x = torch.randn(6, requires_grad=True)
+        transition = torch.randn(5, requires_grad=True)
+        u = smt.factor_graph(chain, .1 * x, [transition[i:i + 1] for i in range(5)])
+        if backward:
+            u[1].backward()
+        return u.detach().numpy().ravel()
+
+    return {"align10 (per doc)": aligned(10), "align20 (per doc)": aligned(20),
+            "align30 (per doc)": aligned(30), "padded batch of 4": padded_batch,
+            "constrained_tree n=5": tree5(False), "  with budgets": tree5(True),
+            "pair_seq": pair_seq}
 
 
 def _run(python, impl, repeats, accuracy=False):

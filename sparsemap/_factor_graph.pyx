@@ -1285,6 +1285,8 @@ def _count_conflict(st, fixed):
     if not st.counting:
         return None
     room_cut = None
+    if fixed is None:
+        fixed = np.zeros(st.V, bool)
     if fixed is not None and fixed.any():
         links = np.flatnonzero(st.tied[:st.L] & fixed[np.maximum(st.var[:st.L], 0)])
         room_cut = np.bincount(st.factor_of[links], minlength=st.F)
@@ -1539,13 +1541,19 @@ class FactorGraph:
         tol = check_real(tol, "tol")
         rho = None if rho is None else check_real(rho, "rho", positive=True)
         polish = check_bool(polish, "polish")
-        hard = np.isneginf(eu)
-        soft = _mask_candidates(eu, ev, hard)
-        if soft.any():
-            eu, soft = _cancel_forced(self._structure(), eu, soft)
         flat = np.concatenate(ev + [np.zeros(1)])
-        engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft)
-        if soft.any() and (engine.status == INFEASIBLE or not _masks_hold(engine, eu, soft)):
+        lo = float(eu.min(initial=0.0))
+        if lo >= -MASK_GAP:           # the common case: no mask, no huge negative score
+            engine = self._engine(eu, flat, max_iter, tol, rho, polish, None)
+            soft = None
+        else:
+            hard = np.isneginf(eu)
+            soft = _mask_candidates(eu, ev, hard)
+            if soft.any():
+                eu, soft = _cancel_forced(self._structure(), eu, soft)
+            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft)
+        if soft is not None and soft.any() and (engine.status == INFEASIBLE
+                                                or not _masks_hold(engine, eu, soft)):
             # a huge negative score that cannot be read as a mask: solve (P) as it is
             engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard)
         result = FactorGraphResult(self, engine, eu, ev)
@@ -1555,7 +1563,9 @@ class FactorGraph:
 
     def _engine(self, eu, ev, max_iter, tol, rho, polish, fixed):
         st = self._structure()
-        engine = _Engine(st, eu, ev, rho, polish, fixed if fixed.any() else None)
+        if fixed is not None and not fixed.any():
+            fixed = None
+        engine = _Engine(st, eu, ev, rho, polish, fixed)
         clash = _count_conflict(st, fixed)
         if clash is None:
             engine.run(max_iter, tol)

@@ -435,8 +435,10 @@ class _Ops:
             ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
             eu = eta_u if p.var.size == eta_u.shape[0] else eta_u[t.as_tensor(p.var,
                                                                              device=eta_u.device)]
+            tensors = [] if ev is None else [e for e in ev if e is not None]
+            slots = [] if ev is None else [f for f, e in enumerate(ev) if e is not None]
             try:
-                u = smt.factor_graph(p.graph, eu, ev, n_jobs=1, _report=report)
+                u = _solo_function(graph=True).apply(p.graph, slots, report, eu, *tensors)
             except ValueError as exc:
                 exc.part = 0
                 raise
@@ -481,15 +483,17 @@ class _Ops:
 _SOLO = []
 
 
-def _solo_function():
-    """The autograd Function of one SparseMAP problem, made on first use (imports torch).
+def _solo_function(graph=False):
+    """The autograd Function of one SparseMAP problem (``graph``: of one native factor
+    graph), made on first use (imports torch).
 
-    :func:`sparsemap.torch.sparsemap` handles batches, padding and threads; one small
-    problem per graph (the drop-in's common case, e.g. a budget per sentence) only needs
-    :func:`sparsemap.solve` and its exact :meth:`~sparsemap.SparseMAPResult.vjp`, at a
-    fraction of the per-call overhead."""
+    :func:`sparsemap.torch.sparsemap` and :func:`sparsemap.torch.factor_graph` handle
+    batches, padding, threads and double backward; one small problem per call (the
+    drop-in's common case: a budget per sentence, one document's alignment) only needs
+    :func:`sparsemap.solve` or :meth:`sparsemap.FactorGraph.solve` and their exact
+    ``vjp``, at a fraction of the per-call overhead."""
     if _SOLO:
-        return _SOLO[0]
+        return _SOLO[1 if graph else 0]
     import torch
 
     def host(x):
@@ -523,8 +527,28 @@ def _solo_function():
             return (None, like(gu, ctx.eta_u),
                     None if ctx.eta_v is None else like(gv, ctx.eta_v))
 
-    _SOLO.append(_SoloSparseMAP)
-    return _SoloSparseMAP
+    class _SoloGraph(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, native, slots, report, eta_u, *eta_v):
+            ev = None
+            if slots:
+                ev = [None] * len(native.factors)
+                for f, e in zip(slots, eta_v):
+                    ev[f] = host(e).reshape(native.factors[f].shape_v)
+            r = native.solve(host(eta_u), ev)
+            report.append(r)
+            ctx.r, ctx.slots = r, slots
+            ctx.eta_u, ctx.eta_v = eta_u.detach(), [e.detach() for e in eta_v]
+            return like(r.u, eta_u)
+
+        @staticmethod
+        def backward(ctx, g):
+            gu, gv = ctx.r.vjp(host(g))
+            return (None, None, None, like(gu, ctx.eta_u),
+                    *[like(gv[f].reshape(e.shape), e) for f, e in zip(ctx.slots, ctx.eta_v)])
+
+    _SOLO.extend([_SoloSparseMAP, _SoloGraph])
+    return _SOLO[1 if graph else 0]
 
 
 # -- factors -------------------------------------------------------------------------------
@@ -1324,7 +1348,7 @@ class FactorGraph:
                 if getattr(exc, "factors", None) is None:
                     raise
                 raise ValueError(self._conflict(exc, native, owner)) from None
-            how = _how_solved(native, report, decode)
+            how = "" if not verbose else _how_solved(native, report, decode)
         if verbose:
             print(f"sparsemap.lpsmap: {what} of {V} variables and {len(self.factors)} "
                   f"factors: {how}")
