@@ -21,7 +21,11 @@ Three tables (issue 25), each from ``sparsemap.FactorGraph.solve`` at its defaul
   negated Xor on one variable): the time to raise ``ValueError`` (CPU, median of 20) and
   the error's first words.
 
-    python benchmarks/bench_fg_robustness.py [--scales] [--masks] [--infeasible]
+* ``--suite``: ADMM iterations by score scale (1e-6 to 1e8) over the twelve graphs
+  behind the penalty's rule (alignments, a grid, trees with valency budgets, pair
+  chains, a sequence with budgets, logic factors with negations, a matching).
+
+    python benchmarks/bench_fg_robustness.py [--scales] [--masks] [--infeasible] [--suite]
 """
 import argparse
 import statistics
@@ -207,13 +211,97 @@ def infeasible_families():
         print(f"{name:38s} {1e3 * statistics.median(ts):7.2f} ms  {msg[:110]}")
 
 
+def suite():
+    """The twelve graphs behind the ADMM penalty's rule: name -> (graph, eta_v shapes)."""
+    def tree_budgets(n, proj=True, b=2):
+        N = n + 1
+        var = -np.ones((N, N), int)
+        used = ~np.eye(N, dtype=bool)
+        used[:, 0] = False
+        var[used] = np.arange(used.sum())
+        g = sm.FactorGraph(int(used.sum()))
+        g.add(sm.TreeFactor(n, projective=proj, single_root=proj), var)
+        for h in range(1, N):
+            vs = var[h][var[h] >= 0]
+            g.add(sm.BudgetFactor(vs.size, b), vs)
+        return g, None
+
+    def pairs(n):
+        g = sm.FactorGraph(n)
+        for i in range(n - 1):
+            g.add(sm.PairFactor(), [i, i + 1])
+        return g, [(1,)] * (n - 1)
+
+    def seq_budget(L=8, S=3, b=3):
+        g = sm.FactorGraph(L * S)
+        g.add(sm.SequenceFactor(L, S), np.arange(L * S).reshape(L, S))
+        for k in range(S):
+            g.add(sm.BudgetFactor(L, b), np.arange(L) * S + k)
+        return g, [(L - 1, S, S)] + [None] * S
+
+    def negations():
+        g = sm.FactorGraph(9)
+        for f, v, n in [(sm.OrFactor(3), [0, 1, 2], None),
+                        (sm.OrFactor(3), [2, 3, 4], [True, True, False]),
+                        (sm.XorOutFactor(4), [1, 4, 5, 6], None),
+                        (sm.BudgetFactor(4, 2), [0, 3, 5, 7], [False, True, False, True]),
+                        (sm.AtMostOneFactor(3), [6, 7, 8], [False, False, True]),
+                        (sm.XorFactor(3), [0, 8, 1], None)]:
+            g.add(f, v, n)
+        return g, None
+
+    def matching_amo(n=6):
+        g = sm.FactorGraph(n * n)
+        g.add(sm.MatchingFactor(n, n), np.arange(n * n).reshape(n, n))
+        g.add(sm.AtMostOneFactor(n), np.arange(n) * (n + 1))
+        return g, None
+
+    return {"grid 8x12": (grid()[0], None), "align 10": (grid(10, 10)[0], None),
+            "align 20": (grid(20, 20)[0], None), "align 30": (grid(30, 30)[0], None),
+            "tree 5 + budgets": tree_budgets(5), "tree 10 + budgets": tree_budgets(10),
+            "tree 10 non-proj.": tree_budgets(10, False), "pairs 6": pairs(6),
+            "pairs 20": pairs(20), "sequence + budgets": seq_budget(),
+            "logic, negations": negations(), "matching + AtMostOne": matching_amo()}
+
+
+def suite_table(seeds=5):
+    """ADMM iterations by score scale over the twelve graphs (median / max over graphs and
+    seeds), every solve at its defaults, with the share of polished solves."""
+    scales = [1e-6, 1e-2, 0.1, 1.0, 10.0, 100.0, 1e4, 1e8]
+    its = {sc: [] for sc in scales}
+    ms = {sc: [] for sc in scales}
+    pol = n = 0
+    for name, (g, vshapes) in suite().items():
+        for sc in scales:
+            for seed in range(seeds):
+                rng = np.random.default_rng(seed)
+                eu = sc * rng.standard_normal(g.n_variables)
+                ev = None if vshapes is None else [
+                    None if v is None else sc * rng.standard_normal(v) for v in vshapes]
+                t = time.process_time()
+                r = g.solve(eu, ev)
+                ms[sc].append(time.process_time() - t)
+                its[sc].append(r.n_iter)
+                pol += r.polished
+                n += 1
+    print(f"\nADMM iterations over twelve graphs x {seeds} seeds, by score scale "
+          f"({pol} of {n} solves polished)")
+    print(f"{'scale':>8s} {'iterations med/max':>19s} {'ms (median)':>11s}")
+    for sc in scales:
+        print(f"{sc:8.0e} {int(statistics.median(its[sc])):9d}/{max(its[sc]):<9d} "
+              f"{1e3 * statistics.median(ms[sc]):11.2f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scales", action="store_true")
     p.add_argument("--masks", action="store_true")
     p.add_argument("--infeasible", action="store_true")
+    p.add_argument("--suite", action="store_true")
     a = p.parse_args()
-    every = not (a.scales or a.masks or a.infeasible)
+    every = not (a.scales or a.masks or a.infeasible or a.suite)
+    if a.suite or every:
+        suite_table()
     if a.scales or every:
         scales_table()
     if a.masks or every:
