@@ -1,6 +1,48 @@
 # The active-set workspace at C level, for solvers built on top of it (the
-# factor graph runs one warm-started workspace per factor, without the GIL).
+# factor graph runs one warm-started workspace per factor, without the GIL; the
+# batch runner, sparsemap._batch, one per thread and factor), and the small
+# helpers they share.
+from cpython.ref cimport PyObject
+
 from sparsemap._factors._base cimport Factor
+
+
+cdef extern from *:
+    """
+    /* A monotonic clock in seconds, without the GIL, on POSIX and Windows. */
+    #if defined(_WIN32)
+    #include <windows.h>
+    static double sm_now(void) {
+        LARGE_INTEGER f, c;
+        QueryPerformanceFrequency(&f);
+        QueryPerformanceCounter(&c);
+        return (double) c.QuadPart / (double) f.QuadPart;
+    }
+    #else
+    #include <time.h>
+    static double sm_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + 1e-9 * ts.tv_nsec;
+    }
+    #endif
+    """
+    double sm_now() noexcept nogil
+
+
+cdef inline double _now() noexcept nogil:
+    return sm_now()
+
+
+# Termination codes, shared with the conditional-gradient solvers and solve().
+cdef enum:
+    RUNNING = 0
+    CONVERGED = 1
+    MAX_ITER = 2
+    STALLED = 3   # no further progress possible in double precision
+    INFEASIBLE = 4  # every structure uses a forbidden (-inf) part: nothing was solved
+    STOPPED = 5   # the callback asked to stop
+    FACE_INCOMPLETE = 6   # converged, but max_iter MAP calls did not certify the face
 
 
 # Shared by the active set and the factor graph. Four partial sums: one running
@@ -16,6 +58,17 @@ cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept
     for i in range(m, n):
         a0 += a[i] * b[i]
     return (a0 + a1) + (a2 + a3)
+
+
+cdef inline unsigned long long _hash_structure(const int* s, Py_ssize_t k) noexcept nogil:
+    """64-bit hash of a compact structure (FNV-1a over its ints, splitmix finish)."""
+    cdef unsigned long long h = 14695981039346656037ULL
+    cdef Py_ssize_t j
+    for j in range(k):
+        h = (h ^ <unsigned int> s[j]) * 1099511628211ULL
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL
+    return h ^ (h >> 31)
 
 
 cdef class _Workspace:
@@ -97,3 +150,66 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
 # 4 doubles per iteration. Returns the status code.
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
+
+
+cdef enum:
+    FACE_CERTIFIED = 0    # a round of random directions found nothing new
+    FACE_BUDGET = 1       # the MAP budget ran out first
+    FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
+    FACE_FIBERED = 3      # certified, but n is not affine in m on the face: to untie
+
+
+cdef enum:
+    # what _finish prepares for the backward pass
+    BACKWARD_LAZY = 0  # the completed face, checked for fibers (FACE_FIBERED: untie later)
+    BACKWARD_NOW = 1   # the completed face, a fibered one untied now
+    BACKWARD_NONE = 2  # nothing: no derivative will be taken (losses; u and v as ever)
+
+
+cdef struct _Sol:
+    # Outcome of one solve: n_support rows S with weights y, in the solver's order,
+    # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
+    # the support (weights > 0). Rows b0.. are the backward set, with its Cholesky
+    # factor L ((n_support - b0)^2, row-major lower triangular). b0 = 0: the support,
+    # then weight-0 rows completing it to span the optimal face. b0 = n_pos: the
+    # backward set is another solve's (_untie), its rows weight 0 here. A solution of
+    # a solver that keeps no factor (CG) has no L. One malloc'ed block, buf, holds
+    # them all (NULL: nothing solved).
+    void* buf
+    int* S
+    double* y
+    double* L
+    double* u
+    double* v
+    Py_ssize_t n_support, n_pos, b0, n_iter, n_map
+    int status
+    int face            # FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED or FACE_FIBERED
+    double gap, objective
+    double seconds       # spent in the solve without the GIL (benchmarks)
+    bint has_cholesky
+
+
+cdef class _Solution:
+    cdef public Factor factor
+    cdef _Sol s
+    cdef public object history
+
+
+cdef class _Solutions:
+    cdef _Sol* items
+    cdef PyObject** factors      # per problem (borrowed from self.keep)
+    cdef Py_ssize_t n
+    cdef object keep
+
+
+# One active-set solve into sol, its backward set prepared as backward says
+# (BACKWARD_*); status INFEASIBLE when every structure is forbidden.
+cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
+                    const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
+                    double tol, int backward) except -1 nogil
+
+
+# The Jacobian of a solution applied to a vector (Prop. 1): jvp (in_v may be NULL) or
+# vjp (out_v may be NULL); x is scratch for 2 * (rows of the backward set) doubles.
+cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
+                         double* out_u, double* out_v, double* x) except -1 nogil
