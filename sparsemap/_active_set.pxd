@@ -1,9 +1,8 @@
-# The active-set workspace at C level, for solvers built on top of it (the
-# factor graph runs one warm-started workspace per factor, without the GIL; the
-# batch runner, sparsemap._batch, one per thread and factor), and the small
-# helpers they share.
-from cpython.ref cimport PyObject
-
+# The active-set solver at C level: the workspace and the loop, for the modules
+# built on it (sparsemap._backward: the backward set and the solution record;
+# sparsemap._batch: the batch runner, one workspace per thread and factor; the
+# factor graph: one warm-started workspace per factor), and the small helpers
+# they share. Layers: _batch -> _backward -> _active_set -> the factors.
 from sparsemap._factors._base cimport Factor
 
 
@@ -45,8 +44,8 @@ cdef enum:
     FACE_INCOMPLETE = 6   # converged, but max_iter MAP calls did not certify the face
 
 
-# Shared by the active set and the factor graph. Four partial sums: one running
-# sum is a chain of dependent additions, four times slower on long vectors.
+# Four partial sums: one running sum is a chain of dependent additions, four
+# times slower on long vectors.
 cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i, m = n - n % 4
     cdef double a0 = 0, a1 = 0, a2 = 0, a3 = 0
@@ -133,83 +132,22 @@ cdef class _Workspace:
     cdef object _export(self)
 
 
-# The scales of a face completion: the maximum adjusted score, the tie tolerance
-# and the last perturbation size that stayed in the face.
-cdef struct _FaceScale:
-    double s_ref, tau, eps
+# Triangular solves with a row-major lower factor L (row stride lda):
+# x <- L^{-1} x and x <- L^{-T} x.
+cdef void _trsv_lower(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
+cdef void _trsv_upper(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
+# A NumPy copy of n doubles.
+cdef object _copy_out(const double* p, Py_ssize_t n)
+# out = x + eps g (x NULL: out = eps g), g uniform in [-1, 1)^n from the generator state.
+cdef void _perturb(const double* x, double eps, double* out, Py_ssize_t n,
+                   unsigned long long* state) noexcept nogil
 
 
-# Face completion after a converged solve (weight-0 rows appended): returns
-# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED; its scales into fs (or NULL);
-# u: the solution's u (NULL: the rows' M y).
-cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
-                   const double* u=*) except -1 nogil
+# Point an empty workspace at new scores (the caller keeps them alive), fill |eta|.
+cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil
 
 
 # The loop: runs until converged, stalled or max_iter; hist (or NULL) gets
 # 4 doubles per iteration. Returns the status code.
 cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
               Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
-
-
-cdef enum:
-    FACE_CERTIFIED = 0    # a round of random directions found nothing new
-    FACE_BUDGET = 1       # the MAP budget ran out first
-    FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
-    FACE_FIBERED = 3      # certified, but n is not affine in m on the face: to untie
-
-
-cdef enum:
-    # what _finish prepares for the backward pass
-    BACKWARD_LAZY = 0  # the completed face, checked for fibers (FACE_FIBERED: untie later)
-    BACKWARD_NOW = 1   # the completed face, a fibered one untied now
-    BACKWARD_NONE = 2  # nothing: no derivative will be taken (losses; u and v as ever)
-
-
-cdef struct _Sol:
-    # Outcome of one solve: n_support rows S with weights y, in the solver's order,
-    # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
-    # the support (weights > 0). Rows b0.. are the backward set, with its Cholesky
-    # factor L ((n_support - b0)^2, row-major lower triangular). b0 = 0: the support,
-    # then weight-0 rows completing it to span the optimal face. b0 = n_pos: the
-    # backward set is another solve's (_untie), its rows weight 0 here. A solution of
-    # a solver that keeps no factor (CG) has no L. One malloc'ed block, buf, holds
-    # them all (NULL: nothing solved).
-    void* buf
-    int* S
-    double* y
-    double* L
-    double* u
-    double* v
-    Py_ssize_t n_support, n_pos, b0, n_iter, n_map
-    int status
-    int face            # FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED or FACE_FIBERED
-    double gap, objective
-    double seconds       # spent in the solve without the GIL (benchmarks)
-    bint has_cholesky
-
-
-cdef class _Solution:
-    cdef public Factor factor
-    cdef _Sol s
-    cdef public object history
-
-
-cdef class _Solutions:
-    cdef _Sol* items
-    cdef PyObject** factors      # per problem (borrowed from self.keep)
-    cdef Py_ssize_t n
-    cdef object keep
-
-
-# One active-set solve into sol, its backward set prepared as backward says
-# (BACKWARD_*); status INFEASIBLE when every structure is forbidden.
-cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
-                    const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
-                    double tol, int backward) except -1 nogil
-
-
-# The Jacobian of a solution applied to a vector (Prop. 1): jvp (in_v may be NULL) or
-# vjp (out_v may be NULL); x is scratch for 2 * (rows of the backward set) doubles.
-cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
-                         double* out_u, double* out_v, double* x) except -1 nogil

@@ -4,7 +4,8 @@
 from cpython.pythread cimport PyThread_type_lock
 from cpython.ref cimport PyObject
 
-from sparsemap._active_set cimport _Sol, _Workspace
+from sparsemap._active_set cimport _Workspace
+from sparsemap._backward cimport _Sol
 from sparsemap._factors._base cimport Factor
 
 

@@ -5,11 +5,12 @@ object and take every pointer with the GIL, then threads call ``_Batch.run``
 and claim problems from an atomic counter without it, largest first. One
 problem is one active-set solve with its backward set (``_solve_one``), one
 Jacobian product (``_jacobian_apply``) or one loss (``_Batch._loss``); each
-outcome stays in C buffers (a ``_Sol``, owned by a ``_Solution``) until a field
-is asked for. A padded batch (the PyTorch layer's path) reads every problem
-from its block of one padded array and writes into one padded output, the
-threads copying, converting and scanning the blocks; its outcomes stay in one C
-array (``_Solutions``), with no Python object per problem.
+outcome stays in C buffers (a ``_Sol``, owned by a ``_Solution``; both from
+:mod:`sparsemap._backward`) until a field is asked for. A padded batch (the
+PyTorch layer's path) reads every problem from its block of one padded array
+and writes into one padded output, the threads copying, converting and
+scanning the blocks; its outcomes stay in one C array (``_Solutions``), with no
+Python object per problem.
 """
 import numpy as np
 
@@ -21,9 +22,9 @@ from libc.math cimport INFINITY
 from libc.stdlib cimport calloc, malloc, free, qsort
 from libc.string cimport memcpy, memset
 
-from sparsemap._active_set cimport (CONVERGED, INFEASIBLE, BACKWARD_LAZY, BACKWARD_NONE,
-                                    BACKWARD_NOW, FACE_FIBERED, _Solution, _Solutions,
-                                    _Workspace, _jacobian_apply, _now, _solve_one)
+from sparsemap._active_set cimport CONVERGED, INFEASIBLE, _Workspace, _now
+from sparsemap._backward cimport (BACKWARD_LAZY, BACKWARD_NONE, BACKWARD_NOW, FACE_FIBERED,
+                                  _Solution, _Solutions, _jacobian_apply, _solve_one)
 from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, Factor, _scan
 
 cnp.import_array()
@@ -628,6 +629,7 @@ cdef class _Batch:
                     out.append((self.P[j].index, UNTIE_FAILED))
         out.sort()
         return out
+
 
 cdef struct _Key:
     Py_ssize_t cost

@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sparsemap import _active_set, _batch
+from sparsemap import _batch
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
-                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED, _Solutions,
-                                   solution_from_arrays)
+                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED)
+from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED, _Solutions,
+                                 reduce_support, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
@@ -111,7 +112,7 @@ class SparseMAPResult:
         # untied when first differentiated: the backward pass then reduces the
         # support once, which needs the scores.
         lazy = (not solution.has_cholesky
-                or solution.face_status == _active_set.FACE_STATUS_FIBERED)
+                or solution.face_status == FACE_STATUS_FIBERED)
         self._eta = eta if lazy else None
         self._backward = None if lazy else solution
         self._u = self._v = self._order = self._weights = self._structures = None
@@ -203,18 +204,18 @@ class SparseMAPResult:
             # CG may end on an affinely dependent support: reduce it (same u), and
             # complete and untie its face (as an active-set solve does).
             eu, ev, max_iter = self._eta
-            S, y, L, n_pos, face, b0 = _active_set.reduce_support(
+            S, y, L, n_pos, face, b0 = reduce_support(
                 self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
                 np.zeros(self.factor.n_v) if ev is None else ev, max(self._sol.gap, 0.0),
                 max_iter)
             self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
                                                   None, n_pos, face, b0)
-            if face == _active_set.FACE_STATUS_BUDGET:
+            if face == FACE_STATUS_BUDGET:
                 warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
                      "that the backward set spans the optimal face; jvp/vjp may be "
                      "inexact. Raise max_iter.")
-            elif face == _active_set.FACE_STATUS_FIBERED:
+            elif face == FACE_STATUS_FIBERED:
                 warn(f"SparseMAP ({self.method}): {_UNTIE_FAILED}")
         return self._backward
 
@@ -1102,7 +1103,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
             _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
-        elif sol.face_status == _active_set.FACE_STATUS_FIBERED:
+        elif sol.face_status == FACE_STATUS_FIBERED:
             warn(f"SparseMAP: problem {i}: {_UNTIE_FAILED}")
 
 
