@@ -1,12 +1,12 @@
 """``solve`` and ``solve_batch``: the entry points to every SparseMAP solver, and the result type.
 
 Both run through one path: validated scores go to
-``_active_set.prepare_solve``, which takes every pointer and makes every
+``_batch.prepare_solve``, which takes every pointer and makes every
 Python object of a batch in one pass; threads (the caller's included) then
 claim problems from an atomic counter, largest first, and solve them without
 the GIL, leaving each outcome in C buffers (a ``_Solution``).
 :class:`SparseMAPResult` converts its fields to NumPy on first access.
-``vjp_batch`` and ``jvp_batch`` run ``_active_set.prepare_backward`` the same
+``vjp_batch`` and ``jvp_batch`` run ``_batch.prepare_backward`` the same
 way.
 """
 import math
@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sparsemap import _active_set
+from sparsemap import _batch
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
-                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED, _Solutions,
-                                   solution_from_arrays)
+                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED)
+from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED, _Solutions,
+                                 reduce_support, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
@@ -111,7 +112,7 @@ class SparseMAPResult:
         # untied when first differentiated: the backward pass then reduces the
         # support once, which needs the scores.
         lazy = (not solution.has_cholesky
-                or solution.face_status == _active_set.FACE_STATUS_FIBERED)
+                or solution.face_status == FACE_STATUS_FIBERED)
         self._eta = eta if lazy else None
         self._backward = None if lazy else solution
         self._u = self._v = self._order = self._weights = self._structures = None
@@ -203,18 +204,18 @@ class SparseMAPResult:
             # CG may end on an affinely dependent support: reduce it (same u), and
             # complete and untie its face (as an active-set solve does).
             eu, ev, max_iter = self._eta
-            S, y, L, n_pos, face, b0 = _active_set.reduce_support(
+            S, y, L, n_pos, face, b0 = reduce_support(
                 self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
                 np.zeros(self.factor.n_v) if ev is None else ev, max(self._sol.gap, 0.0),
                 max_iter)
             self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
                                                   None, n_pos, face, b0)
-            if face == _active_set.FACE_STATUS_BUDGET:
+            if face == FACE_STATUS_BUDGET:
                 warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
                      "that the backward set spans the optimal face; jvp/vjp may be "
                      "inexact. Raise max_iter.")
-            elif face == _active_set.FACE_STATUS_FIBERED:
+            elif face == FACE_STATUS_FIBERED:
                 warn(f"SparseMAP ({self.method}): {_UNTIE_FAILED}")
         return self._backward
 
@@ -333,7 +334,7 @@ def _names(factor, u, v, suffix=""):
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
                     n_threads=1, callback=None):
-    """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
+    """Solutions of every problem (see ``_batch.prepare_solve`` for the arguments).
 
     The active set runs on ``n_threads`` threads, claiming problems largest
     first; the conditional-gradient solvers are pure Python, and run one
@@ -343,7 +344,7 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     n = len(etas_u)
     if method == "active_set":
         n_threads = max(1, min(n_threads, n))
-        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
+        return _run(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
                                               return_history, n_threads, callback),
                     n_threads)
     out = []
@@ -627,7 +628,7 @@ def _helpers():
 
 def _order(n, costs=None):
     """Problem indices, most expensive first (ties in input order)."""
-    # must agree with the Cython _Order rule (_active_set.pyx): decreasing cost, stable
+    # must agree with the Cython _Order rule (_batch.pyx): decreasing cost, stable
     if costs is None:
         return np.arange(n, dtype=np.intp)
     return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
@@ -639,7 +640,7 @@ SOLO_BUDGET = 50e-6
 
 
 def _run(batch, n_threads):
-    """Run a prepared ``_active_set._Batch`` on n_threads threads, the caller's included.
+    """Run a prepared ``_batch._Batch`` on n_threads threads, the caller's included.
 
     The caller starts alone, from the cheap end of the order; if problems
     are left after ``SOLO_BUDGET``, it wakes the crew's helpers and, like
@@ -909,7 +910,7 @@ def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
         with ThreadPoolExecutor(n_threads) as pool:
             list(pool.map(SparseMAPResult._backward_solution, lazy))
     sols = [r._backward_solution() for r in rs]
-    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
+    return _run(_batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 
 
@@ -1003,7 +1004,7 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
 # One padded float64 array in, one out: problem i reads the leading block of shape
 # factors[i].shape_u of etas_u[i] (and of etas_v[i]) and writes u, zero-padded, into its
 # slot of one output array. The threads copy and scan each block and write each slot
-# without the GIL (_active_set.prepare_solve with out_u), so what stays serial is one
+# without the GIL (_batch.prepare_solve with out_u), so what stays serial is one
 # pass over the problems to take pointers, and a look at the few the run reports.
 
 def _blocks(factors, arr, on_v):
@@ -1066,7 +1067,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     # the layer's backward pass has no scores to untie a fibered face with: untie it now
     # where eta_v is differentiated (without eta_v, the eta_u part is exact as it is)
-    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
+    batch = _batch.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
                                       False, n_threads, None, out_u, etas_v is not None)
     sols = _run(batch, n_threads)
     report = batch.report()
@@ -1085,7 +1086,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
     """
     fs = [factors] * len(sols) if isinstance(factors, Factor) else factors
     for i, code in report:
-        if code != _active_set.REFUSED:
+        if code != _batch.REFUSED:
             continue
         f = fs[i]
         eu = f._check_array(_blocks(f, etas_u[i:i + 1], False)[0], f"etas_u[{i}]", False, True)
@@ -1102,7 +1103,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
             _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
-        elif sol.face_status == _active_set.FACE_STATUS_FIBERED:
+        elif sol.face_status == FACE_STATUS_FIBERED:
             warn(f"SparseMAP: problem {i}: {_UNTIE_FAILED}")
 
 
@@ -1142,7 +1143,7 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         n_jobs, None if isinstance(handles, _Solutions) else [h.factor for h in handles]), B))
     sols = handles if isinstance(handles, _Solutions) else \
         [h._backward_solution() for h in handles]
-    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
+    batch = _batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
                                          out_u, out_v)
     _run(batch, n_threads)
     report = batch.report()

@@ -497,7 +497,7 @@ def test_tied_eta_v_is_detected_and_untied_on_demand():
     agree with the single solve."""
     import pickle
     import sparsemap.torch as smt
-    from sparsemap._active_set import FACE_STATUS_CERTIFIED, FACE_STATUS_FIBERED
+    from sparsemap._backward import FACE_STATUS_CERTIFIED, FACE_STATUS_FIBERED
     f = sm.SequenceFactor(10, 4)
     rng = np.random.default_rng(3)
     etas = 0.3 * rng.standard_normal((3,) + f.shape_u)

@@ -1,0 +1,86 @@
+# The backward set and the solution record at C level, for the batch runner
+# (sparsemap._batch): a solve into a record (_solve_one), Jacobian products with it
+# (_jacobian_apply), and the records themselves.
+from cpython.ref cimport PyObject
+
+from sparsemap._active_set cimport _Workspace
+from sparsemap._factors._base cimport Factor
+
+
+# What a face completion found: a solution's face status (FACE_STATUS_* in Python).
+cdef enum:
+    FACE_CERTIFIED = 0    # a round of random directions found nothing new
+    FACE_BUDGET = 1       # the MAP budget ran out first
+    FACE_UNRESOLVED = 2   # near-ties below what double precision separates: stopped
+    FACE_FIBERED = 3      # certified, but n is not affine in m on the face: to untie
+
+
+cdef enum:
+    # what _finish prepares for the backward pass
+    BACKWARD_LAZY = 0  # the completed face, checked for fibers (FACE_FIBERED: untie later)
+    BACKWARD_NOW = 1   # the completed face, a fibered one untied now
+    BACKWARD_NONE = 2  # nothing: no derivative will be taken (losses; u and v as ever)
+
+
+# The scales of a face completion: the maximum adjusted score, the tie tolerance
+# and the last perturbation size that stayed in the face.
+cdef struct _FaceScale:
+    double s_ref, tau, eps
+
+
+# Face completion after a converged solve (weight-0 rows appended): returns
+# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED; its scales into fs (or NULL);
+# u: the solution's u (NULL: the rows' M y).
+cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
+                   const double* u=*) except -1 nogil
+
+
+cdef struct _Sol:
+    # Outcome of one solve: n_support rows S with weights y, in the solver's order,
+    # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
+    # the support (weights > 0). Rows b0.. are the backward set, with its Cholesky
+    # factor L ((n_support - b0)^2, row-major lower triangular). b0 = 0: the support,
+    # then weight-0 rows completing it to span the optimal face. b0 = n_pos: the
+    # backward set is another solve's (_untie), its rows weight 0 here. A solution of
+    # a solver that keeps no factor (CG) has no L. One malloc'ed block, buf, holds
+    # them all (NULL: nothing solved).
+    void* buf
+    int* S
+    double* y
+    double* L
+    double* u
+    double* v
+    Py_ssize_t n_support, n_pos, b0, n_iter, n_map
+    int status
+    int face            # FACE_CERTIFIED, FACE_BUDGET, FACE_UNRESOLVED or FACE_FIBERED
+    double gap, objective
+    double seconds       # spent in the solve without the GIL (benchmarks)
+    bint has_cholesky
+
+
+# The records' owners: one solve's (NumPy copies on request) and a padded batch's
+# (one record per problem, no Python object per problem).
+cdef class _Solution:
+    cdef public Factor factor
+    cdef _Sol s
+    cdef public object history
+
+
+cdef class _Solutions:
+    cdef _Sol* items
+    cdef PyObject** factors      # per problem (borrowed from self.keep)
+    cdef Py_ssize_t n
+    cdef object keep
+
+
+# One active-set solve into sol, its backward set prepared as backward says
+# (BACKWARD_*); status INFEASIBLE when every structure is forbidden.
+cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
+                    const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
+                    double tol, int backward) except -1 nogil
+
+
+# The Jacobian of a solution applied to a vector (Prop. 1): jvp (in_v may be NULL) or
+# vjp (out_v may be NULL); x is scratch for 2 * (rows of the backward set) doubles.
+cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
+                         double* out_u, double* out_v, double* x) except -1 nogil
