@@ -40,10 +40,17 @@ leave), the structure is then moved along ``eta_v + s r`` for ``s -> 0+`` (the
 events at ``s = 0`` only), so that the Jacobian is the one of the piece ``u``
 follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)``.
 
+Masks: ``-inf`` in ``eta_u`` keeps a tag out of its support for good; ``-inf`` in
+``eta_v`` (a forbidden transition) keeps the arc out of every forest, which needs
+the start (per-position sparsemax) to have couplings that avoid the forbidden
+arcs: the first level of the start's lexicographic transport costs minimises the
+mass they carry, and the solver declines where it is positive.
+
 The solution is certified independently by the Wolfe duality gap (one Viterbi
 call at the adjusted scores) and the marginalisation residuals. The solver
-declines (the caller then takes the vertex side) when its budget of events runs
-out or is projected to, on ``-inf`` in ``eta_v`` (forbidden transitions), and
+declines (the caller then takes the vertex side) when the pieces estimated from
+the scores' spreads, or projected from the first pieces, exceed twice its budget,
+when the budget runs out, at forbidden transitions its start cannot avoid, and
 whenever a check fails.
 """
 import numpy as np
@@ -86,12 +93,12 @@ cdef enum:
 
 
 cdef struct _Cell:
-    double c, r
+    double f, c, r
     int a, b
 
 
 cdef inline bint _above(const _Cell* p, const _Cell* q) noexcept nogil:
-    return p.c > q.c or (p.c == q.c and p.r > q.r)
+    return p.f > q.f or (p.f == q.f and (p.c > q.c or (p.c == q.c and p.r > q.r)))
 
 
 cdef void _sift(_Cell* h, int j, int size) noexcept nogil:
@@ -152,6 +159,7 @@ cdef struct _W:
     int* rows          # 2*S scratch (the transport's rows and columns)
     int* uf            # 2*S scratch (union-find)
     _Cell* cells       # S*S scratch
+    double* lcost      # 2*S*S scratch (the transport's costs with forbidden cells)
     double* pot        # L scratch
     double* pot2       # L scratch
     # root-gauged potentials of the base cost C0 and the direction D
@@ -215,7 +223,7 @@ cdef int _alloc(_W* w, int n, int S, Py_ssize_t work_bytes) except -1 nogil:
     w.cap = cap
     w.L = L
     # doubles
-    nd = (2 * L + 4 * nS + 2 * nSS + 2 * nS + 10 * nS + 2 * T * cap + 2 * T + 2 * TS + nS + nS)
+    nd = (2 * L + 4 * nS + 2 * nSS + 2 * nS + 10 * nS + 2 * T * cap + 2 * T + 2 * TS + nS + nS + 2 * S * S)
     # ints
     ni = (2 * T * cap + T + 2 * TS + 5 * T * L + 2 * T + 2 * TS + (L + 1) + 2 * cap + L
           + 2 * n + T + 2 * nS + 2 * n + n + 4 * S)
@@ -248,6 +256,7 @@ cdef int _alloc(_W* w, int n, int S, Py_ssize_t work_bytes) except -1 nogil:
     w.gA = d; d += nS
     w.gB = d; d += nS
     w.alpha = d; d += nS
+    w.lcost = d; d += 2 * S * S
     w.adjs = d; d += nS
     w.flA = d; d += T * cap
     w.flB = d; d += T * cap
@@ -1066,10 +1075,12 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
 
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
                     double tolC, Py_ssize_t* n_piv) noexcept nogil:
-    """Transition i's forest <- an optimal basis (a spanning tree) of the transport
-    problem max <C, V> over couplings of u_i and u_{i+1}, ties in C broken by R
-    (lexicographic costs): a greedy start, then network-simplex pivots (Dantzig's
-    rule; Bland's after repeated degenerate pivots)."""
+    """Transition i's forest <- an optimal basis of the transport problem max <C, V>
+    over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
+    in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
+    network-simplex pivots (Dantzig's rule; Bland's after repeated degenerate pivots).
+    The forest is the basis (a spanning tree) less its forbidden arcs. 0; 2 when every
+    coupling uses a forbidden cell; 1 on a failure."""
     cdef int S = w.S, cap = w.cap, a, b, ia, ib, k, j, ra, best_a, best_b, tier, n_degen = 0
     cdef int nr = 0, nc = 0, it, heap
     cdef _Cell cell
@@ -1080,9 +1091,9 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
     cdef double rc, best, x
     cdef const double* Ci = C + i * S * S
     cdef const double* Ri = R + i * S * S
-    cdef double* p1 = w.F0          # potentials: F0/G0 for C, F1/G1 for R
-    cdef double* p2 = w.F1
-    cdef bint bland
+    cdef double* lf = w.lcost       # with forbidden cells: -[forbidden] and C there 0
+    cdef double* lc = w.lcost + S * S
+    cdef bint bland, forbidden = False
     for a in range(S):
         if w.inP[i * S + a]:
             rows[nr] = a
@@ -1090,14 +1101,25 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
         if w.inP[(i + 1) * S + a]:
             cols[nc] = a
             nc += 1
-    # a greedy start: cells by decreasing (C, R) (popped from a heap), each given all
-    # it can take; then zero-flow cells join the trees into a spanning tree
+    for ia in range(nr):
+        for ib in range(nc):
+            if Ci[rows[ia] * S + cols[ib]] == -INFINITY:
+                forbidden = True
+    if forbidden:
+        for k in range(S * S):
+            lf[k] = -1.0 if Ci[k] == -INFINITY else 0.0
+            lc[k] = 0.0 if Ci[k] == -INFINITY else Ci[k]
+        Ci = lc
+    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap),
+    # each given all it can take; then zero-flow cells join the trees into a spanning tree
     k = 0
     for ia in range(nr):
         pr[ia] = u[i * S + rows[ia]]
         for ib in range(nc):
-            w.cells[k].c = Ci[rows[ia] * S + cols[ib]]
-            w.cells[k].r = Ri[rows[ia] * S + cols[ib]]
+            j = rows[ia] * S + cols[ib]
+            w.cells[k].f = lf[j] if forbidden else 0.0
+            w.cells[k].c = Ci[j]
+            w.cells[k].r = Ri[j]
             w.cells[k].a = ia
             w.cells[k].b = ib
             k += 1
@@ -1145,9 +1167,11 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             return 1
         _pots(w, i, Ci, w.F0, w.G0)
         _pots(w, i, Ri, w.F1, w.G1)
+        if forbidden:
+            _pots(w, i, lf, w.fA, w.gA)
         _flows(w, i, u, w.flA)
         bland = n_degen > 2 * S
-        tier = 2
+        tier = 3
         best = 0.0
         best_a = best_b = -1
         for ia in range(nr):
@@ -1156,27 +1180,39 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
                 b = cols[ib]
                 if w.inF[(i * S + a) * S + b]:
                     continue
+                if forbidden:
+                    # integer-valued: -1, 0 or +1 and more
+                    rc = w.fA[i * S + a] + w.gA[(i + 1) * S + b] - lf[a * S + b]
+                    if rc < -0.5:
+                        if tier > 0 or rc < best:
+                            tier = 0
+                            best = rc
+                            best_a = a
+                            best_b = b
+                        continue
+                    if rc > 0.5 or tier == 0:
+                        continue
                 rc = w.F0[i * S + a] + w.G0[(i + 1) * S + b] - Ci[a * S + b]
                 if rc < -tolC:
-                    if tier > 0 or rc < best:
-                        tier = 0
-                        best = rc
-                        best_a = a
-                        best_b = b
-                elif tier > 0 and rc <= tolC:
-                    rc = w.F1[i * S + a] + w.G1[(i + 1) * S + b] - Ri[a * S + b]
-                    if rc < -1e-12 and (tier == 2 or rc < best):
+                    if tier > 1 or rc < best:
                         tier = 1
                         best = rc
                         best_a = a
                         best_b = b
-                if bland and tier < 2:
+                elif tier > 1 and rc <= tolC:
+                    rc = w.F1[i * S + a] + w.G1[(i + 1) * S + b] - Ri[a * S + b]
+                    if rc < -1e-12 and (tier == 3 or rc < best):
+                        tier = 2
+                        best = rc
+                        best_a = a
+                        best_b = b
+                if bland and tier < 3:
                     break
-            if bland and tier < 2:
+            if bland and tier < 3:
                 break
-        if tier == 2:
+        if tier == 3:
             n_piv[0] += it
-            return 0
+            break
         k = _cycle_min(w, i, best_a, best_b)
         if k < 0:
             return 1
@@ -1186,7 +1222,20 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             n_degen = 0
         _del_arc(w, i, k)
         _add_arc(w, i, best_a, best_b)
-    return 1
+    else:
+        return 1
+    if forbidden:
+        k = 0
+        while k < w.na[i]:
+            j = w.arc_a[i * cap + k] * S + w.arc_b[i * cap + k]
+            if lf[j] < 0.0:
+                if w.flA[i * cap + k] > TOL_X:
+                    return 2
+                _del_arc(w, i, k)
+                w.flA[i * cap + k] = w.flA[i * cap + w.na[i]]
+            else:
+                k += 1
+    return 0
 
 
 cdef int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
@@ -1244,14 +1293,22 @@ cdef double _spread_ratio(const double* eta_u, const double* eta_v, int n, int S
             if eta_u[i * S + a] > -INFINITY:
                 su += (eta_u[i * S + a] - mean) ** 2
     su = (su / tot) ** 0.5 if tot > 0 else 0.0
+    tot = 0
     for i in range(n - 1):
         mean = 0.0
+        cnt = 0
         for j in range(SS):
-            mean += eta_v[i * SS + j]
-        mean /= SS
+            if eta_v[i * SS + j] > -INFINITY:
+                mean += eta_v[i * SS + j]
+                cnt += 1
+        if cnt == 0:
+            continue
+        mean /= cnt
+        tot += cnt
         for j in range(SS):
-            sv += (eta_v[i * SS + j] - mean) ** 2
-    sv = (sv / ((n - 1) * SS)) ** 0.5
+            if eta_v[i * SS + j] > -INFINITY:
+                sv += (eta_v[i * SS + j] - mean) ** 2
+    sv = (sv / tot) ** 0.5 if tot > 0 else 0.0
     if sv == 0.0:
         return 0.0
     return sv / su if su > 0.0 else INFINITY
@@ -1338,10 +1395,15 @@ cdef class SequenceFacetSolver(FacetSolver):
     :func:`sparsemap.testing.tie_direction`: the limit of the Jacobians at
     ``eta_v + t r`` as ``t`` decreases to 0, as on the vertex side.
 
-    The solve declines (``FACET_DECLINED``) when ``eta_v`` has ``-inf`` entries
-    (forbidden transitions), when its budget of pieces runs out (or is projected to
-    from the first pieces: peaked scores, where ``u`` crosses many structures), and
-    when a consistency check or the certificate fails.
+    ``-inf`` entries forbid tags (``eta_u``) and transitions (``eta_v``); u, v and
+    both Jacobian products are 0 on them.
+
+    The solve declines (``FACET_DECLINED``) when its budget of pieces runs out, or
+    is estimated or projected to be exceeded twice over (transition scores as
+    spread as the unary ones, where ``u`` crosses many structures: the vertex side
+    is fast there), when forbidden transitions cannot be avoided by couplings of
+    per-position sparsemax (its start), and when a consistency check or the
+    certificate fails.
 
     Examples
     --------
@@ -1402,9 +1464,9 @@ cdef class SequenceFacetSolver(FacetSolver):
         if T > 0:
             for j in range(T * S * S):
                 x = eta_v[j]
-                if not (fabs(x) < INFINITY):
-                    return FACET_DECLINED   # nan, +inf, or a forbidden transition
-                if fabs(x) > scale_v:
+                if x != x or x == INFINITY:
+                    return FACET_DECLINED
+                if x > -INFINITY and fabs(x) > scale_v:
                     scale_v = fabs(x)
         if T > 0 and EST_FACTOR * budget < n * S * min(1.0, _spread_ratio(eta_u, eta_v, n, S)):
             return FACET_DECLINED

@@ -34,11 +34,12 @@ def check_kkt(eta_u, eta_v, u, v, tol=1e-12):
     np.testing.assert_allclose(u.sum(1), 1.0, atol=1e-13)
     np.testing.assert_allclose(v.sum(2), u[:-1], atol=1e-13)
     np.testing.assert_allclose(v.sum(1), u[1:], atol=1e-13)
-    live = u > 0
+    live, flow = u > 0, v > 0
     adj = np.where(live, eta_u - u, eta_u)       # -inf stays where u = 0
     best = viterbi(adj, eta_v)[1] if n > 1 else adj.max()
-    gap = best - ((eta_u - u)[live] * u[live]).sum() - (eta_v * v).sum()
-    scale = max(1.0, (np.abs(eta_u[live]) * u[live]).sum() + (np.abs(eta_v) * v).sum() + (u * u).sum())
+    gap = best - ((eta_u - u)[live] * u[live]).sum() - (eta_v[flow] * v[flow]).sum()
+    scale = max(1.0, (np.abs(eta_u[live]) * u[live]).sum() + (np.abs(eta_v[flow]) * v[flow]).sum()
+                + (u * u).sum())
     assert gap <= tol * scale, gap
     return gap
 
@@ -182,15 +183,57 @@ def test_small_scores_instance_of_the_vertex_side():
     np.testing.assert_allclose(sol.u, r.u, rtol=0, atol=1e-14)
 
 
+def bio_scores(n, n_types, scale, v_scale, rng):
+    """BIO tagging: tags B-x, I-x (x < n_types), O; I-x only after B-x or I-x, and not
+    first."""
+    S = 2 * n_types + 1
+    eta_u = scale * rng.standard_normal((n, S))
+    eta_v = v_scale * rng.standard_normal((n - 1, S, S))
+    eta_u[0, n_types:2 * n_types] = -np.inf
+    for x in range(n_types):
+        allowed = np.zeros(S, bool)
+        allowed[[x, n_types + x]] = True
+        eta_v[:, ~allowed, n_types + x] = -np.inf
+    return eta_u, eta_v
+
+
+@pytest.mark.parametrize("n, n_types, v_scale", [(8, 2, 0.0), (8, 2, 1e-3), (30, 8, 1e-3)])
+def test_forbidden_transitions(n, n_types, v_scale):
+    """-inf in eta_v (flat scores, where per-position sparsemax has couplings that avoid
+    them): certified, nothing flows through a forbidden transition, and the Jacobian
+    is the vertex side's finite differences'."""
+    rng = np.random.default_rng(n)
+    eta_u, eta_v = bio_scores(n, n_types, 0.01, v_scale, rng)
+    S = eta_u.shape[1]
+    f, sol = facet(n, S, eta_u, eta_v)
+    assert sol.status == SOLVED
+    check_kkt(eta_u, eta_v, sol.u, sol.v)
+    forbidden = eta_v == -np.inf
+    assert np.all(sol.v[forbidden] == 0)
+    g = rng.standard_normal((n, S))
+    g_u, g_v = sol.vjp(g)
+    assert np.all(g_v[forbidden] == 0) and np.all(g_u[eta_u == -np.inf] == 0)
+    structures, weights = sol.solver.decompose(sol.u, sol.v)
+    assert not any(np.isneginf(eta_v[np.arange(n - 1), s[:-1], s[1:]]).any() for s in structures)
+    if n <= 8:
+        np.testing.assert_allclose(sol.u, sm.solve(f, eta_u, eta_v).u, atol=1e-10)
+        if v_scale > 0:
+            d_u = rng.standard_normal((n, S))
+            d_v = np.where(forbidden, 0.0, rng.standard_normal((n - 1, S, S)))
+            fd = finite_difference_jvp(f, eta_u, eta_v, d_u, d_v, eps=1e-8)
+            np.testing.assert_allclose(sol.jvp(d_u, d_v), fd, atol=1e-5)
+
+
 def test_declines():
     rng = np.random.default_rng(0)
     n, S = 10, 4
     eta_u = rng.standard_normal((n, S))
     eta_v = rng.standard_normal((n - 1, S, S))
-    # forbidden transitions
-    masked = eta_v.copy()
+    # forbidden transitions that per-position sparsemax cannot avoid
+    peaked = np.array([[1.0, 0.0], [0.0, 1.0]])
+    masked = np.zeros((1, 2, 2))
     masked[0, 0, 1] = -np.inf
-    assert facet(n, S, eta_u, masked)[1].status == DECLINED
+    assert facet(2, 2, peaked, masked)[1].status == DECLINED
     # a budget too small for the pieces u crosses
     f, sol = facet(n, S, eta_u, 5 * eta_v, budget=3)
     assert sol.status == DECLINED and sol.n_iter <= 3
