@@ -68,7 +68,8 @@ from sparsemap._factors._base cimport Factor
 
 # Tolerances, relative to the scales named. Values within them of zero are ties.
 cdef double TOL_X = 1e-13     # flows and u (their scale is 1)
-cdef double TOL_D = 1e-13     # reduced costs and paths' scores, times 1 + max |eta|
+cdef double TOL_D = 1e-13     # reduced costs and paths' scores, times max |eta|, plus
+cdef double TOL_D0 = 1e-15    # (their terms in the units of u: thresholds ~ 1 / |P|)
 cdef double TOL_S = 1e-11     # slopes in t, times max |direction|
 cdef double GAP_TOL = 1e-12   # the certificate: Wolfe gap <= GAP_TOL * gap scale
 cdef double LOOSE = 1e-9      # consistency checks (a state this far off is declined)
@@ -1494,7 +1495,7 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
         cdef const double* C0
         cdef bint phase2 = False
-        w.tol_d = TOL_D * (1.0 + scale_u + scale_v)
+        w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
         # the start: u_i = sparsemax(eta_u[i]), the optimal transport bases for eta_v
         for i in range(n):
             if _sparsemax(eta_u + i * S, S, w.uA + i * S, w.inP + i * S, w.pot):
