@@ -18,7 +18,8 @@ unary scores ``eta_u = s_u * randn`` and transition scores ``eta_v = s_v * randn
 
 Times are CPU seconds of the calling thread (``time.thread_time``), the fastest of
 ``--repeats`` runs per seed, then the median over ``--seeds`` seeds. Ratios:
-``facet / crf loss`` and ``vertex / facet``. With ``--fd``, rows at ``n = 60`` and
+``facet / crf loss``, and ``vertex / facet`` where the facet side solved (where it
+declined: ``+x%``, what the attempt adds to the vertex side's time). With ``--fd``, rows at ``n = 60`` and
 ``s_v <= 1e-3`` also print ``|g_v| / |fd|``: the norm of the ``eta_v`` part of ``vjp``
 (of a cotangent of norm 1) against the norm of one-sided finite differences
 ``(u(eta_v + eps e_j) - u(eta_v)) / eps`` (``eps > 0``, certified facet solves) over a
@@ -175,7 +176,7 @@ def main():
                     eta_u, eta_v, g = scores(n, s_u, s_v, 0)
                     tv, c = time_vertex(f, eta_u, eta_v, g, args.vertex_iter)
                     vertex, conv = f"{1e3 * tv:10.1f}", f"{str(c):>5}"
-                    ratio_v = f"{1e3 * tv / tf:12.1f}"
+                    ratio_v = f"{1e3 * tv / tf:12.1f}" if declined == 0 else f"{f'+{tf / (10 * tv):.1f}%':>12}"
                 else:
                     vertex, conv, ratio_v = f"{'-':>10}", f"{'-':>5}", f"{'-':>12}"
                 if crf is not None:
