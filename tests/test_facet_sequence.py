@@ -126,6 +126,10 @@ KINDS = ["flat", "tiny_v", "binned_v", "tied_u", "zeros", "peaked", "masked_u"]
 
 
 def scores(kind, n, S, rng):
+    """Scores of a kind; "zeros" (every transport plan degenerate: hundreds of pieces at
+    the start, 1.5 s at 60 positions) at most 30 positions."""
+    if kind == "zeros":
+        n = min(n, 30)
     eu = 0.1 * rng.standard_normal((n, S))
     ev = 1e-3 * rng.standard_normal((n - 1, S, S))
     if kind == "tiny_v":
@@ -149,6 +153,7 @@ def scores(kind, n, S, rng):
 def test_kkt_certified(kind, n, S):
     rng = np.random.default_rng(len(kind) + n)
     eta_u, eta_v = scores(kind, n, S, rng)
+    n = eta_u.shape[0]
     f, sol = facet(n, S, eta_u, eta_v, budget=100000)
     assert sol.status == SOLVED
     check_kkt(eta_u, eta_v, sol.u, sol.v)
@@ -366,6 +371,7 @@ def test_zero_transitions_gradient_is_bounded(scale):
 def test_decompose_reproduces_u_and_v(kind, n, S):
     rng = np.random.default_rng(2)
     eta_u, eta_v = scores(kind, n, S, rng)
+    n = eta_u.shape[0]
     f, sol = facet(n, S, eta_u, eta_v, budget=100000)
     assert sol.status == SOLVED
     structures, weights = sol.solver.decompose(sol.u, sol.v if n > 1 else None)
