@@ -1075,7 +1075,7 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
 
 
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
-                    double tolC, Py_ssize_t* n_piv) noexcept nogil:
+                    double tolC) noexcept nogil:
     """Transition i's forest <- an optimal basis of the transport problem max <C, V>
     over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
     in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
@@ -1212,7 +1212,6 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             if bland and tier < 3:
                 break
         if tier == 3:
-            n_piv[0] += it
             break
         k = _cycle_min(w, i, best_a, best_b)
         if k < 0:
@@ -1491,9 +1490,8 @@ cdef class SequenceFacetSolver(FacetSolver):
                     double* residuals, double scale_u, double scale_v,
                     int* stack) except -1 nogil:
         cdef int n = self.n, S = self.S, T = n - 1, i, a, b, k
-        cdef Py_ssize_t j, n_piv = 0
+        cdef Py_ssize_t j
         cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
-        cdef const double* C0
         cdef bint phase2 = False
         w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
         # the start: u_i = sparsemax(eta_u[i]), the optimal transport bases for eta_v
@@ -1501,10 +1499,9 @@ cdef class SequenceFacetSolver(FacetSolver):
             if _sparsemax(eta_u + i * S, S, w.uA + i * S, w.inP + i * S, w.pot):
                 return FACET_DECLINED      # no allowed tag at a position
         for i in range(T):
-            if _transport(w, i, w.uA, eta_v, self.r, 1e-12 * scale_v, &n_piv):
+            if _transport(w, i, w.uA, eta_v, self.r, 1e-12 * scale_v):
                 return FACET_DECLINED
         # phase 1: eta_v(t) = t eta_v
-        C0 = NULL
         if scale_v > 0.0:
             w.stol_x = TOL_S * scale_v
             w.stol_d = TOL_S * scale_v
@@ -1515,7 +1512,6 @@ cdef class SequenceFacetSolver(FacetSolver):
             phase2 = T > 0
         # phase 2: at ties, the piece along eta_v + s r, s -> 0+
         if phase2:
-            C0 = eta_v
             w.stol_x = TOL_S
             w.stol_d = TOL_S
             if _run(w, eta_u, eta_v, self.r, 0.0, True, budget, n_iter, stack) != RUN_OK:
@@ -1541,7 +1537,8 @@ cdef class SequenceFacetSolver(FacetSolver):
                         return FACET_DECLINED
                     v[(i * S + w.arc_a[i * w.cap + k]) * S + w.arc_b[i * w.cap + k]] = (
                         x if x > 0.0 else 0.0)
-        # the certificate: marginalisation residuals and the Wolfe gap (one Viterbi call)
+        # the certificate: the marginalisation residuals (residuals[0]) and the Wolfe
+        # gap (residuals[1]; one Viterbi call), independent of the structure
         res_p = 0.0
         for i in range(n):
             x = -1.0
