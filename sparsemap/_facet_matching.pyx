@@ -868,6 +868,9 @@ cdef class MatchingFacetSolver(FacetSolver):
         round-off and the weights are normalised at the end, so ``u`` is
         reproduced to about ``1e-13`` per entry.
         """
+        if v is not None and np.size(v) != 0:
+            raise ValueError(f"v: matchings have no v; expected None, got an array of "
+                             f"{np.size(v)} entries")
         return _bvn(self.nr, self.nc, u)
 
 
