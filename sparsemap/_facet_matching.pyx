@@ -52,17 +52,21 @@ Each iteration is one of:
   dual updates. Newton's direction would have no component there.
 
 Pieces are read with a round-off margin: a coordinate is in the piece when
-``z >= -tol`` and a column active when ``beta < -tol``, ``tol = 64 eps (k + K)
+``z > -tol`` and a column active when ``beta < -tol``, ``tol = 64 eps (k + K)
 (1 + spread of the scores + max |alpha| + max |beta|)``; the KKT residuals must
-be within ``tol`` too. The solver declines (``FACET_DECLINED``) when the budget
-is spent, when the scores hold nan or ``+inf``, or when ``-inf`` masks leave no
-matching (MAP is asked once, when the scores hold ``-inf``).
+be within ``tol`` and within ``1e-9`` (u is then that close to the projection).
+The solver declines (``FACET_DECLINED``) when the budget is spent, when the
+scores hold nan or ``+inf``, when ``-inf`` masks leave no matching (MAP is asked
+once, when the scores hold ``-inf``), when the residuals miss that bar, and at
+once when a row's spread of scores exceeds ``1e-9 / eps`` (about ``4.5e6``):
+``z`` no longer resolves ``u`` to ``1e-9`` there, and such peaked scores are the
+vertex side's.
 
 Scores are shifted per row by their maximum first (absorbed exactly by
 ``alpha``), so that only their spread enters round-off. ``-inf`` entries have
 ``z = -inf``: they are fixed at 0 and never enter a piece.
 
-Costs: per iteration, one ``k x k`` Cholesky factorisation (LAPACK ``dpotrf``;
+Costs: per iteration, one ``k x k`` Cholesky factorisation (LAPACK ``dpotf2``;
 two when the Newton step fails its test), forming ``H`` in ``sum_active
 |P_j|^2`` and an ``O(k K)`` evaluation of the dual per trial point.
 
@@ -82,8 +86,7 @@ import numpy as np
 from libc.math cimport INFINITY, fabs, sqrt
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
-from scipy.linalg.cython_blas cimport dsyrk
-from scipy.linalg.cython_lapack cimport dpotrf, dpotrs
+from scipy.linalg.cython_lapack cimport dpotf2, dpotrs
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
                                state_clear, state_resize)
@@ -95,6 +98,8 @@ cdef double EPS = 2.220446049250313e-16
 cdef double ARMIJO = 1e-4
 cdef int N_REFINE = 2
 cdef int N_HALVINGS = 50
+# the largest residual accepted, in the units of u (in [0, 1]) and of the scores
+cdef double CAP = 1e-9
 # the state's ints: k, K, rs, cs, nP, then the pairs (i, j) of P, the active
 # columns (K), the pinned rows (k); its doubles: the factor (k k), 1/|P_j| (K)
 cdef int HEADER = 5
@@ -160,6 +165,8 @@ cdef inline double _threshold(const double* base, Py_ssize_t stride, const doubl
                 s += c
                 cnt += 1
         if cnt == 0:
+            if it > n + 2:
+                break
             cmax = -INFINITY
             for t in range(n):
                 c = base[t * stride] + shift[t]
@@ -290,12 +297,30 @@ cdef void _piece(Work* w) noexcept nogil:
             w.closed[r] = 2
 
 
+cdef void _syrk(double* H, const double* W, Py_ssize_t k, Py_ssize_t n) noexcept nogil:
+    """H -= W W^T (lower triangle), W k x n column-major. Not BLAS's dsyrk: OpenBLAS
+    threads it from k ~ 100 (10x the CPU time on a shared 2-core machine, and batches
+    already run in threads)."""
+    cdef Py_ssize_t a, i, j
+    cdef const double* wc
+    cdef double* hc
+    cdef double c
+    for a in range(n):
+        wc = W + a * k
+        for j in range(k):
+            c = wc[j]
+            if c != 0:
+                hc = H + j * k
+                for i in range(j, k):
+                    hc[i] -= c * wc[i]
+
+
 cdef void _hessian(Work* w) noexcept nogil:
     """H = diag(|P_i|) - sum_{active j} p_j p_j^T / |P_j| (lower triangle) on the
     current piece (_piece first)."""
     cdef Py_ssize_t i, j, a, b, n, k = w.k, K = w.K, n_dense = 0
-    cdef int ia, kk, nd
-    cdef double wj, one = 1.0, minus_one = -1.0
+    cdef int ia
+    cdef double wj
     cdef double* H = w.H
     cdef double* wc
     cdef const double* zc
@@ -309,7 +334,7 @@ cdef void _hessian(Work* w) noexcept nogil:
         n = w.colcnt[j]
         wj = 1.0 / n
         if 3 * n > k:
-            # a dense column: its term goes to one BLAS-3 update
+            # a dense column: its term goes to one dense update
             wc = w.W + n_dense * k
             n_dense += 1
             wj = sqrt(wj)
@@ -326,9 +351,7 @@ cdef void _hessian(Work* w) noexcept nogil:
                 for b in range(a + 1):
                     H[ia + w.idx[b] * k] -= wj
     if n_dense:
-        kk = <int> k
-        nd = <int> n_dense
-        dsyrk(b"L", b"N", &kk, &nd, &minus_one, w.W, &kk, &one, H, &kk)
+        _syrk(H, w.W, k, n_dense)
 
 
 cdef bint _consistent(Work* w) noexcept nogil:
@@ -398,7 +421,9 @@ cdef int _factor(Work* w, double mu, bint pin) noexcept nogil:
                 for j in range(i + 1, k):
                     w.F[j + i * k] = 0.0
                 w.F[i + i * k] = 1.0
-    dpotrf(b"L", &n, w.F, &n, &info)
+    # unblocked: OpenBLAS's blocked dpotrf spawns threads from k ~ 128 (12x the CPU
+    # time on a shared 2-core machine at k = 200, and batches already run in threads)
+    dpotf2(b"L", &n, w.F, &n, &info)
     return info
 
 
@@ -694,6 +719,10 @@ cdef class MatchingFacetSolver(FacetSolver):
                     if z != -INFINITY and -z > spread:
                         spread = -z
 
+            if spread * EPS > CAP:
+                # z = eta + alpha + beta can no longer resolve u to CAP
+                return FACET_DECLINED
+
             # start: each row's threshold with beta = 0, then the columns'
             for i in range(k):
                 w.cur.alpha[i] = 0.0
@@ -733,7 +762,7 @@ cdef class MatchingFacetSolver(FacetSolver):
                         rep += 1
                     if code == 0:
                         _finish(&w, u, st, rs, cs, residuals)
-                        if residuals[0] <= w.tol and residuals[1] <= w.tol:
+                        if max(residuals[0], residuals[1]) <= min(w.tol, CAP):
                             return FACET_SOLVED
                         state_clear(st)
                         return FACET_DECLINED

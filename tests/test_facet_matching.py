@@ -249,6 +249,13 @@ def test_bad_scores_and_budget_decline():
         e = eta.copy()
         e[1, 2] = bad
         assert solve(e)[1].status == DECLINED
+    # spreads past 1e-9 / eps: z can't resolve u to 1e-9; declined at once, no hang
+    for scale in (1e8, 1e300):
+        f, sol = solve(scale * eta)
+        assert sol.status == DECLINED and sol.n_iter == 0
+    f, sol = solve(1e5 * eta)
+    assert sol.status == SOLVED and max(sol.residuals) <= 1e-9
+    np.testing.assert_allclose(sol.u, sm.solve(f, 1e5 * eta).u, atol=1e-9)
     # peaked scores need several iterations; a budget of one is spent
     f, sol = solve(10 * eta, budget=1)
     assert sol.status == DECLINED and sol.n_iter == 1
