@@ -67,8 +67,8 @@ Scores are shifted per row by their maximum first (absorbed exactly by
 ``z = -inf``: they are fixed at 0 and never enter a piece.
 
 Costs: per iteration, one ``k x k`` Cholesky factorisation (LAPACK ``dpotf2``;
-two when the Newton step fails its test), forming ``H`` in ``sum_active
-|P_j|^2`` and an ``O(k K)`` evaluation of the dual per trial point.
+two when the Newton step fails its test), forming ``H`` in ``k^2 + sum_active
+min(|P_j|, k - |P_j|)^2`` and an ``O(k K)`` evaluation of the dual per trial point.
 
 Backward pass
 -------------
@@ -121,10 +121,9 @@ cdef struct Work:
     Point* trial     # a trial point
     double* d        # k: the step
     double* defect   # k: per component root, its sum of g (columns - rows)
-    double* q        # K: the columns' rates in a component step
+    double* q        # K: the columns' rates in a component step; scratch
     double* H        # k * k, lower triangle (column-major)
     double* F        # its Cholesky factor (pinned or regularised)
-    double* W        # k * K: the dense active columns' p_j / sqrt(|P_j|)
     int* idx         # k
     int* rowcnt      # k
     int* colcnt      # K
@@ -135,43 +134,35 @@ cdef struct Work:
     double tol       # round-off margin of pieces and certificates
 
 
-cdef inline double _threshold(const double* base, Py_ssize_t stride, const double* shift,
-                              Py_ssize_t n, double warm, bint clip) noexcept nogil:
-    """The root b of ``sum_t max(0, base[t * stride] + shift[t] + b) = 1``, by Newton's
-    method from ``warm``; with ``clip``, ``min(0, root)`` (0 when the sum at 0 is at most
-    1). The sum is convex and piecewise linear in b, so from any point with a positive
-    slope one Newton step lands right of the root and later steps decrease to it,
-    stopping when the support no longer changes. No finite entry: returns 0."""
-    cdef Py_ssize_t t, cnt, it
-    cdef double b, bn, c, s, cmax
-    if clip:
-        s = 0.0
-        for t in range(n):
-            c = base[t * stride] + shift[t]
-            if c > 0:
-                s += c
-        if s <= 1.0:
-            return 0.0
-        b = warm if warm < 0 else 0.0
-    else:
-        b = warm
-    it = 0
+cdef inline double _threshold(const double* c, Py_ssize_t n, double warm,
+                              bint clip) noexcept nogil:
+    """The root b of ``sum_t max(0, c[t] + b) = 1``, by Newton's method from ``warm``;
+    with ``clip``, ``min(0, root)`` (0 when the sum at 0 is at most 1). The sum is
+    convex and piecewise linear in b, so from any point with a positive slope one
+    Newton step lands right of the root and later steps decrease to it, stopping
+    when the support no longer changes. No finite entry: returns 0."""
+    cdef Py_ssize_t t, cnt, it = 0
+    cdef double b, bn, s, cmax, ct
+    if clip and warm >= 0:
+        warm = 0.0
+    b = warm
     while True:
         s = 0.0
         cnt = 0
         for t in range(n):
-            c = base[t * stride] + shift[t]
-            if c + b > 0:
-                s += c
+            ct = c[t]
+            if ct + b > 0:
+                s += ct
                 cnt += 1
+        if clip and b == 0.0 and s <= 1.0:
+            return 0.0          # the column's sum at 0 is at most 1: free
         if cnt == 0:
             if it > n + 2:
                 break
             cmax = -INFINITY
             for t in range(n):
-                c = base[t * stride] + shift[t]
-                if c > cmax:
-                    cmax = c
+                if c[t] > cmax:
+                    cmax = c[t]
             if cmax == -INFINITY:
                 return 0.0
             b = 1.0 - cmax
@@ -202,10 +193,12 @@ cdef void _evaluate(Work* w, Point* p, const double* warm) noexcept nogil:
     for j in range(K):
         col = w.E + j * k
         zc = p.Z + j * k
-        b = _threshold(col, 1, alpha, k, warm[j], not w.square)
+        for i in range(k):
+            zc[i] = col[i] + alpha[i]
+        b = _threshold(zc, k, warm[j], not w.square)
         p.beta[j] = b
         for i in range(k):
-            z = col[i] + alpha[i] + b
+            z = zc[i] + b
             zc[i] = z
             if z > 0:
                 g[i] += z
@@ -219,10 +212,13 @@ cdef void _evaluate(Work* w, Point* p, const double* warm) noexcept nogil:
 cdef void _row_step(Work* w) noexcept nogil:
     """Exact block step: each row's alpha_i from its own threshold, beta fixed; then
     the columns' beta for the new alpha."""
-    cdef Py_ssize_t i
+    cdef Py_ssize_t i, j
     cdef Point* p = w.cur
+    cdef double* c = w.trial.beta     # scratch, K entries
     for i in range(w.k):
-        p.alpha[i] = _threshold(w.E + i, w.k, p.beta, w.K, p.alpha[i], False)
+        for j in range(w.K):
+            c[j] = w.E[j * w.k + i] + p.beta[j]
+        p.alpha[i] = _threshold(c, w.K, p.alpha[i], False)
     _evaluate(w, p, p.beta)
 
 
@@ -297,61 +293,47 @@ cdef void _piece(Work* w) noexcept nogil:
             w.closed[r] = 2
 
 
-cdef void _syrk(double* H, const double* W, Py_ssize_t k, Py_ssize_t n) noexcept nogil:
-    """H -= W W^T (lower triangle), W k x n column-major. Not BLAS's dsyrk: OpenBLAS
-    threads it from k ~ 100 (10x the CPU time on a shared 2-core machine, and batches
-    already run in threads)."""
-    cdef Py_ssize_t a, i, j
-    cdef const double* wc
-    cdef double* hc
-    cdef double c
-    for a in range(n):
-        wc = W + a * k
-        for j in range(k):
-            c = wc[j]
-            if c != 0:
-                hc = H + j * k
-                for i in range(j, k):
-                    hc[i] -= c * wc[i]
-
-
 cdef void _hessian(Work* w) noexcept nogil:
     """H = diag(|P_i|) - sum_{active j} p_j p_j^T / |P_j| (lower triangle) on the
-    current piece (_piece first)."""
-    cdef Py_ssize_t i, j, a, b, n, k = w.k, K = w.K, n_dense = 0
+    current piece (_piece first). A column with more coordinates in P than out
+    contributes through its complement q_j = 1 - p_j, ``p p^T = 1 1^T - 1 q^T -
+    q 1^T + q q^T``: the constant and rank-one parts gather into one O(k^2) pass,
+    so each column costs min(|P_j|, k - |P_j|)^2 (flat scores: O(k^2) in all)."""
+    cdef Py_ssize_t i, j, a, b, n, m, k = w.k, K = w.K
     cdef int ia
-    cdef double wj
+    cdef bint dense
+    cdef double wj, ones = 0.0
     cdef double* H = w.H
-    cdef double* wc
+    cdef double* v = w.q      # K >= k entries: the rank-one parts' weights
     cdef const double* zc
     memset(H, 0, k * k * sizeof(double))
     for i in range(k):
         H[i + i * k] = w.rowcnt[i]
+        v[i] = 0.0
     for j in range(K):
         if not w.active[j]:
             continue
         zc = w.cur.Z + j * k
         n = w.colcnt[j]
         wj = 1.0 / n
-        if 3 * n > k:
-            # a dense column: its term goes to one dense update
-            wc = w.W + n_dense * k
-            n_dense += 1
-            wj = sqrt(wj)
-            for i in range(k):
-                wc[i] = wj if zc[i] > -w.tol else 0.0
-        else:
-            n = 0
-            for i in range(k):
-                if zc[i] > -w.tol:
-                    w.idx[n] = <int> i
-                    n += 1
-            for a in range(n):
-                ia = w.idx[a]
-                for b in range(a + 1):
-                    H[ia + w.idx[b] * k] -= wj
-    if n_dense:
-        _syrk(H, w.W, k, n_dense)
+        dense = 2 * n > k
+        m = 0
+        for i in range(k):
+            if (zc[i] > -w.tol) != dense:
+                w.idx[m] = <int> i
+                m += 1
+        if dense:
+            ones += wj
+            for a in range(m):
+                v[w.idx[a]] += wj
+        for a in range(m):
+            ia = w.idx[a]
+            for b in range(a + 1):
+                H[ia + w.idx[b] * k] -= wj
+    if ones != 0:
+        for b in range(k):
+            for a in range(b, k):
+                H[a + b * k] += v[a] + v[b] - ones
 
 
 cdef bint _consistent(Work* w) noexcept nogil:
@@ -670,10 +652,10 @@ cdef class MatchingFacetSolver(FacetSolver):
         w.k = k
         w.K = K
         w.square = k == K
-        # one block: doubles E, W (k K); two points (alpha, g: k, beta: K, Z: k K);
+        # one block: doubles E (k K); two points (alpha, g: k, beta: K, Z: k K);
         # H, F (k k); d, defect (k); q (K); ints idx, rowcnt, parent (k), colcnt (K);
         # chars active (K), pinned, closed (k)
-        buf = <char*> malloc((4 * k * K + 2 * k * k + 6 * k + 3 * K) * sizeof(double)
+        buf = <char*> malloc((3 * k * K + 2 * k * k + 6 * k + 3 * K) * sizeof(double)
                              + (3 * k + K) * sizeof(int) + 2 * k + K)
         if buf == NULL:
             with gil:
@@ -681,8 +663,7 @@ cdef class MatchingFacetSolver(FacetSolver):
         try:
             dp = <double*> buf
             w.E = dp
-            w.W = dp + k * K
-            dp += 2 * k * K
+            dp += k * K
             for i in range(2):
                 pts[i].alpha = dp
                 pts[i].g = dp + k

@@ -289,6 +289,8 @@ def test_jacobian_against_finite_differences(shape, scale):
         # the vertex side's u, differentiated numerically: independent of this solver
         fd = finite_difference_jvp(f, eta, d_eta_u=d, eps=1e-7 * scale)
         np.testing.assert_allclose(sol.jvp(d), fd, atol=1e-6)
+        # u's Jacobian is symmetric (a Hessian), so vjp along d is fd too
+        np.testing.assert_allclose(sol.vjp(d)[0], fd, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(30, 30), (20, 35), (35, 20)], ids=str)
