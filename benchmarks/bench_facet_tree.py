@@ -3,10 +3,11 @@
 For each root setting, number of words ``n`` and score scale, on scores
 ``eta = scale * randn`` (seeds 0, 1, ...), the script times
 
-* **facet**: ``TreeFacetSolver(f).solve(eta)`` followed by one ``vjp`` (the
-  facet-side solver of ``sparsemap._facet_tree``), with the number of active
-  cuts, of projection passes and of declines (a declined solve returns at once;
-  its time is the cost of the failed attempt);
+* **facet**: ``TreeFacetSolver(f, decline_peaked=False).solve(eta)`` followed
+  by one ``vjp`` (the facet-side solver of ``sparsemap._facet_tree``, made to
+  solve peaked problems too), with the number of active cuts and of projection
+  passes; and how many seeds the default solver (``decline_peaked=True``)
+  declines at once as peaked, with the cost of that failed attempt;
 * **vertex**: today's ``sm.solve(f, eta)`` (the active set) followed by one
   ``r.vjp``, where it finishes in reasonable time (a case is skipped, with every
   larger one at that scale and root setting, once a solve took longer than
@@ -70,8 +71,8 @@ def run(args):
     torch.set_num_threads(1)
     crf = crf_timer(torch)
     header = (f"{'root':>6} {'n':>4} {'scale':>6} | {'facet ms':>9} {'cuts':>5} {'passes':>6} "
-              f"{'declined':>8} | {'vertex ms':>10} | {'CRF ms':>7} | {'facet/CRF':>9} "
-              f"{'vertex/CRF':>10} {'facet/vertex':>12}")
+              f"{'declined':>8} {'decline ms':>10} | {'vertex ms':>10} | {'CRF ms':>7} | "
+              f"{'facet/CRF':>9} {'vertex/CRF':>10} {'facet/vertex':>12}")
     print(header)
     print("-" * len(header))
     for single_root in args.single_root:
@@ -79,8 +80,9 @@ def run(args):
             vertex_off = False
             for n in args.sizes:
                 f = sm.TreeFactor(n, single_root=single_root)
-                solver = TreeFacetSolver(f)
-                tf, tv, tc, cuts, passes, declined = [], [], [], [], [], 0
+                solver = TreeFacetSolver(f, decline_peaked=False)
+                default = TreeFacetSolver(f)
+                tf, tv, tc, td, cuts, passes, failed = [], [], [], [], [], [], 0
                 for seed in range(args.seeds):
                     rng = np.random.default_rng(seed)
                     eta = scale * rng.standard_normal((n + 1, n + 1))
@@ -93,10 +95,13 @@ def run(args):
                         return sol
                     t, sol = best_time(facet, args.repeats)
                     tf.append(t)
-                    declined += sol.status != 0
+                    failed += sol.status != 0
                     if sol.status == 0:
                         cuts.append(sol.state_arrays()[0][2])
                     passes.append(sol.n_iter)
+                    t, sol = best_time(lambda: default.solve(eta), args.repeats)
+                    if sol.status != 0:
+                        td.append(t)
 
                     et = torch.tensor(eta)
                     t, _ = best_time(lambda: crf(et, single_root), args.repeats)
@@ -120,9 +125,11 @@ def run(args):
                 vr = f"{mv / mc:10.2f}" if tv else f"{'-':>10}"
                 fv = f"{mf / mv:12.3f}" if tv else f"{'-':>12}"
                 ncut = f"{np.median(cuts):5.0f}" if cuts else f"{'-':>5}"
+                tds = f"{1e3 * np.median(td):10.3f}" if td else f"{'-':>10}"
+                note = f"  ({failed} not solved)" if failed else ""
                 print(f"{'single' if single_root else 'multi':>6} {n:4d} {scale:6g} | {mf:9.3f} "
-                      f"{ncut} {np.median(passes):6.0f} {declined:>4d}/{args.seeds:<3d} | {vs} | "
-                      f"{mc:7.3f} | {mf / mc:9.2f} {vr} {fv}", flush=True)
+                      f"{ncut} {np.median(passes):6.0f} {len(td):>4d}/{args.seeds:<3d} {tds} | "
+                      f"{vs} | {mc:7.3f} | {mf / mc:9.2f} {vr} {fv}{note}", flush=True)
 
 
 def main():

@@ -54,8 +54,8 @@ root equality) and ``1 - min_S C_S x`` (the final minimum root cut); the dual
 one is the largest of the threshold conditions (``|x - (z - tau)|`` on each
 support with ``tau`` recomputed from it, ``(z - tau)_+`` off it). The solver
 declines (``FACET_DECLINED``; the caller takes the vertex side) when either
-exceeds ``1e-12 (1 + |range of eta|)`` (the units of the scores, relative to
-their spread), when the budget of projection passes, of cut rounds (30) or of
+exceeds ``1e-12 (1 + max |mu|)`` (on the supports, ``z`` is of the size of the
+multipliers once each column is shifted to its maximum 0), when the budget of projection passes, of cut rounds (30) or of
 cuts (64) is spent, when a word has no allowed head or no tree avoids the
 forbidden arcs (the vertex side raises the ``ValueError``), or when scores
 are not finite where they are read.
@@ -145,6 +145,27 @@ cdef extern from *:
         return s0 + s1;
     }
 
+    /* Sum, count and maximum of the finite entries of z[:n] (-inf add +0). */
+    static double sm_sum_max(const double* z, int n, int* count, double* zmax) {
+        double s0 = 0.0, s1 = 0.0, v, mx = -INFINITY;
+        unsigned long long bits, mask;
+        int h, c = 0, a;
+        for (h = 0; h < n; h++) {
+            v = z[h];
+            mx = v > mx ? v : mx;
+            a = v > -INFINITY;
+            c += a;
+            mask = -(unsigned long long) a;
+            memcpy(&bits, &v, 8);
+            bits &= mask;
+            memcpy(&v, &bits, 8);
+            if (h & 1) s1 += v; else s0 += v;
+        }
+        *count = c;
+        *zmax = mx;
+        return s0 + s1;
+    }
+
     /* x = (z - t)_+ with its support flags sp (counting the flags that change
        into *changes), |x|^2 into *sq; returns the support's size. */
     static int sm_clip(const double* z, int n, double t, double* x, char* sp,
@@ -175,6 +196,7 @@ cdef extern from *:
     double sm_sum_above(const double* z, int n, double t, int* count) noexcept nogil
     int sm_clip(const double* z, int n, double t, double* x, char* sp, long long* changes,
                 double* sq) noexcept nogil
+    double sm_sum_max(const double* z, int n, int* count, double* zmax) noexcept nogil
 
 
 cdef enum:
@@ -198,16 +220,15 @@ cdef struct Flow:
     double* R                    # N x N residual capacities, R[i*N + j] for arc i -> j
     double* e                    # excesses
     double* found_val            # MAX_FOUND
-    int* adj                     # N x N: row i lists the words j joined to i by an arc either way
-    int* deg
     int* where                   # -1: source side, 0: awake, > 0: dormant set id
     int* lab                     # distance labels
-    int* alab                    # lab where awake, BIG elsewhere (one test per arc)
     int* cnt                     # awake nodes per label (2N + 2)
-    int* bhead                   # active awake nodes by label: list heads (2N + 2)
+    int* lhead                   # awake nodes by label: doubly linked lists (2N + 2 heads)
+    int* lnext
+    int* lprev
+    int* bhead                   # active awake nodes by label: singly linked (2N + 2 heads)
     int* bnext
-    int* cur                     # current arc (position in adj)
-    char* inb                    # in a bucket list (possibly stale: checked when popped)
+    char* inb                    # in an active list (possibly stale: checked when popped)
     char* found                  # (MAX_FOUND + 1) x N: violated sink-side sets, then the best set
     int n_found
 
@@ -240,21 +261,24 @@ cdef struct Work:
 # ---------------------------------------------------------------------------
 cdef inline double _threshold(const double* z, int N, double tau0) noexcept nogil:
     """The sparsemax threshold of z[:N] (entries -inf are left out): the root of
-    f(t) = sum (z - t)_+ - 1 by Newton's method from tau0 (-inf: from the mean of
-    all entries, which is below the root). f is convex and decreasing, so after the
-    first step every iterate is below the root and the support shrinks
-    monotonically; the iteration stops when it no longer changes, and the last
-    threshold is then computed from the exact support."""
+    f(t) = sum (z - t)_+ - 1 by Newton's method from tau0, or (tau0 = -inf) from
+    the larger of two points below the root: the mean of all entries less 1/count
+    (Michelot's start) and max - 1. f is convex and decreasing, so after the first
+    step every iterate is below the root and the support shrinks monotonically;
+    the iteration stops when it no longer changes, and the last threshold is then
+    computed from the exact support."""
     cdef double s, t = tau0, zmax
-    cdef int h, c, c_prev = -1, it
+    cdef int c, c_prev = -1, it
+    if t == -INFINITY:
+        s = sm_sum_max(z, N, &c, &zmax)
+        t = (s - 1.0) / c
+        if zmax - 1.0 > t:
+            t = zmax - 1.0
     for it in range(N + 3):
         s = sm_sum_above(z, N, t, &c)
         if c == 0:
             # started above every entry: max - 1 is below the root
-            zmax = -INFINITY
-            for h in range(N):
-                if z[h] > zmax:
-                    zmax = z[h]
+            sm_sum_max(z, N, &c, &zmax)
             t = zmax - 1.0
             c_prev = -1
             continue
@@ -483,7 +507,7 @@ cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_
 # ---------------------------------------------------------------------------
 cdef Py_ssize_t _flow_bytes(int N) noexcept nogil:
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    return ((NN + N + MAX_FOUND) * sizeof(double) + (NN + 7 * N + 4 * N + 4) * sizeof(int)
+    return ((NN + N + MAX_FOUND) * sizeof(double) + (9 * N + 6 * N + 8) * sizeof(int)
             + (MAX_FOUND + 2) * N + 32)
 
 
@@ -493,26 +517,47 @@ cdef void _flow_carve(Flow* F, int N, char* mem) noexcept nogil:
     F.R = <double*> mem
     F.e = F.R + NN
     F.found_val = F.e + N
-    F.adj = <int*> (F.found_val + MAX_FOUND)
-    F.deg = F.adj + NN
-    F.where = F.deg + N
+    F.where = <int*> (F.found_val + MAX_FOUND)
     F.lab = F.where + N
-    F.alab = F.lab + N
-    F.cnt = F.alab + N
-    F.bhead = F.cnt + 2 * N + 2
+    F.cnt = F.lab + N
+    F.lhead = F.cnt + 2 * N + 2
+    F.lnext = F.lhead + 2 * N + 2
+    F.lprev = F.lnext + N
+    F.bhead = F.lprev + N
     F.bnext = F.bhead + 2 * N + 2
-    F.cur = F.bnext + N
-    F.inb = <char*> (F.cur + N)
+    F.inb = <char*> (F.bnext + N)
     F.found = F.inb + N
 
 
-cdef inline void _bucket_add(Flow* F, int j, int* bmax) noexcept nogil:
+cdef inline void _active_add(Flow* F, int j, int* bmax) noexcept nogil:
     cdef int L = F.lab[j]
     F.bnext[j] = F.bhead[L]
     F.bhead[L] = j
     F.inb[j] = 1
     if L > bmax[0]:
         bmax[0] = L
+
+
+cdef inline void _label_add(Flow* F, int j) noexcept nogil:
+    """Put the awake node j in the list of its label."""
+    cdef int L = F.lab[j], h = F.lhead[L]
+    F.lnext[j] = h
+    F.lprev[j] = -1
+    if h >= 0:
+        F.lprev[h] = j
+    F.lhead[L] = j
+    F.cnt[L] += 1
+
+
+cdef inline void _label_remove(Flow* F, int j) noexcept nogil:
+    cdef int L = F.lab[j]
+    if F.lprev[j] >= 0:
+        F.lnext[F.lprev[j]] = F.lnext[j]
+    else:
+        F.lhead[L] = F.lnext[j]
+    if F.lnext[j] >= 0:
+        F.lprev[F.lnext[j]] = F.lprev[j]
+    F.cnt[L] -= 1
 
 
 cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_out) noexcept nogil:
@@ -525,46 +570,45 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
     and none leaves it with flow, so the cut of t is the awake set and its value
     e(t). The best set goes to F.found + MAX_FOUND * N (1 for the words in S),
     its value to best_out; the sink-side sets of value below threshold (the most
-    violated MAX_FOUND) to F.found. Returns 0, or SEP_FAILED when a label
-    outgrows its table (never seen; the caller declines)."""
-    cdef int N = F.N, i, j, p, start, dg, t, L, top = 0, n_awake, minl, bmax = -1, worst
-    cdef int maxlab = 2 * N, BIG = 4 * N
+    violated MAX_FOUND) to F.found.
+
+    The graph is dense (every pair of words may carry an arc either way), so a
+    node of label L looks for admissible arcs among the awake nodes of label
+    L - 1 (a list per label, through the residual matrix) instead of along its
+    N arcs, and relabels by walking the labels up from L to the first one that
+    holds a residual neighbour: at flat scores most labels hold one node or
+    most of them, and both walks end after a few steps. Awake labels stay
+    contiguous (a label left empty by a relabel is a gap, and all above it
+    sleep), so the walk stops at the first empty label. Returns 0, or
+    SEP_FAILED when a label outgrows its table (never seen; the caller
+    declines)."""
+    cdef int N = F.N, i, j, l, t, L, top = 0, n_awake, newl, bmax = -1, worst
+    cdef int maxlab = 2 * N
     cdef double* R = F.R
     cdef double* e = F.e
     cdef double* Ri
-    cdef const int* A
     cdef double best = INFINITY, delta, r, ei
     cdef int* where = F.where
     cdef int* lab = F.lab
-    cdef int* alab = F.alab
     cdef char* best_set = F.found + MAX_FOUND * N
     F.n_found = 0
     for i in range(N):
         Ri = R + i * N
         for j in range(N):
             Ri[j] = XT[j * N + i] if (j > 0 and j != i) else 0.0
-    for i in range(1, N):
-        dg = 0
-        A = F.adj + i * N
-        for j in range(1, N):
-            if j != i and (R[i * N + j] > 0.0 or R[j * N + i] > 0.0):
-                (<int*> A)[dg] = j
-                dg += 1
-        F.deg[i] = dg
+    for i in range(2 * N + 2):
+        F.cnt[i] = 0
+        F.lhead[i] = -1
+        F.bhead[i] = -1
     for i in range(N):
         e[i] = 0.0
         lab[i] = 0
-        alab[i] = 0
         where[i] = 0
         F.inb[i] = 0
-        F.cur[i] = 0
-    for i in range(2 * N + 2):
-        F.cnt[i] = 0
-        F.bhead[i] = -1
     where[0] = -1
-    alab[0] = BIG
+    for j in range(N - 1, 0, -1):
+        _label_add(F, j)
     n_awake = N - 1
-    F.cnt[0] = n_awake
     for j in range(1, N):
         delta = R[j]
         if delta > 0.0:
@@ -574,7 +618,7 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
     t = 1
     for j in range(2, N):
         if e[j] > 0.0:
-            _bucket_add(F, j, &bmax)
+            _active_add(F, j, &bmax)
     while True:
         while True:
             while bmax >= 0 and F.bhead[bmax] < 0:
@@ -587,65 +631,61 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
             if where[i] != 0 or i == t or e[i] <= 0.0:
                 continue
             Ri = R + i * N
-            A = F.adj + i * N
-            dg = F.deg[i]
             while True:
-                # discharge: push along admissible arcs from the current one on,
-                # noting the lowest label of the residual arcs that stay
+                # push to the awake nodes one label below
                 L = lab[i]
-                start = F.cur[i]
-                minl = BIG
-                p = start
-                while p < dg:
-                    j = A[p]
+                j = F.lhead[L - 1] if L > 0 else -1
+                while j >= 0:
                     r = Ri[j]
                     if r > 0.0:
-                        if alab[j] == L - 1:
-                            ei = e[i]
-                            delta = r if r < ei else ei
-                            Ri[j] = r - delta
-                            R[j * N + i] += delta
-                            e[i] = ei - delta
-                            e[j] += delta
-                            if j != t and not F.inb[j]:
-                                _bucket_add(F, j, &bmax)
-                            if e[i] <= 0.0:
-                                break
-                        elif alab[j] < minl:
-                            minl = alab[j]
-                    p += 1
+                        ei = e[i]
+                        delta = r if r < ei else ei
+                        Ri[j] = r - delta
+                        R[j * N + i] += delta
+                        e[i] = ei - delta
+                        e[j] += delta
+                        if j != t and not F.inb[j]:
+                            _active_add(F, j, &bmax)
+                        if e[i] <= 0.0:
+                            break
+                    j = F.lnext[j]
                 if e[i] <= 0.0:
-                    F.cur[i] = p
                     break
                 # relabel. A label left empty is a gap: everything above it
                 # cannot reach the sink and goes to sleep.
                 if F.cnt[L] == 1:
                     top += 1
-                    for j in range(1, N):
-                        if where[j] == 0 and lab[j] >= L:
+                    l = L
+                    while l < maxlab and F.lhead[l] >= 0:
+                        j = F.lhead[l]
+                        while j >= 0:
                             where[j] = top
-                            alab[j] = BIG
-                            F.cnt[lab[j]] -= 1
                             n_awake -= 1
+                            j = F.lnext[j]
+                        F.lhead[l] = -1
+                        F.cnt[l] = 0
+                        l += 1
                     break
-                for p in range(start):
-                    j = A[p]
-                    if Ri[j] > 0.0 and alab[j] < minl:
-                        minl = alab[j]
-                if minl >= BIG:
+                newl = -1
+                l = L
+                while l < maxlab and F.lhead[l] >= 0 and newl < 0:
+                    j = F.lhead[l]
+                    while j >= 0:
+                        if Ri[j] > 0.0 and j != i:
+                            newl = l + 1
+                            break
+                        j = F.lnext[j]
+                    l += 1
+                _label_remove(F, i)
+                if newl < 0:
                     top += 1
                     where[i] = top
-                    alab[i] = BIG
-                    F.cnt[L] -= 1
                     n_awake -= 1
                     break
-                if minl + 1 >= maxlab:
+                if newl >= maxlab:
                     return SEP_FAILED
-                F.cnt[L] -= 1
-                lab[i] = minl + 1
-                alab[i] = minl + 1
-                F.cnt[minl + 1] += 1
-                F.cur[i] = 0
+                lab[i] = newl
+                _label_add(F, i)
         # the cut of sink t: the awake set
         if e[t] < best:
             best = e[t]
@@ -667,37 +707,34 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
                 for j in range(N):
                     F.found[worst * N + j] = where[j] == 0
         # the sink joins the source side: saturate its arcs into the rest
+        _label_remove(F, t)
         where[t] = -1
-        alab[t] = BIG
-        F.cnt[lab[t]] -= 1
         n_awake -= 1
         Ri = R + t * N
-        A = F.adj + t * N
-        for p in range(F.deg[t]):
-            j = A[p]
+        for j in range(1, N):
             if where[j] != -1 and Ri[j] > 0.0:
                 delta = Ri[j]
                 Ri[j] = 0.0
                 R[j * N + t] += delta
                 e[j] += delta
                 if where[j] == 0 and not F.inb[j]:
-                    _bucket_add(F, j, &bmax)
+                    _active_add(F, j, &bmax)
         if n_awake == 0:
             if top == 0:
                 break
-            for j in range(1, N):
+            for j in range(N - 1, 0, -1):
                 if where[j] == top:
                     where[j] = 0
-                    alab[j] = lab[j]
-                    F.cnt[lab[j]] += 1
+                    _label_add(F, j)
                     n_awake += 1
                     if e[j] > 0.0 and not F.inb[j]:
-                        _bucket_add(F, j, &bmax)
+                        _active_add(F, j, &bmax)
             top -= 1
-        t = -1
-        for j in range(1, N):
-            if where[j] == 0 and (t < 0 or lab[j] < lab[t]):
-                t = j
+        # the next sink: an awake node of the lowest label
+        l = 0
+        while F.lhead[l] < 0:
+            l += 1
+        t = F.lhead[l]
     best_out[0] = best
     return 0
 
@@ -925,7 +962,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 Py_ssize_t* n_iter, double* residuals) except -1 nogil:
     cdef int N = w.N, m, h, i, j, rounds = 0, nk, code
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    cdef double val, cmax, cmin, spread = 0.0, tol, tol_g, cut_min, rp, rd, s, tt
+    cdef double val, cmax, tol, tol_g, cut_min, rp, rd, s
     cdef bint forbidden = False
     cdef char* S
     n_iter[0] = 0
@@ -939,7 +976,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         w.ET[h] = -INFINITY
     for m in range(1, N):
         cmax = -INFINITY
-        cmin = INFINITY
         for h in range(N):
             if h == m:
                 w.ET[m * N + h] = -INFINITY
@@ -949,24 +985,18 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 forbidden = True
             elif not isfinite(val):
                 return FACET_DECLINED     # nan / +inf: the caller's validation raises
-            else:
-                if val > cmax:
-                    cmax = val
-                if val < cmin:
-                    cmin = val
+            elif val > cmax:
+                cmax = val
             w.ET[m * N + h] = val
         if cmax == -INFINITY:
             return FACET_DECLINED         # a word with no allowed head
         for h in range(N):
             w.ET[m * N + h] -= cmax       # -inf stays -inf
-        if cmax - cmin > spread:
-            spread = cmax - cmin
     memset(w.supp, 0, NN)
     for i in range(NN):
         w.XT[i] = 0.0
     if forbidden and not _feasible(w, w.iscratch, w.cscratch):
         return FACET_DECLINED
-    tol = 1e-12
     tol_g = 2.2e-16 * N
     w.freebits = 0
     # the root cut (the set of all words): an equality with single_root
@@ -990,6 +1020,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 _drop_cut(w, i)
             else:
                 i += 1
+        tol = _tolerance(w)
         code = _hao_orlin(&w.F, w.XT, 1.0 - tol, &cut_min)
         if code == SEP_FAILED:
             return FACET_DECLINED
@@ -1030,6 +1061,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     rd = _threshold_residual(w)
     residuals[0] = rp
     residuals[1] = rd
+    tol = _tolerance(w)
     if rp > tol or rd > tol:
         return FACET_DECLINED
     for m in range(N):
@@ -1037,6 +1069,17 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
             u[h * N + m] = w.XT[m * N + h] if m > 0 else 0.0
     _write_state(w, st)
     return FACET_SOLVED
+
+
+cdef double _tolerance(const Work* w) noexcept nogil:
+    """Round-off level of the residuals: x = z - tau on the supports, where z
+    (each column shifted to its max 0) is of the size of the multipliers."""
+    cdef double big = 0.0
+    cdef int i
+    for i in range(w.k):
+        if fabs(w.mu[i]) > big:
+            big = fabs(w.mu[i])
+    return 1e-12 * (1.0 + big)
 
 
 cdef double _threshold_residual(Work* w) noexcept nogil:
