@@ -212,6 +212,15 @@ def test_declines():
     peaked = TreeFacetSolver(sm.TreeFactor(n)).solve(eta)
     assert peaked.status == 1 and peaked.n_iter == 1
     assert solver(n).solve(eta).status == 0
+    # heads forced by masks do not make flat scores look peaked
+    n = 12
+    eta = 0.01 * rng.standard_normal((n + 1, n + 1))
+    for m in range(1, 9):
+        eta[:, m] = -np.inf
+        eta[m - 1, m] = 0.0                      # the chain 0 -> 1 -> ... -> 8
+    sol = TreeFacetSolver(sm.TreeFactor(n)).solve(eta)
+    assert sol.status == 0
+    np.testing.assert_allclose(sol.u, sm.solve(sm.TreeFactor(n), eta).u, atol=1e-9)
 
 
 def test_refuses_projective_and_other_factors():
