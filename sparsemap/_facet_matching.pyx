@@ -856,10 +856,10 @@ cdef class MatchingFacetSolver(FacetSolver):
 
         Returns
         -------
-        structures : ndarray of intc, shape (k, n_rows)
+        structures : ndarray of intc, shape (n_terms, n_rows)
             Distinct matchings in the compact form (the column of each row, -1
             where unmatched), by decreasing weight.
-        weights : ndarray of float64, shape (k,)
+        weights : ndarray of float64, shape (n_terms,)
             Positive, summing to one, with ``sum_s w_s m_s = u`` up to round-off.
 
         Notes
