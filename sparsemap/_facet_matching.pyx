@@ -856,10 +856,10 @@ cdef class MatchingFacetSolver(FacetSolver):
 
         Returns
         -------
-        structures : ndarray of intc, shape (k, n_rows)
+        structures : ndarray of intc, shape (n_terms, n_rows)
             Distinct matchings in the compact form (the column of each row, -1
             where unmatched), by decreasing weight.
-        weights : ndarray of float64, shape (k,)
+        weights : ndarray of float64, shape (n_terms,)
             Positive, summing to one, with ``sum_s w_s m_s = u`` up to round-off.
 
         Notes
@@ -874,9 +874,13 @@ cdef class MatchingFacetSolver(FacetSolver):
         subtracted along it (that entry set to exactly 0). Each step zeroes at
         least one entry and the last step ``K``, so there are at most
         ``tau - K + 1`` terms, ``tau`` the padded matrix's nonzeros; each costs
-        one assignment, ``O(K^3)``. Entries below ``1e-13`` are dropped as
-        round-off and the weights are normalised at the end, so ``u`` is
-        reproduced to about ``1e-13`` per entry.
+        one assignment, ``O(K^3)``. Each permutation holds the entry it zeroed,
+        which the later ones avoid, so they are linearly independent: for a
+        square ``u``, at most ``dim + 1`` of them, ``dim`` the dimension of the
+        smallest face holding ``u`` (a rectangular ``u`` merges permutations
+        that differ on the dummy lines only). Entries below ``1e-13`` are
+        dropped as round-off and the weights are normalised at the end, so
+        ``u`` is reproduced to about ``1e-13`` per entry.
         """
         if v is not None and np.size(v) != 0:
             raise ValueError(f"v: matchings have no v; expected None, got an array of "

@@ -34,9 +34,10 @@ enters (at most 64 cuts).
 
 *Exact finish.* On the pieces where the supports and the active cuts do not
 change, ``D`` is quadratic and the Newton step lands on its maximum: the point
-where ``|g_F|`` falls to round-off is the solution of the linear KKT system of
-its supports and active cuts. The iteration stops there, never at a looser
-tolerance.
+where ``|g_F|`` falls to round-off (``n`` units in the last place, or a full
+step on an unchanged piece no longer halves it) is the solution of the linear
+KKT system of its supports and active cuts. The iteration stops there, never
+at a looser tolerance.
 
 *Cutting planes.* The cut set starts with the root cut (the set of all words,
 the one that is tight at flat scores). After each dual solve, the most
@@ -56,11 +57,12 @@ root equality) and ``1 - min_S C_S x`` (the final minimum root cut); the dual
 one is the largest of the threshold conditions (``|x - (z - tau)|`` on each
 support with ``tau`` recomputed from it, ``(z - tau)_+`` off it). The solver
 declines (``FACET_DECLINED``; the caller takes the vertex side) when either
-exceeds ``1e-12 (1 + max |mu|)`` (on the supports, ``z`` is of the size of the
-multipliers once each column is shifted to its maximum 0), when the budget of projection passes, of cut rounds (30) or of
-cuts (64) is spent, when a word has no allowed head or no tree avoids the
-forbidden arcs (the vertex side raises the ``ValueError``), or when scores
-are not finite where they are read.
+exceeds ``1e-12 (1 + max |mu|)`` (on the supports, ``z`` is of the size of
+the multipliers once each column is shifted to its maximum 0), when the
+budget of projection passes (``n_iter``), of cut rounds (30) or of cuts (64)
+is spent, when a word has no allowed head or no tree avoids the forbidden
+arcs (the vertex side raises the ``ValueError``), or when scores are not
+finite where they are read.
 
 *Peaked scores.* At peaked scores many cuts are tight and the vertex side
 (a few trees) is cheaper. After the first projection (no cuts yet), when more

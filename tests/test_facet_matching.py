@@ -365,6 +365,12 @@ def test_decompose_reproduces_u(shape, scale):
         assert sum(c != -1 for c in s) == min(shape)
         U += w * matching_matrix(s, shape[1])
     np.testing.assert_allclose(U, sol.u, atol=1e-12)
-    # the documented bound: at most tau - K + 1 terms, tau <= nnz(u) + 2K - k - 1
+    # the documented bounds: at most tau - K + 1 terms, tau <= nnz(u) + 2K - k - 1;
+    # square: at most dim + 1, dim = nnz(u) - rank of the line sums on the support
     k, K = min(shape), max(shape)
     assert len(weights) <= np.count_nonzero(sol.u) + K - k
+    if k == K:
+        P = sol.u.ravel() > 0
+        lines = np.vstack([np.kron(np.eye(k), np.ones((1, k))),
+                           np.kron(np.ones((1, k)), np.eye(k))])[:, P]
+        assert len(weights) <= P.sum() - np.linalg.matrix_rank(lines) + 1
