@@ -59,6 +59,13 @@ cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept
     return (a0 + a1) + (a2 + a3)
 
 
+# The scale the convergence tolerance is relative to (gap_scale in Python):
+# max(1, sum |eta . a| y + ||u||^2).
+cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
+    cdef double s = abs_linear + usq
+    return s if s > 1.0 else 1.0
+
+
 cdef inline unsigned long long _hash_structure(const int* s, Py_ssize_t k) noexcept nogil:
     """64-bit hash of a compact structure (FNV-1a over its ints, splitmix finish)."""
     cdef unsigned long long h = 14695981039346656037ULL

@@ -71,9 +71,6 @@ def gap_scale(double abs_linear, double u_sq):
     return _gap_scale(abs_linear, u_sq)
 
 
-cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
-    cdef double s = abs_linear + usq
-    return s if s > 1.0 else 1.0
 
 
 cdef object _copy_out(const double* p, Py_ssize_t n):
@@ -679,6 +676,42 @@ cdef class _Workspace:
             for i in range(n):
                 memcpy(&Lv[i, 0], self.L + i * self.cap, (i + 1) * sizeof(double))
         return S, y, L
+
+
+def decompose_point(Factor factor, u, Py_ssize_t max_iter=100_000):
+    """Structures and weights whose ``sum_s w_s m_s`` is ``u``, a point of the factor's
+    polytope of ``m`` (the facet side's ``r.structures`` for families without a
+    decomposition of their own).
+
+    The active set at scores ``eta_u = u`` (``eta_v = 0``): the projection of a point
+    of the polytope is the point itself, so the support it ends with decomposes ``u``
+    into affinely independent structures (at most ``dim + 1``). It runs to tol 0 (to
+    the round-off floor, where it stalls): its cost is the vertex side's at ``u``.
+
+    Returns
+    -------
+    structures : ndarray of intc, shape (k, factor.struct_size)
+    weights : ndarray of float64, shape (k,)
+    """
+    cdef const double[::1] eu = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
+    if eu.shape[0] != factor.n_u:
+        raise ValueError(f"u: expected {factor.n_u} entries, got {eu.shape[0]}")
+    zeros = np.zeros(factor.n_v + 1)
+    cdef const double[::1] ev = zeros
+    cdef _Workspace ws = _Workspace(factor, 16)
+    cdef Py_ssize_t n_iter = 0
+    cdef double gap = 0.0, obj = 0.0
+    with nogil:
+        _point(ws, &eu[0], &ev[0] if factor.n_v else NULL)
+        if factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work) == 0:
+            ws._start(ws.snew, 1, NULL)
+        if ws.nI > 0:
+            _run(ws, max_iter, 0.0, NULL, &n_iter, &gap, &obj)
+    S = np.empty((ws.nI, ws.k), dtype=np.intc)
+    if ws.nI:
+        S[...] = np.asarray(<int[:ws.nI * ws.k]> ws.S).reshape(ws.nI, ws.k)
+    y = np.asarray(<double[:ws.nI]> ws.y).copy() if ws.nI else np.empty(0)
+    return S, y
 
 
 cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil:

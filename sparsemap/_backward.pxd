@@ -4,6 +4,7 @@
 from cpython.ref cimport PyObject
 
 from sparsemap._active_set cimport _Workspace
+from sparsemap._facet cimport FacetState
 from sparsemap._factors._base cimport Factor
 
 
@@ -35,6 +36,12 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
                    const double* u=*) except -1 nogil
 
 
+# Which representation a solution holds (docs/solvers.rst, "Two representations").
+cdef enum:
+    SIDE_VERTEX = 0   # rows of structures (the active set): S, y, L
+    SIDE_FACET = 1    # the tight constraints: facet (a FacetSolver's state); no rows
+
+
 cdef struct _Sol:
     # Outcome of one solve: n_support rows S with weights y, in the solver's order,
     # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
@@ -56,6 +63,12 @@ cdef struct _Sol:
     double gap, objective
     double seconds       # spent in the solve without the GIL (benchmarks)
     bint has_cholesky
+    # The facet side (side == SIDE_FACET): u and v are in buf as above, with no rows;
+    # the backward pass is solver.c_apply on facet. solver is a FacetSolver, borrowed:
+    # the record's owner keeps it alive (_Solution.facet_solver, _Solutions.keep).
+    int side
+    FacetState facet
+    PyObject* solver
 
 
 # The records' owners: one solve's (NumPy copies on request) and a padded batch's
@@ -64,6 +77,7 @@ cdef class _Solution:
     cdef public Factor factor
     cdef _Sol s
     cdef public object history
+    cdef public object facet_solver   # what s.solver points to (the facet side), or None
 
 
 cdef class _Solutions:
@@ -71,16 +85,24 @@ cdef class _Solutions:
     cdef PyObject** factors      # per problem (borrowed from self.keep)
     cdef Py_ssize_t n
     cdef object keep
+    cdef public list solvers     # the FacetSolvers its records' solver fields borrow
 
 
-# One active-set solve into sol, its backward set prepared as backward says
-# (BACKWARD_*); status INFEASIBLE when every structure is forbidden.
+# Free a record's buffers (its block and any facet state); the struct stays zeroed.
+cdef void _sol_free(_Sol* sol) noexcept nogil
+
+
+# One solve into sol: on the facet side when facet (a FacetSolver, or NULL) solves
+# and certifies it, else by the active set, its backward set prepared as backward
+# says (BACKWARD_*); status INFEASIBLE when every structure is forbidden.
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
-                    double tol, int backward) except -1 nogil
+                    double tol, int backward, PyObject* facet) except -1 nogil
 
 
-# The Jacobian of a solution applied to a vector (Prop. 1): jvp (in_v may be NULL) or
-# vjp (out_v may be NULL); x is scratch for 2 * (rows of the backward set) doubles.
+# The Jacobian of a solution applied to a vector (Prop. 1, or the facet side's
+# projection): jvp (transpose False; in_v may be NULL) or vjp (transpose True; out_v
+# may be NULL); x is scratch for 2 * (rows of the backward set) doubles.
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
-                         double* out_u, double* out_v, double* x) except -1 nogil
+                         double* out_u, double* out_v, double* x,
+                         bint transpose) except -1 nogil

@@ -25,9 +25,15 @@ from libc.stdlib cimport calloc, malloc, free
 from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport (CONVERGED, FACE_INCOMPLETE, INFEASIBLE, STALLED, _Workspace,
-                                    _copy_out, _dot, _hash_structure, _now, _perturb, _point,
-                                    _run, _trsv_lower, _trsv_upper)
+                                    _copy_out, _dot, _gap_scale, _hash_structure, _now,
+                                    _perturb, _point, _run, _trsv_lower, _trsv_upper)
+from sparsemap._facet cimport (FACET_SOLVED, FacetSolver, FacetState, state_clear,
+                               state_copy, state_resize)
 from sparsemap._factors._base cimport Factor
+
+from sparsemap._active_set import notify
+
+SIDE_NAMES = {SIDE_VERTEX: "vertex", SIDE_FACET: "facet"}
 
 
 # -- face completion --------------------------------------------------------------
@@ -537,6 +543,9 @@ cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, Py_ssize_t b0,
     """(Re)allocate sol's block for n rows of factor f, the backward set from row b0."""
     cdef Py_ssize_t nL = (n - b0) * (n - b0) if with_L else 0
     free(sol.buf)
+    state_clear(&sol.facet)
+    sol.side = SIDE_VERTEX
+    sol.solver = NULL
     sol.buf = malloc((n + nL + f.n_u + f.n_v) * sizeof(double)
                      + n * f.struct_size * sizeof(int) + sizeof(double))
     if sol.buf == NULL:
@@ -554,19 +563,30 @@ cdef int _sol_alloc(_Sol* sol, Factor f, Py_ssize_t n, Py_ssize_t b0,
     return 0
 
 
+cdef void _sol_free(_Sol* sol) noexcept nogil:
+    free(sol.buf)
+    state_clear(&sol.facet)
+    memset(sol, 0, sizeof(_Sol))
+
+
 cdef int _sol_copy(_Sol* dst, const _Sol* src, Factor f) except -1 nogil:
-    """dst <- a copy of src (same factor f)."""
+    """dst <- a copy of src (same factor f), its facet state included (the solver it
+    points to is borrowed: dst's owner must keep it alive)."""
     cdef void* buf = dst.buf
+    cdef FacetState facet = dst.facet
     dst[0] = src[0]
     dst.buf = buf
+    dst.facet = facet
     if src.buf == NULL:
-        free(dst.buf)
-        dst.buf = NULL
+        _sol_free(dst)
         return 0
     _sol_alloc(dst, f, src.n_support, src.b0, src.has_cholesky)
     dst.n_pos = src.n_pos
     memcpy(dst.buf, src.buf, (<char*> (src.S + src.n_support * f.struct_size))
                              - <char*> src.buf)
+    dst.side = src.side
+    dst.solver = src.solver
+    state_copy(&dst.facet, &src.facet)
     return 0
 
 
@@ -574,7 +594,25 @@ cdef class _Solution:
     """Outcome of one solve, in C buffers (a ``_Sol``); NumPy copies are made on request."""
 
     def __dealloc__(self):
-        free(self.s.buf)
+        _sol_free(&self.s)
+
+    @property
+    def side(self):
+        """Which representation holds the solution: "vertex" (the active set's
+        structures) or "facet" (the constraints tight at u)."""
+        return SIDE_NAMES[self.s.side]
+
+    def facet_state(self):
+        """The facet side's backward state as (ints, reals) copies."""
+        ints = np.empty(self.s.facet.n_ints, dtype=np.intc)
+        reals = np.empty(self.s.facet.n_reals)
+        cdef int[::1] iv = ints
+        cdef double[::1] rv = reals
+        if self.s.facet.n_ints:
+            memcpy(&iv[0], self.s.facet.ints, self.s.facet.n_ints * sizeof(int))
+        if self.s.facet.n_reals:
+            memcpy(&rv[0], self.s.facet.reals, self.s.facet.n_reals * sizeof(double))
+        return ints, reals
 
     @property
     def n_support(self):
@@ -660,7 +698,9 @@ cdef class _Solution:
                 (self.factor, self.structures_array(rows=True), self.weights_array(True),
                  self.cholesky_array(), self.u_array(), self.v_array(), self.s.n_iter,
                  self.s.n_map, self.s.status, self.s.gap, self.s.objective, self.history,
-                 self.s.n_pos, self.s.face, self.s.b0))
+                 self.s.n_pos, self.s.face, self.s.b0, self.s.side,
+                 self.facet_solver if self.s.side == SIDE_FACET else None,
+                 *(self.facet_state() if self.s.side == SIDE_FACET else (None, None))))
 
 
 cdef class _Solutions:
@@ -673,6 +713,7 @@ cdef class _Solutions:
     def __cinit__(self, factors, Py_ssize_t n):
         cdef Py_ssize_t i
         self.n = n
+        self.solvers = []
         self.items = <_Sol*> calloc(n if n > 0 else 1, sizeof(_Sol))
         self.factors = <PyObject**> malloc((n if n > 0 else 1) * sizeof(PyObject*))
         if self.items == NULL or self.factors == NULL:
@@ -690,7 +731,7 @@ cdef class _Solutions:
         cdef Py_ssize_t i
         if self.items != NULL:
             for i in range(self.n):
-                free(self.items[i].buf)
+                _sol_free(&self.items[i])
         free(self.items)
         free(self.factors)
 
@@ -702,6 +743,8 @@ cdef class _Solutions:
         cdef _Solution sol = _Solution.__new__(_Solution)
         sol.factor = <Factor> self.factors[i]
         _sol_copy(&sol.s, &self.items[i], sol.factor)
+        if sol.s.solver != NULL:
+            sol.facet_solver = <object> sol.s.solver
         return sol
 
     def put(self, Py_ssize_t i, _Solution sol):
@@ -709,15 +752,21 @@ cdef class _Solutions:
         if sol.factor is not <object> self.factors[i]:
             raise ValueError(f"put: problem {i} has another factor")
         _sol_copy(&self.items[i], &sol.s, sol.factor)
+        if sol.facet_solver is not None:
+            self.solvers.append(sol.facet_solver)    # items[i].solver borrows it
 
 
 def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssize_t n_map,
                          int status, double gap, double objective, history=None,
-                         n_pos=None, int face=FACE_CERTIFIED, Py_ssize_t b0=0):
+                         n_pos=None, int face=FACE_CERTIFIED, Py_ssize_t b0=0,
+                         int side=SIDE_VERTEX, FacetSolver facet_solver=None,
+                         facet_ints=None, facet_reals=None):
     """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling).
 
     ``S`` and ``y`` are every row kept: the first ``n_pos`` (None: all) are the
-    support, rows ``b0``.. the backward set, whose Cholesky factor is ``L``.
+    support, rows ``b0``.. the backward set, whose Cholesky factor is ``L``. A
+    facet-side solution (``side=SIDE_FACET``) has no rows: its backward pass is
+    ``facet_solver`` applied with the state ``(facet_ints, facet_reals)``.
     """
     cdef _Solution sol = _Solution.__new__(_Solution)
     cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc).reshape(
@@ -726,6 +775,8 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     cdef const double[::1] uv = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
     cdef const double[::1] vv = np.ascontiguousarray(v, dtype=np.float64).reshape(-1)
     cdef const double[::1] Lv
+    cdef const int[::1] fiv
+    cdef const double[::1] frv
     cdef Py_ssize_t n = Sv.shape[0]
     if not 0 <= b0 <= n or yv.shape[0] != n:
         raise ValueError(f"b0, y: expected b0 in [0, {n}] and {n} weights, got {b0}, "
@@ -752,6 +803,22 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
                              + (f" equal to b0 = {b0}" if b0 > 0 else "")
                              + f", got {n_pos!r}")
         sol.s.n_pos = n_pos
+    if side == SIDE_FACET:
+        if facet_solver is None or facet_solver.factor is not factor:
+            raise ValueError("facet_solver: expected the factor's FacetSolver for a facet-side "
+                             f"solution, got {facet_solver!r}")
+        fiv = np.ascontiguousarray(facet_ints, dtype=np.intc).reshape(-1)
+        frv = np.ascontiguousarray(facet_reals, dtype=np.float64).reshape(-1)
+        state_resize(&sol.s.facet, fiv.shape[0], frv.shape[0])
+        if fiv.shape[0]:
+            memcpy(sol.s.facet.ints, &fiv[0], fiv.shape[0] * sizeof(int))
+        if frv.shape[0]:
+            memcpy(sol.s.facet.reals, &frv[0], frv.shape[0] * sizeof(double))
+        sol.s.side = SIDE_FACET
+        sol.s.solver = <PyObject*> facet_solver
+        sol.facet_solver = facet_solver
+    elif side != SIDE_VERTEX:
+        raise ValueError(f"side: expected {SIDE_VERTEX} or {SIDE_FACET}, got {side}")
     sol.s.face = face
     sol.s.n_iter = n_iter
     sol.s.n_map = n_map
@@ -854,15 +921,84 @@ cdef int _export_to(_Sol* sol, _Workspace ws, Py_ssize_t n_iter, int status, dou
     return 0
 
 
+# A facet-side solution whose gap misses the tolerance by round-off only (below
+# FACET_FLOOR * gap_scale) is kept, STALLED, as the active set keeps an iterate whose
+# gap double precision cannot lower; a larger gap sends the problem to the vertex side.
+cdef double FACET_FLOOR = 1e-13
+
+
+cdef bint _facet_try(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
+                     double* hist, Py_ssize_t max_iter, double tol, PyObject* facet,
+                     double t0) except -1 nogil:
+    """The facet side's attempt at one solve into sol: True when it solved it and the
+    duality gap at its (u, v), from one MAP call, certifies it (sol then complete)."""
+    cdef Py_ssize_t n_iter = 0, j
+    cdef double res[2]
+    cdef double gap, scale, best, lin = 0.0, lin_abs = 0.0, usq, x
+    _sol_alloc(sol, ws.f, 0, 0, False)
+    if (<FacetSolver> facet).c_solve(eta_u, eta_v, sol.u, sol.v, &sol.facet, max_iter,
+                                     &n_iter, res) != FACET_SOLVED:
+        state_clear(&sol.facet)
+        return False
+    # gap = max_s <a_s - x, eta - [u; 0]> (Wolfe), independent of how x was found;
+    # products skip the zeros of x (forbidden parts score -inf there)
+    for j in range(ws.n_u):
+        ws.adj[j] = eta_u[j] - sol.u[j]
+        if sol.u[j] != 0.0:
+            x = eta_u[j] * sol.u[j]
+            lin += x
+            lin_abs += fabs(x)
+    for j in range(ws.n_v):
+        if sol.v[j] != 0.0:
+            x = eta_v[j] * sol.v[j]
+            lin += x
+            lin_abs += fabs(x)
+    usq = _dot(sol.u, sol.u, ws.n_u)
+    if ws.f.c_map(ws.adj, eta_v, ws.snew, ws.work) != 0:
+        state_clear(&sol.facet)
+        return False
+    ws.f.c_score(ws.snew, ws.adj, eta_v, &best)
+    gap = best - (lin - usq)
+    scale = _gap_scale(lin_abs, usq)
+    if not (gap <= tol * scale or gap <= FACET_FLOOR * scale):
+        state_clear(&sol.facet)
+        return False
+    sol.side = SIDE_FACET
+    sol.solver = facet
+    sol.status = CONVERGED if gap <= tol * scale else STALLED
+    sol.face = FACE_CERTIFIED
+    sol.n_iter = n_iter if n_iter > 0 else 1   # a closed form (one position) is one step
+    sol.n_map = 1
+    sol.gap = gap
+    sol.objective = 0.5 * usq - lin
+    sol.seconds = _now() - t0
+    if hist != NULL:
+        # one record, the solution's: the facet side's iterates are not points of the
+        # polytope (its dual iterates are infeasible until the last), so there is
+        # nothing earlier to report
+        hist[0] = sol.objective
+        hist[1] = gap
+        hist[2] = 0.0
+        hist[3] = sol.seconds
+    if ws.callback != NULL:
+        with gil:
+            notify(<object> ws.callback, sol.n_iter, sol.objective, gap, 0, sol.seconds,
+                   _copy_out(sol.u, ws.n_u).reshape(ws.f.shape_u))
+    return True
+
+
 cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double* eta_v,
                     const int* init, Py_ssize_t n_init, double* hist, Py_ssize_t max_iter,
-                    double tol, int backward) except -1 nogil:
-    """One active-set solve into sol, its support completed to span the optimal face
-    (as backward says, see _finish); status INFEASIBLE when every
-    structure is forbidden."""
+                    double tol, int backward, PyObject* facet) except -1 nogil:
+    """One solve into sol: the facet side's when facet (a FacetSolver, or NULL) solves
+    and certifies it, else the active set's, its support completed to span the optimal
+    face (as backward says, see _finish); status INFEASIBLE when every structure is
+    forbidden."""
     cdef Py_ssize_t n_iter = 0
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
+    if facet != NULL and _facet_try(ws, sol, eta_u, eta_v, hist, max_iter, tol, facet, t0):
+        return 0
     _point(ws, eta_u, eta_v)
     ws.log_on = True
     if n_init > 0:
@@ -955,15 +1091,21 @@ cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noe
 
 
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,
-                         double* out_u, double* out_v, double* x) except -1 nogil:
+                         double* out_u, double* out_v, double* x,
+                         bint transpose) except -1 nogil:
     """``M_I D A_I^T`` or ``A_I D M_I^T`` applied to a vector, D of Prop. 1.
 
     x_t = a_t . [in_u; in_v] (in_v NULL: only the m_t part), x <- D x, and
     out_u = sum_t x_t m_t, plus out_v = sum_t x_t n_t when out_v is not NULL.
-    x is scratch for 2 |I| doubles. O(|I| n + |I|^2).
+    x is scratch for 2 |I| doubles. O(|I| n + |I|^2). (The two products are one
+    formula on the vertex side; the facet side's solver is told which with
+    transpose.)
     """
     cdef Py_ssize_t n = sol.n_support - sol.b0, k = f.struct_size, t
     cdef const int* S = sol.S + sol.b0 * k
+    if sol.side == SIDE_FACET:
+        return (<FacetSolver> sol.solver).c_apply(&sol.facet, in_u, in_v, out_u, out_v,
+                                                  transpose)
     memset(out_u, 0, f.n_u * sizeof(double))
     if out_v != NULL:
         memset(out_v, 0, f.n_v * sizeof(double))

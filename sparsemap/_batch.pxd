@@ -29,6 +29,7 @@ cdef struct _Problem:
     Py_ssize_t index         # the problem's index in the batch
     const int* target        # a loss batch: the target structure
     double* value            # a loss batch: where the loss goes
+    PyObject* facet          # a solve: its factor's FacetSolver (borrowed), or NULL
 
 
 cdef class _Batch:

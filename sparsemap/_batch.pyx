@@ -24,7 +24,9 @@ from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport CONVERGED, INFEASIBLE, _Workspace, _now
 from sparsemap._backward cimport (BACKWARD_LAZY, BACKWARD_NONE, BACKWARD_NOW, FACE_FIBERED,
-                                  _Solution, _Solutions, _jacobian_apply, _solve_one)
+                                  SIDE_FACET, _Solution, _Solutions, _jacobian_apply,
+                                  _solve_one)
+from sparsemap._facet import facet_solver
 from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, Factor, _scan
 
 cnp.import_array()
@@ -458,14 +460,15 @@ cdef class _Batch:
         elif self.kind == SOLVE:
             if not (flags & HAS_BAD):
                 _solve_one(<_Workspace> ws[p.slot], p.sol, in_u, in_v, p.init, p.n_init, p.hist,
-                           self.max_iter, self.tol, self.backward)
+                           self.max_iter, self.tol, self.backward, p.facet)
             if self.padded:
                 _scatter(p.sol.u if p.sol.buf != NULL else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
         else:
             # a backward product: gradients and directions must be finite (masks are scores)
             if flags == 0:
-                _jacobian_apply(p.sol, <Factor> p.factor, in_u, in_v, out_u, out_v, buf)
+                _jacobian_apply(p.sol, <Factor> p.factor, in_u, in_v, out_u, out_v, buf,
+                                self.kind == VJP)
             if self.padded:
                 _scatter(out_u if flags == 0 else NULL, <char*> p.out_u, self.isz_out_u,
                          self.pad_u, shape_u, self.ndim_u)
@@ -504,7 +507,8 @@ cdef class _Batch:
                 eu[j] += self.margin * (1.0 - gu[j])            # -inf stays -inf
         if self.sparse:
             # the loss's gradient is u - m_t: no derivative of u is taken
-            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol, BACKWARD_NONE)
+            _solve_one(ws, p.sol, eu, ev, NULL, 0, NULL, self.max_iter, self.tol, BACKWARD_NONE,
+                       p.facet)
             if p.sol.status == INFEASIBLE:
                 return _MAP_INFEASIBLE
             u = p.sol.u
@@ -594,7 +598,9 @@ cdef class _Batch:
         if self.hists is not None:
             for i, sol in enumerate(self.outputs):
                 h = self.hists[i]
-                (<_Solution> sol).history = h[:4 * sol.n_iter].reshape(sol.n_iter, 4).copy()
+                # the facet side records one row (it has no iterates of structures)
+                k = 1 if (<_Solution> sol).s.side == SIDE_FACET else sol.n_iter
+                (<_Solution> sol).history = h[:4 * k].reshape(k, 4).copy()
 
 
     def report(self):
@@ -683,7 +689,7 @@ def _add_note(exc, Py_ssize_t i):
 
 def prepare_solve(factors, etas_u, etas_v, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
-                  callback=None, out_u=None, bint untie=False):
+                  callback=None, out_u=None, bint untie=False, side="auto"):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
     Inputs must be validated: their pointers are read without checks (except
@@ -720,6 +726,12 @@ def prepare_solve(factors, etas_u, etas_v, inits,
     untie : bool
         Untie fibered faces in the solve (the padded layers' backward pass
         has no scores to do it later); else they are left ``FACE_FIBERED``.
+    side : {"auto", "vertex", "facet"}
+        Where the families with a facet side (``_facet.facet_solver``) are
+        solved: "auto" tries the facet side first, which declines at once at
+        peaked scores (a problem with a warm start runs on the vertex side);
+        "facet" solves there unless it cannot certify; "vertex" runs the active
+        set only.
 
     Notes
     -----
@@ -760,6 +772,10 @@ def prepare_solve(factors, etas_u, etas_v, inits,
             b._slot(slots, f)
             if f.n_v > max_nv:
                 max_nv = f.n_v
+    # one facet-side solver per distinct factor (None: the vertex side only)
+    solvers = [None if side == "vertex" else facet_solver(f, side == "auto")
+               for f in b.slot_factors]
+    b.keep.append(solvers)
     if max_nv and (etas_v is None or type(etas_v) is list):
         zero_buf = np.zeros(max_nv)
         b.keep.append(zero_buf)
@@ -775,6 +791,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         in_v = _base(etas_v, &st_v)
         o_u = _base(out_u, &st_o)
         sols = _Solutions(factors, n)
+        sols.solvers = [fs for fs in solvers if fs is not None]
         b.outputs = sols
     else:
         b.outputs = [None] * n
@@ -792,6 +809,10 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         f = factors if shared else factors[i]
         p.factor = <PyObject*> f
         p.slot = 0 if shared else slots[id(f)]
+        fs = solvers[p.slot]
+        if side == "auto" and inits is not None and inits[i] is not None:
+            fs = None    # a warm start is a support of structures: the vertex side's
+        p.facet = NULL if fs is None else <PyObject*> fs
         if padded:
             p.sol = &sols.items[i]
             p.in_u = <const double*> (in_u + i * st_u)
@@ -799,6 +820,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         else:
             sol = _Solution.__new__(_Solution)
             sol.factor = f
+            sol.facet_solver = fs
             b.outputs[i] = sol
             p.sol = &sol.s
             p.in_u = _data(etas_u, i)
@@ -823,6 +845,13 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         b._set_shapes(("etas_u", "etas_v"))
         b._alloc_scratch(2 * (b.max_nu + b.max_nv))
     return b
+
+
+cdef Py_ssize_t _backward_cost(const _Sol* sol, Factor f) noexcept:
+    """What one Jacobian product of sol costs, to order a batch's problems."""
+    if sol.side == SIDE_FACET:
+        return f.n_u + f.n_v
+    return sol.n_support * (f.n_u + f.struct_size)
 
 
 def prepare_backward(sols, ins_u, ins_v, bint transpose,
@@ -896,11 +925,10 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose,
         for i in range(n):
             if many is not None:
                 f = <Factor> many.factors[i]
-                by_cost.keys[i].cost = many.items[i].n_support * (f.n_u + f.struct_size)
+                by_cost.keys[i].cost = _backward_cost(&many.items[i], f)
             else:
                 sol = sols[i]
-                by_cost.keys[i].cost = sol.s.n_support * (sol.factor.n_u
-                                                          + sol.factor.struct_size)
+                by_cost.keys[i].cost = _backward_cost(&sol.s, sol.factor)
     claim = by_cost.indices(n_threads > 1)
     for j in range(n):
         i = claim[j]

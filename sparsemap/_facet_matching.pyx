@@ -601,10 +601,10 @@ cdef class MatchingFacetSolver(FacetSolver):
     """
     cdef int nr, nc
 
-    def __init__(self, factor):
+    def __init__(self, factor, decline_peaked=True):
         if not isinstance(factor, MatchingFactor):
             raise ValueError(f"factor: expected a MatchingFactor, got {type(factor).__name__}")
-        super().__init__(factor)
+        super().__init__(factor, decline_peaked)
         self.nr = factor.n_rows
         self.nc = factor.n_cols
 

@@ -1433,12 +1433,12 @@ cdef class SequenceFacetSolver(FacetSolver):
     cdef object r_array
     cdef const double* r
 
-    def __init__(self, Factor factor):
+    def __init__(self, Factor factor, decline_peaked=True):
         from sparsemap._factors._sequence import SequenceFactor
         from sparsemap._active_set import tie_direction
         if not isinstance(factor, SequenceFactor):
             raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
-        super().__init__(factor)
+        super().__init__(factor, decline_peaked)
         self.n = factor.n_positions
         self.S = factor.n_states
         self.r_array = np.ascontiguousarray(tie_direction(factor), dtype=np.float64).reshape(-1)

@@ -878,7 +878,7 @@ cdef class TreeFacetSolver(FacetSolver):
     (0, True)
     """
     cdef int N, n
-    cdef bint single_root, decline_peaked
+    cdef bint single_root
 
     def __init__(self, factor, decline_peaked=True):
         from sparsemap._factors._tree import TreeFactor
@@ -887,11 +887,10 @@ cdef class TreeFacetSolver(FacetSolver):
         if factor.projective:
             raise ValueError("factor: expected a non-projective TreeFactor (projective=False); "
                              "projective trees have no compact constraint description")
-        FacetSolver.__init__(self, factor)
+        FacetSolver.__init__(self, factor, decline_peaked)
         self.n = factor.n_words
         self.N = self.n + 1
         self.single_root = factor.single_root
-        self.decline_peaked = bool(decline_peaked)
 
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
@@ -963,9 +962,8 @@ cdef class TreeFacetSolver(FacetSolver):
         weights : ndarray of float64, shape (k,)
             Positive, summing to one, with ``sum_s w_s m_s = u`` up to round-off.
         """
-        from sparsemap._solve import solve   # the vertex side's entry point
-        r = solve(self.factor, np.asarray(u, dtype=np.float64), method="active_set", tol=0)
-        return np.asarray(r.structures, dtype=np.intc), np.asarray(r.weights, dtype=np.float64)
+        from sparsemap._active_set import decompose_point
+        return decompose_point(self.factor, u)
 
 
 cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_t budget,
