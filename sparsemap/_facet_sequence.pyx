@@ -1271,44 +1271,36 @@ cdef int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
     return leave
 
 
+cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size) noexcept nogil:
+    """The standard deviation of x's finite entries about their group's mean (n_groups
+    consecutive groups of size entries; 0 when none is finite)."""
+    cdef Py_ssize_t g, j, cnt, tot = 0
+    cdef double mean, acc = 0.0
+    cdef const double* xg
+    for g in range(n_groups):
+        xg = x + g * size
+        mean = 0.0
+        cnt = 0
+        for j in range(size):
+            if xg[j] > -INFINITY:
+                mean += xg[j]
+                cnt += 1
+        if cnt == 0:
+            continue
+        mean /= cnt
+        tot += cnt
+        for j in range(size):
+            if xg[j] > -INFINITY:
+                acc += (xg[j] - mean) ** 2
+    return (acc / tot) ** 0.5 if tot > 0 else 0.0
+
+
 cdef double _spread_ratio(const double* eta_u, const double* eta_v, int n, int S) noexcept nogil:
     """std(eta_v) / std(eta_u), each centred per transition and per position (finite
     entries): how far u moves from per-position sparsemax, relative to the unary
     scores' spread (0 when eta_v is constant per transition, inf when eta_u is)."""
-    cdef int i, a, cnt, tot = 0
-    cdef Py_ssize_t j, SS = S * S
-    cdef double mean, su = 0.0, sv = 0.0
-    for i in range(n):
-        mean = 0.0
-        cnt = 0
-        for a in range(S):
-            if eta_u[i * S + a] > -INFINITY:
-                mean += eta_u[i * S + a]
-                cnt += 1
-        if cnt == 0:
-            continue
-        mean /= cnt
-        tot += cnt
-        for a in range(S):
-            if eta_u[i * S + a] > -INFINITY:
-                su += (eta_u[i * S + a] - mean) ** 2
-    su = (su / tot) ** 0.5 if tot > 0 else 0.0
-    tot = 0
-    for i in range(n - 1):
-        mean = 0.0
-        cnt = 0
-        for j in range(SS):
-            if eta_v[i * SS + j] > -INFINITY:
-                mean += eta_v[i * SS + j]
-                cnt += 1
-        if cnt == 0:
-            continue
-        mean /= cnt
-        tot += cnt
-        for j in range(SS):
-            if eta_v[i * SS + j] > -INFINITY:
-                sv += (eta_v[i * SS + j] - mean) ** 2
-    sv = (sv / tot) ** 0.5 if tot > 0 else 0.0
+    cdef double su = _pooled_std(eta_u, n, S)
+    cdef double sv = _pooled_std(eta_v, n - 1, <Py_ssize_t> S * S)
     if sv == 0.0:
         return 0.0
     return sv / su if su > 0.0 else INFINITY
