@@ -611,6 +611,9 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.5000, -0.5000])
     """
     layout = _Layout(factor, eta_u, eta_v)
+    if solve_kw.get("method", "active_set") == "active_set":
+        # the distribution is the active set's support (the facet side has none)
+        solve_kw = dict(solve_kw, method="vertex")
     return _DistributionFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
 
 
