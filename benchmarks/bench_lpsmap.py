@@ -106,18 +106,8 @@ def worker(impl, repeats):
         return u.value.detach().numpy().ravel()
 
     def grid_case(backward):
-        m, n = grid.shape
-        x = torch.tensor(grid, requires_grad=backward)
-        fg = TorchFactorGraph()
-        z = fg.variable_from(x)
-        for i in range(m):
-            fg.add(Xor(z[i, :]))
-        for j in range(n):
-            fg.add(AtMostOne(z[:, j]))
-        fg.solve()
-        if backward:
-            (z.value * torch.arange(m * n).reshape(m, n)).sum().backward()
-        return z.value.detach().numpy().ravel()
+        return xor_grid(TorchFactorGraph, Xor, AtMostOne,
+                        torch.tensor(grid, requires_grad=backward), backward)
 
     cases = {"budget_loop": budget_loop, "constrained_tree": constrained_tree,
              "grid": grid_case}
@@ -141,6 +131,23 @@ def worker(impl, repeats):
     return out
 
 
+def xor_grid(TorchFactorGraph, Xor, AtMostOne, x, backward, **solve_kw):
+    """Xor on each row of x, AtMostOne on each column (the grid, an alignment), solved with
+    ``solve_kw``; with ``backward``, the gradient of a fixed linear function of u."""
+    import torch
+    m, n = x.shape
+    fg = TorchFactorGraph()
+    z = fg.variable_from(x)
+    for i in range(m):
+        fg.add(Xor(z[i, :]))
+    for j in range(n):
+        fg.add(AtMostOne(z[:, j]))
+    fg.solve(**solve_kw)
+    if backward:
+        (z.value * torch.arange(m * n).reshape(m, n)).sum().backward()
+    return z.value.detach().numpy().ravel()
+
+
 def _downstream_cases(impl, TorchFactorGraph, Xor, AtMostOne, DepTree, Budget):
     """Issue 25's shapes, as the downstream projects call lp-sparsemap: alignments and the
     padded batch with ``solve(max_iter=10)`` (the alignment project's speed setting, which
@@ -154,17 +161,7 @@ def _downstream_cases(impl, TorchFactorGraph, Xor, AtMostOne, DepTree, Budget):
     aligns, padded = _downstream_data()
 
     def alignment(x, backward):
-        m, n = x.shape
-        fg = TorchFactorGraph()
-        z = fg.variable_from(x)
-        for i in range(m):
-            fg.add(Xor(z[i, :]))
-        for j in range(n):
-            fg.add(AtMostOne(z[:, j]))
-        fg.solve(max_iter=10)
-        if backward:
-            (z.value * torch.arange(m * n).reshape(m, n)).sum().backward()
-        return z.value.detach().numpy().ravel()
+        return xor_grid(TorchFactorGraph, Xor, AtMostOne, x, backward, max_iter=10)
 
     def aligned(n):
         def run(backward):
@@ -332,14 +329,10 @@ def _native_downstream():
     import sparsemap.torch as smt
     aligns, padded = _downstream_data()
 
+    from bench_fg_robustness import grid
+
     def grid_graph(m, n):
-        g = sm.FactorGraph()
-        z = g.add_variables((m, n))
-        for i in range(m):
-            g.add(sm.XorFactor(n), z[i])
-        for j in range(n):
-            g.add(sm.AtMostOneFactor(m), z[:, j])
-        return g
+        return grid(m, n)[0]
 
     def aligned(n):
         g = grid_graph(n, n)

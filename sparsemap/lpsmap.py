@@ -1348,6 +1348,14 @@ class FactorGraph:
                 if getattr(exc, "factors", None) is None:
                     raise
                 raise ValueError(self._conflict(exc, native, owner)) from None
+            except sm.ConvergenceError as exc:
+                # the native advice (raise max_iter) cannot be followed here: this
+                # max_iter is lp-sparsemap's, accepted and ignored
+                raise sm.ConvergenceError(
+                    f"{str(exc).split('. Raise max_iter')[0]}. This solve() ignores "
+                    f"max_iter (lp-sparsemap's setting); to allow more iterations, build "
+                    f"the graph as a sparsemap.FactorGraph and call its solve(max_iter=...) "
+                    f"(see the migration guide, 'The low-level API').") from None
             how = "" if not verbose else _how_solved(native, report, decode)
         if verbose:
             print(f"sparsemap.lpsmap: {what} of {V} variables and {len(self.factors)} "
@@ -1415,7 +1423,9 @@ class FactorGraph:
             lp-sparsemap returns a point that breaks the constraints instead.
         sparsemap.ConvergenceError
             If no certified optimum was found within the native solver's
-            iteration limit (not seen on any graph we measured).
+            iteration limit (not seen on any graph we measured); the message
+            says how to allow more iterations (natively: this ``max_iter`` is
+            ignored).
 
         Examples
         --------

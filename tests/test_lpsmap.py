@@ -923,3 +923,36 @@ def test_value_before_solve_raises_attribute_error_as_lpsmap():
         u[1:].value
     fg.solve()
     assert u.value.shape == (3,)
+
+
+@pytest.mark.parametrize("graph_cls", [FactorGraph, TorchFactorGraph])
+def test_convergence_error_advice_can_be_followed_in_the_drop_in(graph_cls, monkeypatch):
+    """The native error says 'Raise max_iter'; the drop-in's max_iter is ignored, so its
+    message points to the native solve instead, and following it gives the answer."""
+    import sparsemap as sm
+    import sparsemap._factor_graph as fgm
+    x = np.random.default_rng(5).standard_normal((3, 4))
+    monkeypatch.setattr(fgm, "DEFAULT_MAX_ITER", 1)    # an iteration limit that binds
+    fg = graph_cls()
+    u = fg.variable_from(torch.tensor(x) if graph_cls is TorchFactorGraph else x)
+    for i in range(3):
+        fg.add(Xor(u[i, :]))
+    for j in range(4):
+        fg.add(AtMostOne(u[:, j]))
+    with pytest.raises(sm.ConvergenceError) as info:
+        fg.solve(max_iter=100000)
+    msg = str(info.value)
+    assert "Raise max_iter" not in msg and "ignores max_iter" in msg
+    assert "sparsemap.FactorGraph" in msg and "solve(max_iter=" in msg
+    g = sm.FactorGraph()
+    z = g.add_variables((3, 4))
+    for i in range(3):
+        g.add(sm.XorFactor(4), z[i])
+    for j in range(4):
+        g.add(sm.AtMostOneFactor(3), z[:, j])
+    r = g.solve({z: x}, max_iter=10000)
+    ref = factor_graph_qp(12, [(np.eye(4), None, list(range(4 * i, 4 * i + 4)), None)
+                               for i in range(3)]
+                          + [(np.c_[np.zeros(3), np.eye(3)], None, [j, 4 + j, 8 + j], None)
+                             for j in range(4)], x.ravel())
+    np.testing.assert_allclose(r.u, ref["u"], atol=1e-8)
