@@ -64,6 +64,19 @@ cdef Py_ssize_t FACE_MAX_ROWS = 4096
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
 
 
+def max_backward_rows():
+    """The backward set's cap, FACE_MAX_ROWS (for the solvers' layer's messages)."""
+    return FACE_MAX_ROWS
+
+
+def _set_max_backward_rows(Py_ssize_t rows):
+    """Set the cap and return the old one (tests: the cap's path without 4096 rows)."""
+    global FACE_MAX_ROWS
+    old = FACE_MAX_ROWS
+    FACE_MAX_ROWS = rows
+    return old
+
+
 cdef struct _Seen:
     # Hashes (| 1, so that 0 marks an empty slot) of structures already in the rows or
     # already tried, in an open-addressing table of size m (a power of 2) kept at most
