@@ -26,7 +26,7 @@ setting, number of words ``n`` and score scale, on ``eta = scale * randn`` (seed
   vertex side and Clarabel's status (``--ef-limit`` seconds at most; an exact
   finish and a Jacobian would come on top);
 * with ``--cap K``: the vertex side with its backward set's cap raised to ``K``
-  (4096 by default): what spanning the whole optimal face costs.
+  (8192 by default): what spanning the whole optimal face costs.
 
 Usage (sparsemap importable, e.g. ``PYTHONPATH=.`` from the repository root; the
 figures of the solvers page came from these runs, one after the other)::

@@ -52,8 +52,8 @@ _AT_CAP = ("u converged, but the backward set reached its cap of {} structures "
            "subface (the span of those structures) and are not the Jacobian (u, and the "
            "SparseMAP loss with its gradient, are exact). max_iter and tol "
            "do not change this. The face is this large at nearly flat scores on long inputs "
-           "(projective trees: scale 0.01, past about 85 words); scores of a larger "
-           "spread (0.03 suffices up to 120 words), shorter inputs, or a factor with a facet "
+           "(projective trees at scale 0.01 beyond the 120 words measured); scores of a "
+           "larger spread, shorter inputs, or a factor with a facet "
            "side, which has no cap (non-projective trees, sequences, matchings, with the "
            "default method), avoid it (solvers page: 'Projective trees at flat scores')")
 
@@ -515,7 +515,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         best iterate is still returned, with its gap. Also when ``u`` converged
         but its backward set could not be certified to span the optimal face
         (``converged=True``; ``message`` says why: ``max_iter`` ran out, or the
-        backward set reached its cap of 4096 structures), so that ``jvp`` and
+        backward set reached its cap of 8192 structures), so that ``jvp`` and
         ``vjp`` may be inexact (``max_iter``) or are a projection onto a
         subface, not the Jacobian (the cap; see "Projective trees at flat
         scores" on the solvers page).

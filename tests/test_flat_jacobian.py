@@ -245,13 +245,13 @@ def test_face_completion_budget_warns():
 @pytest.mark.parametrize("n, projective, seed, cap", [(12, False, 0, 125), (12, False, 0, 100),
                                                        (20, True, 3, 200)])
 def test_backward_set_cap_is_reported_truthfully(n, projective, seed, cap):
-    """At the backward set's cap (4096 structures, lowered here so that a small tree
+    """At the backward set's cap (8192 structures, lowered here so that a small tree
     reaches it) u is exact and converged; the warning and message name the cap, not
     max_iter or tol; and the products are then not the Jacobian (finite differences
     tell them apart), as they say. 12 words, non-projective (support 118 trees, face
     132), cap 125: the completion stops at the cap; 100: the support alone exceeds it.
-    20 words, projective (support 264, face 265; the family that meets the cap in use,
-    on the vertex side at flat scores past about 80 words), cap 200. On main before
+    20 words, projective (support 264, face 265; the family that can meet the cap in
+    use, having no facet side), cap 200. On main before
     this change the warning said "raise max_iter" and converged was False."""
     from sparsemap._backward import _set_max_backward_rows
     f = sm.TreeFactor(n, projective=projective)
