@@ -56,12 +56,26 @@ cdef double FACE_EPS = 1e-6
 cdef double FACE_SEE = 4.0
 cdef double FACE_MIN = 64.0
 # Most rows of a completed backward set: its Cholesky factor (cap x cap doubles, the
-# capacity doubling) then stays within 128 MiB. Reaching it ends the completion
-# uncertified (FACE_BUDGET): very flat scores on large factors, whose face is nearly
-# the whole polytope (a 100-word tree at scale 0.01).
-cdef Py_ssize_t FACE_MAX_ROWS = 4096
+# capacity doubling) then stays within 512 MiB, which the solve reaches by itself once
+# its support passes 4096 (projective trees of 100 and 120 words at scale 0.01: faces
+# of 4872 and 6529 trees, supports of 4206 and 5545; benchmarks/bench_projective.py).
+# Reaching it ends the completion uncertified (FACE_BUDGET).
+cdef Py_ssize_t FACE_MAX_ROWS = 8192
 # Fixed seed: completion is deterministic, and batches stay bitwise equal to solves.
 cdef unsigned long long FACE_SEED = 0x5eed5eed2018ULL
+
+
+def max_backward_rows():
+    """The backward set's cap, FACE_MAX_ROWS (for the solvers' layer's messages)."""
+    return FACE_MAX_ROWS
+
+
+def _set_max_backward_rows(Py_ssize_t rows):
+    """Set the cap and return the old one (tests: the cap's path without 4096 rows)."""
+    global FACE_MAX_ROWS
+    old = FACE_MAX_ROWS
+    FACE_MAX_ROWS = rows
+    return old
 
 
 cdef struct _Seen:

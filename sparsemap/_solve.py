@@ -22,7 +22,7 @@ from sparsemap import _batch
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
                                    STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED)
 from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED, _Solutions,
-                                 reduce_support, solution_from_arrays)
+                                 max_backward_rows, reduce_support, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
 from sparsemap._facet import facet_solver
@@ -43,10 +43,27 @@ _MESSAGES = {
     STATUS_STALLED: "stalled: no further progress in double precision "
                     "(round-off floor or degenerate cycling)",
     STATUS_STOPPED: "stopped by the callback",
-    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out (or the backward set reached "
-                            "its cap of 4096 structures) before the MAP calls certified that "
-                            "it spans the optimal face (jvp/vjp may be inexact)",
+    STATUS_FACE_INCOMPLETE: "u converged, but max_iter ran out before the MAP calls certified "
+                            "that the backward set spans the optimal face (jvp/vjp may be "
+                            "inexact); raise max_iter",
 }
+_AT_CAP = ("u converged, but the backward set reached its cap of {} structures "
+           "before it spanned the optimal face: jvp/vjp project onto the directions of a "
+           "subface (the span of those structures) and are not the Jacobian (u, and the "
+           "SparseMAP loss with its gradient, are exact). max_iter and tol "
+           "do not change this. The face is this large at nearly flat scores on long inputs "
+           "(projective trees at scale 0.01 beyond the 120 words measured); scores of a "
+           "larger spread, shorter inputs, or a factor with a facet "
+           "side, which has no cap (non-projective trees, sequences, matchings, with the "
+           "default method), avoid it (solvers page: 'Projective trees at flat scores')")
+
+
+def _face_message(sol):
+    """Why a converged solve's backward set was not certified: the cap or max_iter."""
+    cap = max_backward_rows()
+    if sol.n_backward + 1 >= cap:
+        return _AT_CAP.format(cap)
+    return _MESSAGES[STATUS_FACE_INCOMPLETE]
 
 # Tasks per job when a batch goes to an executor: enough to balance problems
 # of unequal cost, few enough that pickling stays cheap.
@@ -83,7 +100,10 @@ class SparseMAPResult:
     n_map : int
         Calls to the MAP oracle.
     converged : bool
-        Whether ``gap <= tol * gap_scale`` (see :func:`solve`).
+        Whether ``gap <= tol * gap_scale`` (see :func:`solve`): ``u`` is then
+        exact. It stays True when only the backward pass is uncertain (the
+        backward set could not be certified to span the optimal face, see the
+        solvers page): :func:`solve` then warns and ``message`` says why.
     gap : float
         Wolfe duality gap of the returned point, an upper bound on
         ``objective - min objective``. Always computed at return.
@@ -197,8 +217,9 @@ class SparseMAPResult:
 
     @property
     def converged(self):
-        """Whether the gap met the tolerance."""
-        return self._sol.status == STATUS_CONVERGED
+        """Whether the gap met the tolerance (``u`` exact; see ``message`` for the backward
+        set)."""
+        return self._sol.status in (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE)
 
     @property
     def gap(self):
@@ -213,6 +234,8 @@ class SparseMAPResult:
     @property
     def message(self):
         """Why the solver stopped."""
+        if self._sol.status == STATUS_FACE_INCOMPLETE:
+            return _face_message(self._sol)
         return _MESSAGES[self._sol.status]
 
     @property
@@ -244,9 +267,7 @@ class SparseMAPResult:
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
                                                   None, n_pos, face, b0)
             if face == FACE_STATUS_BUDGET:
-                warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
-                     "that the backward set spans the optimal face; jvp/vjp may be "
-                     "inexact. Raise max_iter.")
+                warn(f"SparseMAP ({self.method}): {_face_message(self._backward)}.")
             elif face == FACE_STATUS_FIBERED:
                 warn(f"SparseMAP ({self.method}): {_UNTIE_FAILED}")
         return self._backward
@@ -407,6 +428,9 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
 
 
 def _warn_not_converged(result, where):
+    if result._sol.status == STATUS_FACE_INCOMPLETE:
+        warn(f"{where}SparseMAP ({result.method}), gap {result.gap:.3g}: {result.message}.")
+        return
     warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
          f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.")
 
@@ -488,7 +512,13 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     -----
     ConvergenceWarning
         When the gap is above tolerance at return (``converged=False``); the
-        best iterate is still returned, with its gap.
+        best iterate is still returned, with its gap. Also when ``u`` converged
+        but its backward set could not be certified to span the optimal face
+        (``converged=True``; ``message`` says why: ``max_iter`` ran out, or the
+        backward set reached its cap of 8192 structures), so that ``jvp`` and
+        ``vjp`` may be inexact (``max_iter``) or are a projection onto a
+        subface, not the Jacobian (the cap; see "Projective trees at flat
+        scores" on the solvers page).
 
     See Also
     --------
