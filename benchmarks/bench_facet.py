@@ -59,6 +59,11 @@ from sparsemap._facet_matching import single_row_count  # noqa: E402
 from sparsemap._facet_sequence import transition_spread  # noqa: E402
 from sparsemap._facet_tree import single_head_count  # noqa: E402
 
+# the alternatives, as the family benchmarks time them (this folder is on sys.path)
+from bench_facet_matching import sinkhorn_case  # noqa: E402
+from bench_facet_sequence import crf_functions  # noqa: E402
+from bench_facet_tree import crf_timer  # noqa: E402
+
 TAGS = 17
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 TREEBANKS = ("UD_Vietnamese-VTB", "UD_Hungarian-Szeged")
@@ -293,30 +298,12 @@ def run_fit(args):
 
 
 # -- table a: trees at flat scores ---------------------------------------------------------
-def tree_crf(torch):
-    """log Z of the arborescences (matrix-tree theorem, Koo et al. 2007) and its gradient:
-    a timer over a float64 score tensor."""
-    def crf(eta, single_root):
-        eta = eta.detach().requires_grad_(True)
-        n = eta.shape[0] - 1
-        w = torch.exp(eta - eta.detach().max())
-        A = w[1:, 1:] * (1.0 - torch.eye(n, dtype=eta.dtype))
-        L = torch.diag(A.sum(0)) - A
-        if single_root:
-            L = torch.cat([w[0, 1:].unsqueeze(0), L[1:]], 0)
-        else:
-            L = L + torch.diag(w[0, 1:])
-        torch.logdet(L).backward()
-        return eta.grad
-    return crf
-
-
 def status(convs, warns):
     return f"{'yes' if all(convs) else f'{sum(convs)}/{len(convs)}':>5} {sum(warns):>5}"
 
 
 def table_a(args, torch):
-    crf = tree_crf(torch)
+    crf = crf_timer(torch)
     print("\n(a) non-projective trees, eta = s randn: default solve + vjp vs the matrix-tree "
           "CRF (torch float64, logdet + gradient); bar: ratio <= 10")
     head = (f"{'root':>6} {'s':>5} {'n':>4} | {'default ms':>10} {'side':>6} {'conv':>5} "
@@ -386,20 +373,9 @@ def table_b(args, torch):
 
 
 # -- table c: a sequence at flat unary scores -----------------------------------------------
-def sequence_crf(torch):
-    def log_partition(eu, ev):
-        alpha = eu[0]
-        for i in range(1, eu.shape[0]):
-            alpha = torch.logsumexp(alpha[:, None] + ev[i - 1], dim=0) + eu[i]
-        return torch.logsumexp(alpha, dim=0)
-
-    def crf(eta_u, eta_v):
-        """The forward algorithm's log-partition and its gradient (the marginals)."""
-        eu = torch.tensor(eta_u, requires_grad=True)
-        ev = torch.tensor(eta_v, requires_grad=True)
-        log_partition(eu, ev).backward()
-        return eu.grad, ev.grad
-    return crf
+def ratio(a, b):
+    """a / b in a 6-wide column ('-' when b is 0: every sampled difference was 0)."""
+    return f"{a / b:6.2f}" if b > 0 else f"{'-':>6}"
 
 
 def fd_norm(f, eta_u, eta_v, g, u, n_sample, eps, rng):
@@ -417,7 +393,7 @@ def fd_norm(f, eta_u, eta_v, g, u, n_sample, eps, rng):
 
 
 def table_c(args, torch):
-    crf = sequence_crf(torch)
+    crf = crf_functions()[0]          # log-partition and its gradient
     n = 60
     print(f"\n(c) sequence {n} x {TAGS}, eta_u = 0.1 randn: default solve + vjp vs the forward-"
           "algorithm CRF (torch float64, log-partition + gradient); bars: ratio <= 10, "
@@ -435,7 +411,7 @@ def table_c(args, torch):
             convs.append(r.converged)
             warns.append(w)
             sides.append(r.side)
-            tc.append(cpu_median(lambda: crf(eta_u, eta_v), args.repeats)[0])
+            tc.append(cpu_median(lambda: crf(eta_u, eta_v, g), args.repeats)[0])
             if seed == 0:
                 gv = np.linalg.norm(r.vjp(g)[1])
                 rng = np.random.default_rng(7)
@@ -444,35 +420,11 @@ def table_c(args, torch):
         md, mc = np.median(td), np.median(tc)
         side = sides[0] if len(set(sides)) == 1 else "mixed"
         print(f"{label:>12} | {1e3 * md:10.3f} {side:>6} {status(convs, warns)} | "
-              f"{1e3 * mc:7.3f} | {md / mc:6.2f} | {gv:8.3g} {fds[0]:13.3g} {gv / fds[0]:6.2f} "
-              f"{fds[1]:13.3g} {gv / fds[1]:6.2f}", flush=True)
+              f"{1e3 * mc:7.3f} | {md / mc:6.2f} | {gv:8.3g} {fds[0]:13.3g} {ratio(gv, fds[0])} "
+              f"{fds[1]:13.3g} {ratio(gv, fds[1])}", flush=True)
 
 
 # -- table d: matchings at flat scores ----------------------------------------------------------
-def sinkhorn(torch, eta, g, tol=1e-9, max_iter=20_000):
-    """Entropic optimal transport (temperature 1, log domain) to marginals within tol,
-    then a backward of g through the iterations: (iterations; negative if capped)."""
-    n, m = eta.shape
-    k, K = min(n, m), max(n, m)
-    a = np.ones(n) if n <= m else np.full(n, k / K)
-    b = np.ones(m) if m <= n else np.full(m, k / K)
-    E = torch.tensor(eta, requires_grad=True)
-    la, lb, ta = torch.log(torch.tensor(a)), torch.log(torch.tensor(b)), torch.tensor(a)
-    fr = torch.zeros(n, dtype=torch.float64)
-    gc = torch.zeros(m, dtype=torch.float64)
-    it, err = 0, np.inf
-    while it < max_iter:
-        fr = la - torch.logsumexp(E + gc[None, :], dim=1)
-        gc = lb - torch.logsumexp(E + fr[:, None], dim=0)
-        it += 1
-        with torch.no_grad():     # columns are exact after their update: check the rows
-            err = (torch.exp(E + fr[:, None] + gc[None, :]).sum(dim=1) - ta).abs().max()
-        if err <= tol:
-            break
-    (torch.exp(E + fr[:, None] + gc[None, :]) * torch.tensor(g)).sum().backward()
-    return it if err <= tol else -it
-
-
 def table_d(args, torch):
     print("\n(d) matchings at flat scores: default solve + vjp vs the vertex side vs "
           "Sinkhorn to 1e-9 (torch float64, forward + backward)")
@@ -491,7 +443,7 @@ def table_d(args, torch):
                 warns.append(w)
                 sides.append(r.side)
                 tv.append(cpu_median(solve_vjp(f, eta, None, g, "vertex"), args.repeats)[0])
-                t, it = cpu_median(lambda: sinkhorn(torch, eta, g), max(1, args.repeats // 2))
+                t, it = cpu_median(sinkhorn_case(eta, g, torch), max(1, args.repeats // 2))
                 ts.append(t)
                 its.append(it)
             md, mv, ms = np.median(td), np.median(tv), np.median(ts)
