@@ -74,8 +74,8 @@ whose head the masks force, and declines at once when they are at least
 measured crossover with the vertex side (``benchmarks/bench_facet.py --fit
 tree``: ``sm.solve`` + ``vjp`` on each side, 20 to 120 words, both root
 settings, ``eta = scale * randn`` with scale 0.01 to 10): about scale 2-3 at 20
-words, 3-5 from 40 on. Below it the facet side is faster (at scale 1, about
-even at 20 words and 10x at 120; at flat scores 100-5000x).
+words, 3-5 from 40 on. Below it the facet side is faster (at scale 1, 2x at
+20 words to 15x at 120; at flat scores 100-5000x).
 ``decline_peaked=False`` solves every problem.
 
 Backward pass
