@@ -61,3 +61,21 @@ cdef class FacetSolution:
     cdef public object u, v, residuals
     cdef public int status
     cdef public Py_ssize_t n_iter
+
+
+# The peaked-score tests (each family's decline_peaked rule) look at the gap between
+# the best and the second-best score of a simplex block: a block's sparsemax has a
+# single nonzero exactly when that gap is at least 1. Folds x[0], x[stride], ...,
+# x[(n - 1) stride] into the two largest values seen, b1 >= b2 (start both at -inf;
+# -inf entries leave them unchanged), without branches on the data.
+cdef inline void top2(const double* x, Py_ssize_t n, Py_ssize_t stride, double* b1,
+                      double* b2) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double v, lo, a = b1[0], b = b2[0]
+    for i in range(n):
+        v = x[i * stride]
+        lo = a if a < v else v
+        b = b if b > lo else lo
+        a = a if a > v else v
+    b1[0] = a
+    b2[0] = b

@@ -49,6 +49,12 @@ cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil:
 
 
 _FAMILIES = None
+# The solvers of the factors solved last, by the factor's id (each entry holds its
+# factor, so an id is not reused while cached): sm.solve builds a solver per call,
+# which cost as much as a small problem's choice of side. Solvers hold no per-solve
+# state, and batches already share one across threads.
+_RECENT = {}
+_RECENT_MAX = 64
 
 
 def facet_solver(Factor factor, bint decline_peaked=True):
@@ -78,10 +84,18 @@ def facet_solver(Factor factor, bint decline_peaked=True):
         from sparsemap._factors._tree import TreeFactor
         _FAMILIES = {TreeFactor: TreeFacetSolver, SequenceFactor: SequenceFacetSolver,
                      MatchingFactor: MatchingFacetSolver}
+    key = (id(factor), decline_peaked)
+    hit = _RECENT.get(key)
+    if hit is not None:
+        return hit[1]
     cls = _FAMILIES.get(type(factor))
     if cls is None or getattr(factor, "projective", False):
         return None
-    return cls(factor, decline_peaked)
+    solver = cls(factor, decline_peaked)
+    if len(_RECENT) >= _RECENT_MAX:
+        del _RECENT[next(iter(_RECENT))]          # the oldest
+    _RECENT[key] = (factor, solver)
+    return solver
 
 
 cdef class FacetSolver:

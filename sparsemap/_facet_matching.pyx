@@ -62,6 +62,17 @@ once when a row's spread of scores exceeds ``1e-9 / eps`` (about ``4.5e6``):
 ``z`` no longer resolves ``u`` to ``1e-9`` there, and such peaked scores are the
 vertex side's.
 
+*Peaked scores.* With ``decline_peaked`` (the default choice of side) the
+solver first counts, in one read of the scores and without allocating, the rows
+of the shorter side whose sparsemax has a single nonzero (the best allowed
+entry beats the second by at least 1), leaving out rows with a single allowed
+entry, and declines at once when they are at least ``PEAKED_A + PEAKED_B k``
+of the ``k`` rows (the forced left out): there the vertex side (a few
+matchings) is faster. The constants are fitted to the measured crossover
+(``benchmarks/bench_facet.py --fit matching``: ``sm.solve`` + ``vjp`` on each
+side, square and ``k x 5k/3`` matchings, k = 10 to 60, ``eta = scale * randn``
+with scale 0.01 to 10): scale 1-5 at k = 10-20, about 10 from k = 30 on.
+
 Scores are shifted per row by their maximum first (absorbed exactly by
 ``alpha``), so that only their spread enters round-off. ``-inf`` entries have
 ``z = -inf``: they are fixed at 0 and never enter a piece.
@@ -89,7 +100,7 @@ from libc.string cimport memcpy, memset
 from scipy.linalg.cython_lapack cimport dpotf2, dpotrs
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
-                               state_clear, state_resize)
+                               state_clear, state_resize, top2)
 from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, _scan
 
 from sparsemap._factors._matching import MatchingFactor
@@ -103,6 +114,59 @@ cdef double CAP = 1e-9
 # the state's ints: k, K, rs, cs, nP, then the pairs (i, j) of P, the active
 # columns (K), the pinned rows (k); its doubles: the factor (k k), 1/|P_j| (K)
 cdef int HEADER = 5
+
+
+# Peaked scores (see the module docstring): decline when at least
+# PEAKED_A + PEAKED_B k of the k rows of the shorter side (those with a single
+# allowed entry left out) have a single nonzero in their sparsemax. Fitted to the
+# measured crossover with the vertex side (benchmarks/bench_facet.py --fit
+# matching): 0.38 at k = 10, 0.46 at 20, 0.62 at 40, 0.78 at 60.
+cdef double PEAKED_A = 0.30
+cdef double PEAKED_B = 0.008
+
+
+cdef Py_ssize_t _single_rows(const double* eta, Py_ssize_t k, Py_ssize_t K, Py_ssize_t rs,
+                             Py_ssize_t cs, Py_ssize_t* forced) noexcept nogil:
+    """The logical rows (k of them, K entries each, strides rs and cs into eta)
+    whose sparsemax has a single nonzero: the best allowed entry beats the second
+    by at least 1, or is the only one (those are counted also into forced[0]).
+    One read of each score, no allocation."""
+    cdef Py_ssize_t i, c = 0, f = 0
+    cdef double b1, b2
+    for i in range(k):
+        b1 = -INFINITY
+        b2 = -INFINITY
+        top2(eta + i * rs, K, cs, &b1, &b2)
+        # b1 - b2: +inf when forced, nan when every entry is forbidden (not counted)
+        c += b1 - b2 >= 1.0
+        f += b2 == -INFINITY and b1 > -INFINITY
+    forced[0] = f
+    return c
+
+
+def single_row_count(eta):
+    """The number of rows of the shorter side (of ``eta``'s transpose when it is
+    tall) whose sparsemax has a single nonzero, and how many of them have a single
+    allowed entry (tests: the peaked-score test's count).
+
+    Parameters
+    ----------
+    eta : array_like, shape (n_rows, n_cols)
+        Scores (``-inf``: forbidden pairs).
+
+    Returns
+    -------
+    single, forced : int
+    """
+    cdef const double[:, ::1] e = np.ascontiguousarray(eta, dtype=np.float64)
+    cdef Py_ssize_t forced = 0, c, nr = e.shape[0], nc = e.shape[1]
+    if nr == 0 or nc == 0:
+        raise ValueError(f"eta: expected a nonempty 2-d array, got shape {tuple(np.shape(eta))}")
+    if nr > nc:
+        c = _single_rows(&e[0, 0], nc, nr, 1, nc, &forced)
+    else:
+        c = _single_rows(&e[0, 0], nr, nc, nc, 1, &forced)
+    return int(c), int(forced)
 
 
 cdef struct Point:
@@ -612,6 +676,7 @@ cdef class MatchingFacetSolver(FacetSolver):
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                      double* residuals) except -1 nogil:
         cdef Py_ssize_t k, K, rs, cs, i, j, it, ls, n_u = <Py_ssize_t> self.nr * self.nc
+        cdef Py_ssize_t single, forced = 0
         cdef bint tall = self.nr > self.nc, ok
         cdef int flags, code, rep
         cdef double gd, t, mu, m, z, spread, tol_psi, primal = 0.0, dual = 0.0
@@ -628,6 +693,12 @@ cdef class MatchingFacetSolver(FacetSolver):
             k, K, rs, cs = self.nc, self.nr, 1, self.nc
         else:
             k, K, rs, cs = self.nr, self.nc, self.nc, 1
+        if self.decline_peaked:
+            # peaked scores: the vertex side is cheaper (see the module docstring)
+            single = _single_rows(eta_u, k, K, rs, cs, &forced)
+            # (every row forced: nothing to choose, the facet side is immediate)
+            if k > forced and single - forced >= (PEAKED_A + PEAKED_B * k) * (k - forced):
+                return FACET_DECLINED
 
         flags = _scan(eta_u, n_u)
         if flags & HAS_BAD:

@@ -47,7 +47,11 @@ arcs: the first level of the start's lexicographic transport costs minimises the
 mass they carry, and the solver declines where it is positive.
 
 The solution is certified independently by the Wolfe duality gap (one Viterbi
-call at the adjusted scores) and the marginalisation residuals. The solver
+call at the adjusted scores) and the marginalisation residuals. With
+``decline_peaked`` (the default choice of side), the solver declines at once when
+the transition scores are spread enough, for the unary scores' spread, that the
+vertex side is measured to be faster: ``u`` then crosses many structures on the
+way from per-position sparsemax, while the active set needs few. It also
 declines (the caller then takes the vertex side) when the pieces estimated from
 the scores' spreads, or projected from the first pieces, exceed twice its budget,
 when the budget runs out, at forbidden transitions its start cannot avoid, and
@@ -55,7 +59,7 @@ whenever a check fails.
 """
 import numpy as np
 
-from libc.math cimport INFINITY, fabs
+from libc.math cimport INFINITY, fabs, pow
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 from scipy.linalg.cython_blas cimport dgemv, dsyrk, dtrsm, dtrsv
@@ -81,6 +85,21 @@ cdef Py_ssize_t EARLY = 12
 # n S min(1, rho), rho = std(eta_v) / std(eta_u) (each centred per transition and per
 # position): 0.03 n S at rho = 0.01, 0.07 n S at 0.1, 0.2 to 1.2 n S at 1 and above.
 cdef double EST_FACTOR = 2.0
+# Spread transitions (decline_peaked): decline when sv >= SPREAD_A max(su, SU_FLOOR) **
+# SPREAD_B, sv and su the pooled standard deviations of eta_v (about each transition's
+# mean; every k-th transition, see SPREAD_SAMPLE) and eta_u (about each position's).
+# u moves from per-position sparsemax (the path's start) as eta_v grows against u's
+# scale 1, and the facet side's pieces with it, while the vertex side gets cheaper as
+# eta_u gets peaked. Fitted to the measured crossover with the vertex side
+# (benchmarks/bench_facet.py --fit sequence; n x 17 tags, n = 20 to 80, eta_u = s randn,
+# eta_v = rho s randn, rho = 1, 0.3, 0.1, s = 0.01 to 10): at su = 0.1, 1 and 5 the
+# facet side declines from sv = 0.068, 0.136 and 0.22.
+cdef double SPREAD_A = 0.1359
+cdef double SPREAD_B = 0.3
+cdef double SU_FLOOR = 0.01
+# The spread of eta_v is read from about this many entries (whole transitions, evenly
+# spaced): a choice of side, not an answer, and it runs before every vertex-side solve.
+cdef Py_ssize_t SPREAD_SAMPLE = 2048
 
 cdef enum:
     EV_NONE = 0
@@ -1271,39 +1290,96 @@ cdef int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
     return leave
 
 
-cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size) noexcept nogil:
-    """The standard deviation of x's finite entries about their group's mean (n_groups
-    consecutive groups of size entries; 0 when none is finite)."""
-    cdef Py_ssize_t g, j, cnt, tot = 0
-    cdef double mean, acc = 0.0
+cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size,
+                        Py_ssize_t step) noexcept nogil:
+    """The standard deviation of x's finite entries about their group's mean, over the
+    groups 0, step, 2 step, ... of n_groups consecutive groups of size entries (0 when
+    none is finite). It runs before every solve of the default choice of side, so it
+    reads each entry once: sums of the entries and of their squares (shifted by the
+    group's first entry, so that round-off stays at the spread's scale), in four
+    accumulators whose adds overlap."""
+    cdef Py_ssize_t g, j, k, cnt, tot = 0, end = size - size % 4
+    cdef double c, d, s1, s2, acc = 0.0
+    cdef double a1[4]
+    cdef double a2[4]
+    cdef Py_ssize_t an[4]
+    cdef bint ok
     cdef const double* xg
-    for g in range(n_groups):
+    g = -step
+    while g + step < n_groups:
+        g += step
         xg = x + g * size
-        mean = 0.0
-        cnt = 0
-        for j in range(size):
-            if xg[j] > -INFINITY:
-                mean += xg[j]
-                cnt += 1
+        c = xg[0] if xg[0] > -INFINITY else 0.0
+        for k in range(4):
+            a1[k] = 0.0
+            a2[k] = 0.0
+            an[k] = 0
+        for j in range(0, end, 4):
+            for k in range(4):
+                ok = xg[j + k] > -INFINITY          # finite (nan: False)
+                d = xg[j + k] - c if ok else 0.0
+                a1[k] += d
+                a2[k] += d * d
+                an[k] += ok
+        for j in range(end, size):
+            ok = xg[j] > -INFINITY
+            d = xg[j] - c if ok else 0.0
+            a1[0] += d
+            a2[0] += d * d
+            an[0] += ok
+        cnt = an[0] + an[1] + an[2] + an[3]
         if cnt == 0:
             continue
-        mean /= cnt
+        s1 = (a1[0] + a1[1]) + (a1[2] + a1[3])
+        s2 = (a2[0] + a2[1]) + (a2[2] + a2[3])
+        acc += max(s2 - s1 * s1 / cnt, 0.0)
         tot += cnt
-        for j in range(size):
-            if xg[j] > -INFINITY:
-                acc += (xg[j] - mean) ** 2
     return (acc / tot) ** 0.5 if tot > 0 else 0.0
 
 
-cdef double _spread_ratio(const double* eta_u, const double* eta_v, int n, int S) noexcept nogil:
-    """std(eta_v) / std(eta_u), each centred per transition and per position (finite
-    entries): how far u moves from per-position sparsemax, relative to the unary
-    scores' spread (0 when eta_v is constant per transition, inf when eta_u is)."""
-    cdef double su = _pooled_std(eta_u, n, S)
-    cdef double sv = _pooled_std(eta_v, n - 1, <Py_ssize_t> S * S)
+cdef inline Py_ssize_t _spread_step(Py_ssize_t T, Py_ssize_t S) noexcept nogil:
+    """Every how many transitions the spread of eta_v is read: about SPREAD_SAMPLE
+    entries (whole transitions, evenly spaced; all of them for short sequences)."""
+    return 1 + T * S * S // SPREAD_SAMPLE
+
+
+cdef double _spread_ratio(double su, double sv) noexcept nogil:
+    """sv / su, the pooled standard deviations of eta_v (centred per transition) and
+    eta_u (per position): how far u moves from per-position sparsemax, relative to the
+    unary scores' spread (0 when eta_v is constant per transition, inf when eta_u is)."""
     if sv == 0.0:
         return 0.0
     return sv / su if su > 0.0 else INFINITY
+
+
+def transition_spread(eta_u, eta_v):
+    """The spreads the choice of side reads: the pooled standard deviations of
+    ``eta_v`` (about each transition's mean) and of ``eta_u`` (about each
+    position's), over finite entries (tests: the spread test's figures).
+
+    Parameters
+    ----------
+    eta_u : array_like, shape (n, S)
+    eta_v : array_like, shape (n - 1, S, S)
+
+    Returns
+    -------
+    sv, su : float
+        ``sv`` over every ``k``-th transition, ``k = 1 + (n - 1) S^2 // 2048``
+        (whole transitions, about 2048 entries; all of them for short sequences).
+    declines : bool
+        Whether the default solver declines for them (``sv >= SPREAD_A *
+        max(su, SU_FLOOR) ** SPREAD_B``).
+    """
+    cdef const double[:, ::1] u = np.ascontiguousarray(eta_u, dtype=np.float64)
+    cdef const double[:, :, ::1] v = np.ascontiguousarray(eta_v, dtype=np.float64)
+    cdef Py_ssize_t n = u.shape[0], S = u.shape[1]
+    if n < 2 or S < 1 or v.shape[0] != n - 1 or v.shape[1] != S or v.shape[2] != S:
+        raise ValueError(f"eta_v: expected shape ({n - 1}, {S}, {S}) for eta_u of shape "
+                         f"{(n, S)} (n >= 2), got {tuple(np.shape(eta_v))}")
+    cdef double su = _pooled_std(&u[0, 0], n, S, 1)
+    cdef double sv = _pooled_std(&v[0, 0, 0], n - 1, S * S, _spread_step(n - 1, S))
+    return sv, su, bool(sv >= SPREAD_A * pow(max(su, SU_FLOOR), SPREAD_B))
 
 
 # -- the state -------------------------------------------------------------------------
@@ -1359,6 +1435,9 @@ cdef int _load(_W* w, const FacetState* st) noexcept nogil:
         if _bfs(w, i):
             return 1
     return _factor_all(w)
+
+
+_TIE_DIRECTIONS = {}     # n_v: sparsemap.testing.tie_direction of that size, read-only
 
 
 cdef class SequenceFacetSolver(FacetSolver):
@@ -1433,7 +1512,14 @@ cdef class SequenceFacetSolver(FacetSolver):
         super().__init__(factor, decline_peaked)
         self.n = factor.n_positions
         self.S = factor.n_states
-        self.r_array = np.ascontiguousarray(tie_direction(factor), dtype=np.float64).reshape(-1)
+        # one read-only copy per size: a solver is built for every solve of the default
+        # choice, and copying r cost more than the peaked-score test
+        r = _TIE_DIRECTIONS.get(factor.n_v)
+        if r is None:
+            r = np.ascontiguousarray(tie_direction(factor), dtype=np.float64).reshape(-1)
+            r.flags.writeable = False
+            _TIE_DIRECTIONS[factor.n_v] = r
+        self.r_array = r
         cdef const double[::1] rv = self.r_array
         self.r = &rv[0] if rv.shape[0] else NULL
 
@@ -1445,8 +1531,17 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef double scale_u = 0.0, scale_v = 0.0, x
         cdef _W w
         cdef int* stack = NULL
+        cdef double su, sv
         n_iter[0] = 0
         residuals[0] = residuals[1] = INFINITY
+        if T > 0:
+            su = _pooled_std(eta_u, n, S, 1)
+            sv = _pooled_std(eta_v, T, <Py_ssize_t> S * S, _spread_step(T, S))
+            # spread transitions: the vertex side is cheaper (see the module docstring)
+            if self.decline_peaked and sv >= SPREAD_A * pow(max(su, SU_FLOOR), SPREAD_B):
+                return FACET_DECLINED
+            if EST_FACTOR * budget < n * S * min(1.0, _spread_ratio(su, sv)):
+                return FACET_DECLINED
         for j in range(n * S):
             x = eta_u[j]
             if x != x or x == INFINITY:
@@ -1460,8 +1555,6 @@ cdef class SequenceFacetSolver(FacetSolver):
                     return FACET_DECLINED
                 if x > -INFINITY and fabs(x) > scale_v:
                     scale_v = fabs(x)
-        if T > 0 and EST_FACTOR * budget < n * S * min(1.0, _spread_ratio(eta_u, eta_v, n, S)):
-            return FACET_DECLINED
         _alloc(&w, n, S, self.factor.work_bytes)
         # the cascade's stack: at most one entry per arc removed, plus one
         stack = <int*> malloc((2 * n * S + 2) * sizeof(int))

@@ -65,14 +65,18 @@ arcs (the vertex side raises the ``ValueError``), or when scores are not
 finite where they are read.
 
 *Peaked scores.* At peaked scores many cuts are tight and the vertex side
-(a few trees) is cheaper. After the first projection (no cuts yet), when more
-than 55% of the words (those whose head the masks force aside) have a single
-head, the solver declines at once: the failed attempt costs that one pass,
-``O(n^2)`` (about 0.01 ms at 20 words and 0.2-0.3 ms at 120). The threshold is
-the measured crossover with the vertex side (``benchmarks/bench_facet_tree.py``):
-about scale 2-3 at 20 words, 3-5 at 60 and 5-10 at 120 (``eta = scale * randn``);
-below it the facet side is faster (at scale 1, 2x at 20 words to 20x at 120;
-at flat scores 100-5000x). ``decline_peaked=False`` solves every problem.
+(a few trees) is cheaper. Before anything else (one read of the scores, no
+allocation), the solver counts the words whose column sparsemax has a single
+head (the best allowed head beats the second by at least 1), leaving out those
+whose head the masks force, and declines at once when they are at least
+``PEAKED_A + PEAKED_B n`` of the ``n`` words (also leaving the forced out):
+0.34 at 20 words, 0.44 at 60, 0.59 at 120. The constants are fitted to the
+measured crossover with the vertex side (``benchmarks/bench_facet.py --fit
+tree``: ``sm.solve`` + ``vjp`` on each side, 20 to 120 words, both root
+settings, ``eta = scale * randn`` with scale 0.01 to 10): about scale 2-3 at 20
+words, 3-5 from 40 on. Below it the facet side is faster (at scale 1, 2x at
+20 words to 15x at 120; at flat scores 100-5000x).
+``decline_peaked=False`` solves every problem.
 
 Backward pass
 -------------
@@ -115,7 +119,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
-                               state_resize)
+                               state_resize, top2)
 from sparsemap._factors._base cimport Factor
 
 ctypedef unsigned long long u64
@@ -217,10 +221,56 @@ cdef enum:
     SEP_FAILED = -2
 
 
-# Decline when more than this fraction of the words have a single head in the
-# first projection (no cuts): measured crossover with the vertex side
-# (benchmarks/bench_facet_tree.py), about scale 2 at 20 words, 5 at 120.
-cdef double ONEHOT_DECLINE = 0.55
+# Peaked scores (see the module docstring): decline when at least
+# PEAKED_A + PEAKED_B n of the n words (those whose head the masks force left
+# out) have a single head in the column-wise sparsemax of the scores. Fitted to the
+# measured crossover with the vertex side (benchmarks/bench_facet.py --fit tree):
+# 0.34 at 20 words, 0.44 at 60, 0.59 at 120.
+cdef double PEAKED_A = 0.29
+cdef double PEAKED_B = 0.0025
+
+
+cdef int _single_heads(const double* eta, int N, int* forced) noexcept nogil:
+    """The words (columns m = 1..N-1 of the row-major N x N eta) whose column
+    sparsemax has a single head: the best allowed head beats the second by at
+    least 1 (or is the only one). Those with one allowed head (the masks force
+    it) are counted in both, and also into forced[0]. One read of each score,
+    no allocation: the peaked-score test runs before anything else."""
+    cdef int m, c = 0, f = 0
+    cdef double b1, b2
+    for m in range(1, N):
+        b1 = -INFINITY
+        b2 = -INFINITY
+        top2(eta + m, m, N, &b1, &b2)                           # heads 0..m-1
+        top2(eta + (m + 1) * N + m, N - m - 1, N, &b1, &b2)     # heads m+1..N-1
+        # b1 - b2: +inf when forced, nan when no head is allowed (not counted)
+        c += b1 - b2 >= 1.0
+        f += b2 == -INFINITY and b1 > -INFINITY
+    forced[0] = f
+    return c
+
+
+def single_head_count(eta):
+    """The number of words whose column sparsemax has a single head, and how many
+    of them have one allowed head only (tests: the peaked-score test's count).
+
+    Parameters
+    ----------
+    eta : array_like, shape (n + 1, n + 1)
+        Arc scores ``eta[h, m]`` (``-inf``: not allowed; the diagonal and column
+        0 are ignored).
+
+    Returns
+    -------
+    single, forced : int
+    """
+    cdef const double[:, ::1] e = np.ascontiguousarray(eta, dtype=np.float64)
+    cdef int forced = 0, c
+    if e.shape[0] != e.shape[1] or e.shape[0] < 2:
+        raise ValueError(f"eta: expected a square array of side at least 2, got shape "
+                         f"{tuple(np.shape(eta))}")
+    c = _single_heads(&e[0, 0], <int> e.shape[0], &forced)
+    return c, forced
 
 
 cdef struct Flow:
@@ -257,8 +307,6 @@ cdef struct Work:
     double* H                    # k x k, row-major
     double* cx                   # C x
     double dual                  # D(mu) (without its constant)
-    int onehot                   # columns whose support is a single arc
-    bint decline_peaked
     Py_ssize_t changes           # support entries that changed in the last projection
     Flow F                       # the separation's scratch
     int* iscratch                # 2N ints
@@ -310,7 +358,6 @@ cdef void _project(Work* w) noexcept nogil:
     cdef u64 bm, b, bb
     cdef double a[MAX_CUTS]
     cdef long long changes = 0
-    cdef int onehot = 0
     for i in range(k * k):
         w.H[i] = 0.0
     for i in range(k):
@@ -333,7 +380,6 @@ cdef void _project(Work* w) noexcept nogil:
         t = _threshold(z, N, w.tau[m])
         w.tau[m] = t
         cm = sm_clip(z, N, t, x, sp, &changes, &sq)
-        onehot += cm == 1
         dual -= t + 0.5 * sq
         if bm == 0 or k == 0:
             continue
@@ -372,7 +418,6 @@ cdef void _project(Work* w) noexcept nogil:
             w.H[i * k + j] = w.H[j * k + i]
     w.dual = dual
     w.changes = changes
-    w.onehot = onehot
 
 
 cdef int _cholesky(double* A, int k, const double* diag0, char* kept) noexcept nogil:
@@ -899,6 +944,17 @@ cdef class TreeFacetSolver(FacetSolver):
         cdef Py_ssize_t NN = <Py_ssize_t> N * N
         cdef Work w
         cdef char* block
+        cdef int forced = 0, single
+        if self.decline_peaked:
+            # peaked scores: the vertex side is cheaper (see the module docstring);
+            # words whose head the masks force do not count
+            single = _single_heads(eta_u, N, &forced)
+            # (every word forced: nothing to choose, the facet side is immediate)
+            if self.n > forced and \
+                    single - forced >= (PEAKED_A + PEAKED_B * self.n) * (self.n - forced):
+                n_iter[0] = 0
+                residuals[0] = residuals[1] = 0.0
+                return FACET_DECLINED
         cdef Py_ssize_t nbytes = ((2 * NN + 4 * N + 3 * MAX_CUTS + MAX_CUTS * MAX_CUTS)
                                   * sizeof(double) + N * sizeof(u64) + 2 * N * sizeof(int)
                                   + NN + N + 32)
@@ -910,7 +966,6 @@ cdef class TreeFacetSolver(FacetSolver):
         w.n = self.n
         w.k = 0
         w.single_root = self.single_root
-        w.decline_peaked = self.decline_peaked
         w.ET = <double*> block
         w.XT = w.ET + NN
         w.tau = w.XT + NN
@@ -972,7 +1027,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double val, cmax, tol, tol_g, cut_min, rp, rd, s
     cdef bint forbidden = False
-    cdef int forced = 0, allowed
     cdef char* S
     n_iter[0] = 0
     residuals[0] = residuals[1] = 0.0
@@ -985,7 +1039,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         w.ET[h] = -INFINITY
     for m in range(1, N):
         cmax = -INFINITY
-        allowed = 0
         for h in range(N):
             if h == m:
                 w.ET[m * N + h] = -INFINITY
@@ -995,14 +1048,11 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 forbidden = True
             elif not isfinite(val):
                 return FACET_DECLINED     # nan / +inf: the caller's validation raises
-            else:
-                allowed += 1
-                if val > cmax:
-                    cmax = val
+            elif val > cmax:
+                cmax = val
             w.ET[m * N + h] = val
         if cmax == -INFINITY:
             return FACET_DECLINED         # a word with no allowed head
-        forced += allowed == 1
         for h in range(N):
             w.ET[m * N + h] -= cmax       # -inf stays -inf
     memset(w.supp, 0, NN)
@@ -1020,10 +1070,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     _add_cut(w, S, w.single_root)
     _project(w)
     n_iter[0] += 1
-    # peaked scores: the vertex side is cheaper (see the module docstring)
-    # (words whose head the masks force do not count)
-    if w.decline_peaked and w.onehot - forced > ONEHOT_DECLINE * (w.n - forced):
-        return FACET_DECLINED
     while True:
         if _dual_solve(w, budget, n_iter, tol_g):
             return FACET_DECLINED

@@ -28,7 +28,7 @@ SCALES = [0.01, 0.1, 1.0, 5.0]
 
 def solve(eta, **kw):
     f = sm.MatchingFactor(*eta.shape)
-    return f, MatchingFacetSolver(f).solve(eta, **kw)
+    return f, MatchingFacetSolver(f, decline_peaked=False).solve(eta, **kw)
 
 
 def score_cases(shape, rng):
@@ -125,7 +125,7 @@ def test_brute_force_qp_and_kkt_over_all_structures(shape):
     rng = np.random.default_rng(sum(shape))
     f = sm.MatchingFactor(*shape)
     for name, eta in score_cases(shape, rng):
-        sol = MatchingFacetSolver(f).solve(eta)
+        sol = MatchingFacetSolver(f, decline_peaked=False).solve(eta)
         ref = brute_force_u(eta)
         if ref is None:                 # every matching uses a forbidden pair
             assert sol.status == DECLINED
@@ -214,9 +214,9 @@ def test_masks():
             try:
                 r = sm.solve(f, eta)
             except ValueError:          # no matching avoids the masks
-                assert MatchingFacetSolver(f).solve(eta).status == DECLINED
+                assert MatchingFacetSolver(f, decline_peaked=False).solve(eta).status == DECLINED
                 continue
-            sol = MatchingFacetSolver(f).solve(eta)
+            sol = MatchingFacetSolver(f, decline_peaked=False).solve(eta)
             assert sol.status == SOLVED
             assert not np.isnan(sol.u).any()
             np.testing.assert_allclose(sol.u, r.u, atol=1e-10)
@@ -265,7 +265,7 @@ def test_bad_scores_and_budget_decline():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="factor"):
         MatchingFacetSolver(sm.SequenceFactor(3, 2))
-    S = MatchingFacetSolver(sm.MatchingFactor(2, 3))
+    S = MatchingFacetSolver(sm.MatchingFactor(2, 3), decline_peaked=False)
     with pytest.raises(ValueError, match="u: expected shape"):
         S.decompose(np.zeros((3, 2)))
     with pytest.raises(ValueError, match="u: expected a point"):
@@ -330,7 +330,7 @@ def test_jacobian_at_a_kink_is_a_projection():
 def test_state_round_trip_and_threads():
     rng = np.random.default_rng(4)
     f = sm.MatchingFactor(9, 12)
-    S = MatchingFacetSolver(f)
+    S = MatchingFacetSolver(f, decline_peaked=False)
     etas = [s * rng.standard_normal((9, 12)) for s in (0.01, 0.3, 1, 5) for _ in range(4)]
     serial = [S.solve(e) for e in etas]
     with ThreadPoolExecutor(4) as ex:

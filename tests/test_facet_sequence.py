@@ -22,7 +22,7 @@ SOLVED, DECLINED = 0, 1
 
 def facet(n, S, eta_u, eta_v=None, **kw):
     f = sm.SequenceFactor(n, S)
-    sol = SequenceFacetSolver(f).solve(eta_u, eta_v, **kw)
+    sol = SequenceFacetSolver(f, decline_peaked=False).solve(eta_u, eta_v, **kw)
     return f, sol
 
 
@@ -250,7 +250,7 @@ def test_declines():
 def test_bad_input():
     with pytest.raises(ValueError, match="SequenceFactor"):
         SequenceFacetSolver(sm.TreeFactor(3))
-    solver = SequenceFacetSolver(sm.SequenceFactor(3, 2))
+    solver = SequenceFacetSolver(sm.SequenceFactor(3, 2), decline_peaked=False)
     with pytest.raises(ValueError, match="eta_u"):
         solver.solve(np.zeros((3, 3)))
     with pytest.raises(ValueError, match="v"):
@@ -266,7 +266,7 @@ def test_jacobian_against_finite_differences_of_the_vertex_side(n, S, scale, v_s
     f = sm.SequenceFactor(n, S)
     eta_u = scale * rng.standard_normal((n, S))
     eta_v = v_scale * rng.standard_normal((n - 1, S, S))
-    sol = SequenceFacetSolver(f).solve(eta_u, eta_v)
+    sol = SequenceFacetSolver(f, decline_peaked=False).solve(eta_u, eta_v)
     assert sol.status == SOLVED
     for _ in range(3):
         d_u, d_v = rng.standard_normal((n, S)), rng.standard_normal((n - 1, S, S))
@@ -323,7 +323,7 @@ def test_ties_take_the_piece_along_the_tie_direction(kind):
     r = tie_direction(f)
     eta_u = 0.2 * rng.standard_normal((n, S))
     eta_v = np.zeros((n - 1, S, S)) if kind == "zeros_v" else 0.1 * rng.integers(-1, 2, (n - 1, S, S))
-    solver = SequenceFacetSolver(f)
+    solver = SequenceFacetSolver(f, decline_peaked=False)
     sol = solver.solve(eta_u, eta_v)
     t = 1e-7
     near = solver.solve(eta_u, eta_v + t * r)
@@ -408,7 +408,7 @@ def test_threads_give_serial_results():
     rng = np.random.default_rng(8)
     problems = [(0.1 * rng.standard_normal((n, S)), 1e-2 * rng.standard_normal((n - 1, S, S)))
                 for _ in range(8)]
-    solver = SequenceFacetSolver(sm.SequenceFactor(n, S))
+    solver = SequenceFacetSolver(sm.SequenceFactor(n, S), decline_peaked=False)
     serial = [solver.solve(eu, ev) for eu, ev in problems]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         threaded = list(ex.map(lambda p: solver.solve(*p), problems))
