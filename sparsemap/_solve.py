@@ -824,6 +824,17 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     ...              for r, e in zip(rs, etas_u))
     (8, True)
     """
+    return _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, _element)
+
+
+def _element(i):
+    """How warnings and errors name problem ``i`` of a batch."""
+    return f"batch element {i}"
+
+
+def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
+    """:func:`solve_batch`, whose warnings name problem ``i`` as ``where(i)`` (the torch
+    layer's elements have multi-dimensional indices)."""
     unknown = set(solve_kw) - {"method", "max_iter", "tol", "init", "return_history"}
     if unknown:
         raise TypeError(f"solve_batch() got an unexpected keyword argument {sorted(unknown)[0]!r}")
@@ -871,7 +882,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
                for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
-            _warn_not_converged(r, f"problem {i}: ")
+            _warn_not_converged(r, f"{where(i)}: ")
     return results
 
 
@@ -1013,7 +1024,7 @@ def _blocks(factors, arr, on_v):
             for i, f in enumerate(fs)]
 
 
-def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
+def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_element):
     """Solve a padded batch (the fast path of ``sparsemap.torch``; private).
 
     Parameters
@@ -1033,6 +1044,8 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
     n_jobs : int or None
     solve_kw : dict
         As for :func:`solve_batch`.
+    where : callable, optional
+        ``where(i)`` names problem ``i`` in warnings (default ``batch element i``).
 
     Returns
     -------
@@ -1056,9 +1069,9 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
         # copies (CG's results keep their scores for the backward pass)
         etas_u = np.array(etas_u, dtype=np.float64)
         etas_v = None if etas_v is None else np.array(etas_v, dtype=np.float64)
-        results = solve_batch(factors, _blocks(factors, etas_u, False),
-                              None if etas_v is None else _blocks(factors, etas_v, True),
-                              n_jobs=n_jobs, **solve_kw)
+        results = _solve_batch(factors, _blocks(factors, etas_u, False),
+                               None if etas_v is None else _blocks(factors, etas_v, True),
+                               n_jobs, None, solve_kw, where)
         out_u[...] = 0.0
         for b, r in zip(_blocks(factors, out_u, False), results):
             b[...] = r.u
@@ -1071,11 +1084,11 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
     sols = _run(batch, n_threads)
     report = batch.report()
     if report:
-        _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol)
+        _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol, where)
     return sols
 
 
-def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
+def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, where=_element):
     """The problems a padded run reported, as :func:`solve_batch` would treat them.
 
     A refused block (nan or +inf) goes through the factor's validation, which
@@ -1101,9 +1114,26 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
             raise _infeasible_error(fs[i], i)
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
-            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
+            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"{where(i)}: ")
         elif sol.face_status == _active_set.FACE_STATUS_FIBERED:
-            warn(f"SparseMAP: problem {i}: {_UNTIE_FAILED}")
+            warn(f"{where(i)}: SparseMAP: {_UNTIE_FAILED}")
+
+
+# What the torch layer's report calls each status (SparseMAPResult.message says more).
+_STATUS_NAMES = {STATUS_CONVERGED: "converged", STATUS_MAX_ITER: "max_iter",
+                 STATUS_STALLED: "stalled", STATUS_FACE_INCOMPLETE: "face_incomplete",
+                 STATUS_STOPPED: "stopped"}
+
+
+def _padded_info(handles):
+    """Support sizes, iteration counts, statuses (names) and gaps of a padded batch's
+    problems, from :func:`_solve_padded`'s handles (no solve)."""
+    sols = [handles.solution(i) for i in range(len(handles))] \
+        if isinstance(handles, _Solutions) else [h._sol for h in handles]
+    return (np.array([s.n_support for s in sols], dtype=np.int64),
+            np.array([s.n_iter for s in sols], dtype=np.int64),
+            [_STATUS_NAMES[s.status] for s in sols],
+            np.array([s.gap for s in sols], dtype=np.float64))
 
 
 def _infeasible_error(f, i):
