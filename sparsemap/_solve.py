@@ -1119,20 +1119,20 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, whe
             warn(f"{where(i)}: SparseMAP: {_UNTIE_FAILED}")
 
 
-# What the torch layer's report calls each status (SparseMAPResult.message says more).
-_STATUS_NAMES = {STATUS_CONVERGED: "converged", STATUS_MAX_ITER: "max_iter",
-                 STATUS_STALLED: "stalled", STATUS_FACE_INCOMPLETE: "face_incomplete",
-                 STATUS_STOPPED: "stopped"}
+# The statuses of the torch layer's report, by code (SparseMAPResult.message says more).
+_STATUS_NAMES = ("converged", "max_iter", "stalled", "face_incomplete", "stopped")
+_STATUS_CODES = {STATUS_CONVERGED: 0, STATUS_MAX_ITER: 1, STATUS_STALLED: 2,
+                 STATUS_FACE_INCOMPLETE: 3, STATUS_STOPPED: 4}
 
 
 def _padded_info(handles):
-    """Support sizes, iteration counts, statuses (names) and gaps of a padded batch's
-    problems, from :func:`_solve_padded`'s handles (no solve)."""
+    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``) and gaps
+    of a padded batch's problems, from :func:`_solve_padded`'s handles (no solve)."""
     sols = [handles.solution(i) for i in range(len(handles))] \
         if isinstance(handles, _Solutions) else [h._sol for h in handles]
     return (np.array([s.n_support for s in sols], dtype=np.int64),
             np.array([s.n_iter for s in sols], dtype=np.int64),
-            [_STATUS_NAMES[s.status] for s in sols],
+            np.array([_STATUS_CODES[s.status] for s in sols], dtype=np.int64),
             np.array([s.gap for s in sols], dtype=np.float64))
 
 

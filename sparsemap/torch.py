@@ -52,7 +52,8 @@ from sparsemap._solve import (_STATUS_NAMES, _backward_padded, _check_n_jobs, _h
 from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
 __all__ = [
-    "sparsemap", "SolveInfo", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
+    "sparsemap", "SolveInfo", "distribution", "tree", "sequence", "matching", "sparsemax",
+    "Sparsemax",
     "sparsemap_loss", "structured_svm_loss", "perceptron_loss",
     "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
     "factor_graph",
@@ -360,7 +361,7 @@ class SolveInfo(NamedTuple):
     gap: torch.Tensor
 
     #: The meaning of each code of :attr:`status`.
-    STATUSES = ("converged", "max_iter", "stalled", "face_incomplete", "stopped")
+    STATUSES = _STATUS_NAMES
 
     @property
     def converged(self):
@@ -368,16 +369,10 @@ class SolveInfo(NamedTuple):
         return self.status == 0
 
 
-assert set(_STATUS_NAMES.values()) == set(SolveInfo.STATUSES)
-_STATUS_CODES = {name: k for k, name in enumerate(SolveInfo.STATUSES)}
-
-
 def _solve_info(layout, batch_shape, device):
     """The :class:`SolveInfo` of the layer call that solved ``layout`` (its handles)."""
-    size, n_iter, names, gap = _padded_info(layout.handles)
-    codes = np.array([_STATUS_CODES[n] for n in names], dtype=np.int64)
     return SolveInfo(*(torch.from_numpy(a).reshape(batch_shape).to(device)
-                       for a in (size, n_iter, codes, gap)))
+                       for a in _padded_info(layout.handles)))
 
 
 def _like(arr, like):
