@@ -128,7 +128,8 @@ def run_one(files, loss, seed, args, extra, prefix=""):
                 os.remove(stale)
         start = time.perf_counter()
         with open(os.path.join(out, "log.txt"), "w") as log:
-            subprocess.run([sys.executable, SCRIPT] + cmd, stdout=log,
+            # faulthandler: a crash leaves its Python traceback in the log
+            subprocess.run([sys.executable, "-X", "faulthandler", SCRIPT] + cmd, stdout=log,
                            stderr=subprocess.STDOUT, check=True)
         with open(stamp_path, "w") as f:
             json.dump(stamp, f, indent=1)
