@@ -17,9 +17,10 @@ its first ``--subset`` sentences, and its ``--longest`` longest ones. Then write
 ``TAG`` is the treebank's language code (``vi``, ``hu``: the prefix of its file
 names) unless ``--tag`` says otherwise.
 
-Each run writes ``OUT/LOSS-seedS/`` (``OUT/subN-...`` and ``OUT/longN-...`` for the
-smaller sets) with its ``results.json``, its log, and ``run.json``: the command and
-a hash of ``examples/parsing.py`` and of the training file. A run whose ``run.json``
+Each run of ``examples/parsing.py`` imports this repository's ``sparsemap`` (built
+in place) and writes ``OUT/LOSS-seedS/`` (``OUT/subN-...`` and ``OUT/longN-...`` for
+the smaller sets) with its ``results.json``, its log, and ``run.json``: the command,
+the package used and hashes of ``examples/parsing.py`` and of the data files. A run whose ``run.json``
 matches is reused (``--force`` reruns it), so an interrupted or repeated table
 redoes only the runs it lacks, and a change to the example or its options reruns
 them all. Runs go one after the other unless ``--jobs`` > 1; wall times are
@@ -46,6 +47,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "parsing.py")
+# The runs import this repository's sparsemap (built in place), not whichever one the
+# interpreter would find from examples/ (another clone's, installed elsewhere).
+PACKAGE = os.path.join(ROOT, "sparsemap")
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 LOSSES = ("svm", "crf", "sparsemap", "margin_sparsemap")
 NAMES = {"svm": "Structured SVM", "crf": "CRF", "sparsemap": "SparseMAP",
          "margin_sparsemap": "m-SparseMAP"}
@@ -114,7 +120,7 @@ def run_one(files, loss, seed, args, extra, prefix=""):
            "--epochs", str(args.epochs), "--out", out, "--seed", str(seed),
            "--threads", str(args.threads)] + extra + (["--no-sparsity"] if prefix else [])
     stamp = {"args": cmd, "script_sha256": sha256(SCRIPT),
-             "data_sha256": [sha256(p) for p in files]}
+             "data_sha256": [sha256(p) for p in files], "sparsemap": PACKAGE}
     reuse = False
     if os.path.exists(path) and os.path.exists(stamp_path) and not args.force:
         with open(stamp_path) as f:
@@ -130,7 +136,7 @@ def run_one(files, loss, seed, args, extra, prefix=""):
         with open(os.path.join(out, "log.txt"), "w") as log:
             # faulthandler: a crash leaves its Python traceback in the log
             subprocess.run([sys.executable, "-X", "faulthandler", SCRIPT] + cmd, stdout=log,
-                           stderr=subprocess.STDOUT, check=True)
+                           stderr=subprocess.STDOUT, check=True, env=ENV)
         with open(stamp_path, "w") as f:
             json.dump(stamp, f, indent=1)
         print(f"{name}: done in {time.perf_counter() - start:.0f} s", flush=True)
