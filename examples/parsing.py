@@ -457,8 +457,8 @@ def train(args):
         kinds = sorted({w["kind"] for w in guard.warnings})
         print(f"parsing.py: warning: {args.loss}: this run did not train normally "
               f"({', '.join(kinds)} in epochs "
-              f"{', '.join(str(w['epoch']) for w in guard.warnings)}); see 'warnings' in "
-              f"results.json", file=sys.stderr, flush=True)
+              f"{', '.join(str(e) for e in sorted({w['epoch'] for w in guard.warnings}))}); "
+              f"see 'warnings' in results.json", file=sys.stderr, flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     return {"loss": args.loss, "test_uas": test_uas, "best_epoch": best_epoch,
             "dev_uas": best_uas, "epochs": epochs, "settings": settings,
