@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 
 import sparsemap as sm
-from sparsemap._active_set import _time_map
+from sparsemap._batch import _time_map
 from bench_batch import median_times
 
 

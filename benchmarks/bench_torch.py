@@ -25,7 +25,7 @@ A second table splits a serial SparseMAP tree pass (``n_jobs=1``, torch on one
 thread) by CPU time, which other processes' load disturbs far less than wall-clock
 time: the time the batch runner's threads spend on problems without the GIL (the
 solves and the backward products, as the runner itself counts it with
-``_active_set.no_gil_seconds``), and the rest, with the GIL held. The rest is split
+``_batch.no_gil_seconds``), and the rest, with the GIL held. The rest is split
 again into the downstream loss (the same pass with a stand-in layer that costs
 nothing: cloning the scores, the loss, autograd) and what the layer itself adds.
 The share that threads can run in parallel bounds the 2-thread speedup (Amdahl).
@@ -53,7 +53,7 @@ import torch
 import sparsemap as sm
 import sparsemap.torch as smt
 from bench_batch import median_times, reference_speedup
-from sparsemap import _active_set
+from sparsemap import _batch
 
 THREADS = (1, 2)
 SCALES = (1, 5)
@@ -141,20 +141,20 @@ def tree_breakdown(scores, lengths, g, repeats):
     ours(1)
     ours(2)
     stand_in()
-    _active_set.no_gil_seconds(True)
+    _batch.no_gil_seconds(True)
     try:
         for _ in range(repeats):
             for n_jobs, suffix in ((1, ""), (2, "2")):
-                n0, t0 = _active_set.no_gil_seconds(), time.process_time()
+                n0, t0 = _batch.no_gil_seconds(), time.process_time()
                 ours(n_jobs)
                 rows["whole" + suffix].append(time.process_time() - t0)
-                rows["no_gil" + suffix].append(_active_set.no_gil_seconds() - n0)
+                rows["no_gil" + suffix].append(_batch.no_gil_seconds() - n0)
                 if n_jobs == 1:
                     t0 = time.process_time()
                     stand_in()
                     rows["downstream"].append(time.process_time() - t0)
     finally:
-        _active_set.no_gil_seconds(False)
+        _batch.no_gil_seconds(False)
     rows["serial"] = [w - n for w, n in zip(rows["whole"], rows["no_gil"])]
     rows["serial2"] = [w - n for w, n in zip(rows["whole2"], rows["no_gil2"])]
     t = {k: 1e3 * statistics.median(v) for k, v in rows.items()}

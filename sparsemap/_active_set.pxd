@@ -1,10 +1,51 @@
-# The active-set workspace at C level, for solvers built on top of it (the
-# factor graph runs one warm-started workspace per factor, without the GIL).
+# The active-set solver at C level: the workspace and the loop, for the modules
+# built on it (sparsemap._backward: the backward set and the solution record;
+# sparsemap._batch: the batch runner, one workspace per thread and factor; the
+# factor graph: one warm-started workspace per factor), and the small helpers
+# they share. Layers: _batch -> _backward -> _active_set -> the factors.
 from sparsemap._factors._base cimport Factor
 
 
-# Shared by the active set and the factor graph. Four partial sums: one running
-# sum is a chain of dependent additions, four times slower on long vectors.
+cdef extern from *:
+    """
+    /* A monotonic clock in seconds, without the GIL, on POSIX and Windows. */
+    #if defined(_WIN32)
+    #include <windows.h>
+    static double sm_now(void) {
+        LARGE_INTEGER f, c;
+        QueryPerformanceFrequency(&f);
+        QueryPerformanceCounter(&c);
+        return (double) c.QuadPart / (double) f.QuadPart;
+    }
+    #else
+    #include <time.h>
+    static double sm_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + 1e-9 * ts.tv_nsec;
+    }
+    #endif
+    """
+    double sm_now() noexcept nogil
+
+
+cdef inline double _now() noexcept nogil:
+    return sm_now()
+
+
+# Termination codes, shared with the conditional-gradient solvers and solve().
+cdef enum:
+    RUNNING = 0
+    CONVERGED = 1
+    MAX_ITER = 2
+    STALLED = 3   # no further progress possible in double precision
+    INFEASIBLE = 4  # every structure uses a forbidden (-inf) part: nothing was solved
+    STOPPED = 5   # the callback asked to stop
+    FACE_INCOMPLETE = 6   # converged, but max_iter MAP calls did not certify the face
+
+
+# Four partial sums: one running sum is a chain of dependent additions, four
+# times slower on long vectors.
 cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i, m = n - n % 4
     cdef double a0 = 0, a1 = 0, a2 = 0, a3 = 0
@@ -16,6 +57,24 @@ cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept
     for i in range(m, n):
         a0 += a[i] * b[i]
     return (a0 + a1) + (a2 + a3)
+
+
+# The scale the convergence tolerance is relative to (gap_scale in Python):
+# max(1, sum |eta . a| y + ||u||^2).
+cdef inline double _gap_scale(double abs_linear, double usq) noexcept nogil:
+    cdef double s = abs_linear + usq
+    return s if s > 1.0 else 1.0
+
+
+cdef inline unsigned long long _hash_structure(const int* s, Py_ssize_t k) noexcept nogil:
+    """64-bit hash of a compact structure (FNV-1a over its ints, splitmix finish)."""
+    cdef unsigned long long h = 14695981039346656037ULL
+    cdef Py_ssize_t j
+    for j in range(k):
+        h = (h ^ <unsigned int> s[j]) * 1099511628211ULL
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL
+    return h ^ (h >> 31)
 
 
 cdef class _Workspace:
@@ -80,17 +139,19 @@ cdef class _Workspace:
     cdef object _export(self)
 
 
-# The scales of a face completion: the maximum adjusted score, the tie tolerance
-# and the last perturbation size that stayed in the face.
-cdef struct _FaceScale:
-    double s_ref, tau, eps
+# Triangular solves with a row-major lower factor L (row stride lda):
+# x <- L^{-1} x and x <- L^{-T} x.
+cdef void _trsv_lower(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
+cdef void _trsv_upper(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
+# A NumPy copy of n doubles.
+cdef object _copy_out(const double* p, Py_ssize_t n)
+# out = x + eps g (x NULL: out = eps g), g uniform in [-1, 1)^n from the generator state.
+cdef void _perturb(const double* x, double eps, double* out, Py_ssize_t n,
+                   unsigned long long* state) noexcept nogil
 
 
-# Face completion after a converged solve (weight-0 rows appended): returns
-# FACE_CERTIFIED, FACE_BUDGET or FACE_UNRESOLVED; its scales into fs (or NULL);
-# u: the solution's u (NULL: the rows' M y).
-cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
-                   const double* u=*) except -1 nogil
+# Point an empty workspace at new scores (the caller keeps them alive), fill |eta|.
+cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexcept nogil
 
 
 # The loop: runs until converged, stalled or max_iter; hist (or NULL) gets

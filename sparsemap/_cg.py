@@ -282,7 +282,8 @@ def conditional_gradient(factor, eta_u, eta_v, variant="pairwise_cg", max_iter=1
     Returns
     -------
     dict
-        Keys as returned by :func:`sparsemap._active_set.active_set`:
+        Keys (``sparsemap._solve`` makes a solution of them with
+        ``sparsemap._backward.solution_from_arrays``):
         ``structures`` ((k, struct_size) intc), ``weights`` (> 0, sum 1), ``u``,
         ``v`` (flat), ``L`` (None: the result factorises the support itself for
         the backward pass), ``n_iter``, ``status`` (``STATUS_CONVERGED``,

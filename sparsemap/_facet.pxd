@@ -33,6 +33,9 @@ cdef enum:
 cdef class FacetSolver:
     # The factor this solver projects onto; its shapes are the solver's.
     cdef readonly Factor factor
+    # Decline at once at peaked scores, where the vertex side is cheaper (the
+    # automatic choice); False when the facet side is asked for by name.
+    cdef readonly bint decline_peaked
 
     # SparseMAP for (eta_u, eta_v) (flat float64, eta_v NULL when factor.n_v == 0):
     # u (n_u) and v (n_v) written, the backward data into st, the iteration count

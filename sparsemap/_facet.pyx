@@ -48,6 +48,42 @@ cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil:
     return 0
 
 
+_FAMILIES = None
+
+
+def facet_solver(Factor factor, bint decline_peaked=True):
+    """The facet-side solver of ``factor``, or None where its family has none.
+
+    The families with a compact constraint description: non-projective
+    :class:`~sparsemap.TreeFactor`, :class:`~sparsemap.SequenceFactor` and
+    :class:`~sparsemap.MatchingFactor` (exactly these types: a subclass may
+    change what MAP means).
+
+    Parameters
+    ----------
+    factor : Factor
+    decline_peaked : bool, default True
+        Whether the solver declines at once at peaked scores, where the vertex
+        side is the cheaper one (the automatic choice); False solves them too
+        (``method="facet"``).
+    """
+    global _FAMILIES
+    if _FAMILIES is None:
+        # the families' modules subclass this one: imported on first use
+        from sparsemap._facet_matching import MatchingFacetSolver
+        from sparsemap._facet_sequence import SequenceFacetSolver
+        from sparsemap._facet_tree import TreeFacetSolver
+        from sparsemap._factors._matching import MatchingFactor
+        from sparsemap._factors._sequence import SequenceFactor
+        from sparsemap._factors._tree import TreeFactor
+        _FAMILIES = {TreeFactor: TreeFacetSolver, SequenceFactor: SequenceFacetSolver,
+                     MatchingFactor: MatchingFacetSolver}
+    cls = _FAMILIES.get(type(factor))
+    if cls is None or getattr(factor, "projective", False):
+        return None
+    return cls(factor, decline_peaked)
+
+
 cdef class FacetSolver:
     """The facet-side solver of one factor (a base class: families subclass it).
 
@@ -55,10 +91,17 @@ cdef class FacetSolver:
     ----------
     factor : Factor
         The factor whose polytope the solver projects onto.
+    decline_peaked : bool, default True
+        Decline at once at peaked scores, where the vertex side is cheaper
+        (each family measures where); False solves them too.
     """
 
-    def __init__(self, Factor factor):
+    def __init__(self, Factor factor, decline_peaked=True):
         self.factor = factor
+        self.decline_peaked = bool(decline_peaked)
+
+    def __reduce__(self):
+        return (type(self), (self.factor, bool(self.decline_peaked)))
 
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,

@@ -41,8 +41,8 @@ from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _run
-from sparsemap._active_set import (STATUS_CONVERGED, FACE_STATUS_FIBERED, reduce_support,
-                                   tie_direction)
+from sparsemap._active_set import STATUS_CONVERGED, tie_direction
+from sparsemap._backward import FACE_STATUS_FIBERED, reduce_support
 from sparsemap import _variables
 from sparsemap._exceptions import warn
 from sparsemap._factors._base cimport Factor

@@ -1,12 +1,12 @@
 """``solve`` and ``solve_batch``: the entry points to every SparseMAP solver, and the result type.
 
 Both run through one path: validated scores go to
-``_active_set.prepare_solve``, which takes every pointer and makes every
+``_batch.prepare_solve``, which takes every pointer and makes every
 Python object of a batch in one pass; threads (the caller's included) then
 claim problems from an atomic counter, largest first, and solve them without
 the GIL, leaving each outcome in C buffers (a ``_Solution``).
 :class:`SparseMAPResult` converts its fields to NumPy on first access.
-``vjp_batch`` and ``jvp_batch`` run ``_active_set.prepare_backward`` the same
+``vjp_batch`` and ``jvp_batch`` run ``_batch.prepare_backward`` the same
 way.
 """
 import math
@@ -18,17 +18,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sparsemap import _active_set
+from sparsemap import _batch
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
-                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED, _Solutions,
-                                   solution_from_arrays)
+                                   STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED)
+from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED, _Solutions,
+                                 reduce_support, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
+from sparsemap._facet import facet_solver
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
 from sparsemap._factors._generic import OracleFactor
 
-METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
+METHODS = ("active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg")
+# The exact active-set solvers, and the side each runs on (docs/solvers.rst, "Two
+# representations"): the default chooses per problem; the others force one side.
+_SIDES = {"active_set": "auto", "vertex": "vertex", "facet": "facet"}
 DEFAULT_TOL = 1e-12
 DEFAULT_MAX_ITER = 10_000
 
@@ -64,9 +69,15 @@ class SparseMAPResult:
         The support: structures in the factor's compact form, by decreasing
         weight, as one reads a distribution. Weights equal to 12 decimals
         are ties, kept in the solver's order (which starts with the MAP
-        structure of a cold start).
+        structure of a cold start). On the facet side, a decomposition of
+        ``(u, v)`` into at most ``dim + 1`` structures, computed on first
+        access (see the solvers page for its cost) and kept.
     weights : ndarray
         Their weights ``y*`` (positive, summing to one), in the same order.
+    side : str
+        Which representation solved the problem: ``"vertex"`` (structures,
+        the active set of the paper) or ``"facet"`` (the constraints tight at
+        ``u``); see the solvers page, "Two representations".
     n_iter : int
         Iterations run.
     n_map : int
@@ -110,12 +121,12 @@ class SparseMAPResult:
         # CG keeps no Cholesky factor, and a face where n is not affine in m is
         # untied when first differentiated: the backward pass then reduces the
         # support once, which needs the scores.
-        lazy = (not solution.has_cholesky
-                or solution.face_status == _active_set.FACE_STATUS_FIBERED)
+        lazy = solution.side == "vertex" and (not solution.has_cholesky
+                                              or solution.face_status == FACE_STATUS_FIBERED)
         self._eta = eta if lazy else None
         self._backward = None if lazy else solution
         self._u = self._v = self._order = self._weights = self._structures = None
-        self._history = None
+        self._history = self._support_arrays = None
 
     @property
     def u(self):
@@ -131,9 +142,29 @@ class SparseMAPResult:
             self._v = self._sol.v_array().reshape(self.factor.shape_v)
         return self._v
 
+    @property
+    def side(self):
+        """``"vertex"`` or ``"facet"``: the representation that solved the problem."""
+        return self._sol.side
+
+    def _support(self):
+        """The support as (structures, weights) arrays, solver's order; on the facet
+        side a decomposition of (u, v), computed once."""
+        if self._support_arrays is None:
+            if self._sol.side == "facet":
+                S, y = self._sol.facet_solver.decompose(self.u, self.v)
+                # round-off weights are not support: their structures need not lie in the
+                # optimal face
+                keep = y > 1e-14 * y.max()
+                self._support_arrays = (S[keep], y[keep] / y[keep].sum())
+            else:
+                self._support_arrays = (self._sol.structures_array(),
+                                        self._sol.weights_array())
+        return self._support_arrays
+
     def _by_weight(self):
         if self._order is None:
-            y = self._sol.weights_array()
+            y = self._support()[1]
             # weights equal to 12 decimals are ties (round-off makes exact ties
             # rare), and ties keep the solver's order, which starts at the MAP
             self._order = np.argsort(-np.round(y, 12), kind="stable")
@@ -150,7 +181,7 @@ class SparseMAPResult:
     def structures(self):
         """The support, in the factor's compact form, by decreasing weight."""
         if self._structures is None:
-            S = self._sol.structures_array()[self._by_weight()]
+            S = self._support()[0][self._by_weight()]
             self._structures = [self.factor._to_public(s) for s in S]
         return self._structures
 
@@ -194,8 +225,10 @@ class SparseMAPResult:
         return self._history
 
     def __repr__(self):
+        support = (f"support={self._sol.n_support}" if self._sol.side == "vertex"
+                   else "side='facet'")
         return (f"SparseMAPResult(method={self.method!r}, converged={self.converged}, "
-                f"n_iter={self.n_iter}, support={self._sol.n_support}, "
+                f"n_iter={self.n_iter}, {support}, "
                 f"gap={self.gap:.3g}, objective={self.objective:.10g})")
 
     def _backward_solution(self):
@@ -203,18 +236,18 @@ class SparseMAPResult:
             # CG may end on an affinely dependent support: reduce it (same u), and
             # complete and untie its face (as an active-set solve does).
             eu, ev, max_iter = self._eta
-            S, y, L, n_pos, face, b0 = _active_set.reduce_support(
+            S, y, L, n_pos, face, b0 = reduce_support(
                 self.factor, self._sol.structures_array(), self._sol.weights_array(), eu,
                 np.zeros(self.factor.n_v) if ev is None else ev, max(self._sol.gap, 0.0),
                 max_iter)
             self._backward = solution_from_arrays(self.factor, S, y, L, self._sol.u_array(),
                                                   self._sol.v_array(), 0, 0, 0, 0.0, 0.0,
                                                   None, n_pos, face, b0)
-            if face == _active_set.FACE_STATUS_BUDGET:
+            if face == FACE_STATUS_BUDGET:
                 warn(f"SparseMAP ({self.method}): max_iter MAP calls did not certify "
                      "that the backward set spans the optimal face; jvp/vjp may be "
                      "inexact. Raise max_iter.")
-            elif face == _active_set.FACE_STATUS_FIBERED:
+            elif face == FACE_STATUS_FIBERED:
                 warn(f"SparseMAP ({self.method}): {_UNTIE_FAILED}")
         return self._backward
 
@@ -309,13 +342,20 @@ def _check_options(method, max_iter, tol):
     return method, max_iter, tol
 
 
+def _check_side(factor, method, where=""):
+    if method == "facet" and facet_solver(factor) is None:
+        raise ValueError(f"{where}method: 'facet' needs a factor with a facet side (a "
+                         f"non-projective TreeFactor, a SequenceFactor or a MatchingFactor), "
+                         f"got {factor!r}")
+
+
 def _check_init(factor, init, name="init"):
     if init is None:
         return None
     if isinstance(init, SparseMAPResult):
         # Any valid structures make a correct warm start; validate them for this
         # factor. The solver's order, as the solve that found them inserted them.
-        init = init._sol.structures_array()
+        init = init._support()[0]
     try:
         seq = list(init)
     except TypeError:
@@ -333,7 +373,7 @@ def _names(factor, u, v, suffix=""):
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
                     n_threads=1, callback=None):
-    """Solutions of every problem (see ``_active_set.prepare_solve`` for the arguments).
+    """Solutions of every problem (see ``_batch.prepare_solve`` for the arguments).
 
     The active set runs on ``n_threads`` threads, claiming problems largest
     first; the conditional-gradient solvers are pure Python, and run one
@@ -341,10 +381,11 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     batch (a module-level function, so it pickles).
     """
     n = len(etas_u)
-    if method == "active_set":
+    if method in _SIDES:
         n_threads = max(1, min(n_threads, n))
-        return _run(_active_set.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
-                                              return_history, n_threads, callback),
+        return _run(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
+                                         return_history, n_threads, callback,
+                                         side=_SIDES[method]),
                     n_threads)
     out = []
     for i in range(n):
@@ -384,10 +425,18 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         support uses it, so ``u`` and the Jacobian are 0 there.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted); ``-inf`` forbids a part too.
-    method : {"active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
-        The active set (Cython, exact; Appendix A.2) or a conditional-gradient
+    method : {"active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg"}
+        The exact active-set solver (Cython), or a conditional-gradient
         variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
-        blended pairwise (Tsuji, Tanaka and Pokutta, 2022).
+        blended pairwise (Tsuji, Tanaka and Pokutta, 2022). ``"active_set"``
+        (the default) chooses per problem between two representations of the
+        solution: the vertex side (structures, the active set of Appendix
+        A.2) and, for non-projective trees, sequences and matchings, the
+        facet side (the constraints tight at ``u``), which is far cheaper at
+        flat scores; both are exact and give the true derivative.
+        ``"vertex"`` and ``"facet"`` force one side, for comparison
+        (``"facet"`` raises for other factors, and takes the vertex side
+        where it cannot certify its answer: ``r.side`` says which ran).
     max_iter : int, optional
         Iteration limit (default 10000).
     tol : float, default 1e-12
@@ -403,7 +452,8 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         weights; repeated ones are skipped, as are ones that use a forbidden
         part, and one affinely dependent on those before it replaces one of
         them (as in the solver's own insertions). Any valid structures of the
-        factor will do. Active set only.
+        factor will do. The active set only (``"active_set"``, ``"vertex"``): the
+        facet side needs no warm start, and ignores it.
     return_history : bool, default False
         Record objective, gap, support size and seconds at every iteration
         (this costs one extra MAP call on iterations that make none).
@@ -450,18 +500,26 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     >>> f = sm.SequenceFactor(3, 2)
     >>> eta_u = np.array([[1.0, 0.8], [0.0, 0.1], [0.5, 0.5]])
     >>> r = sm.solve(f, eta_u)
-    >>> r.converged, len(r.structures)
-    (True, 4)
+    >>> r.converged, r.side, len(r.structures)
+    (True, 'facet', 4)
     >>> for s, w in zip(r.structures, r.weights):
     ...     print(s.tolist(), round(float(w), 3))
-    [0, 1, 0] 0.5
-    [1, 0, 1] 0.35
-    [0, 0, 1] 0.1
-    [1, 1, 1] 0.05
+    [0, 0, 0] 0.45
+    [1, 1, 1] 0.4
+    [0, 1, 1] 0.1
+    [0, 1, 0] 0.05
     >>> print(np.round(r.u, 3))
     [[0.6  0.4 ]
      [0.45 0.55]
      [0.5  0.5 ]]
+
+    Without transition scores every coupling of neighbouring tags is optimal, so
+    the distribution is not unique: the facet side (chosen here) gives one, the
+    vertex side another, with the same ``u``:
+
+    >>> rv = sm.solve(f, eta_u, method="vertex")
+    >>> [s.tolist() for s in rv.structures], bool(np.allclose(rv.u, r.u))
+    ([[0, 1, 0], [1, 0, 1], [0, 0, 1], [1, 1, 1]], True)
 
     The conditional-gradient variants reach the same ``u``:
 
@@ -473,8 +531,9 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     method, max_iter, tol = _check_options(method, max_iter, tol)
     eu, ev = factor.check_scores(eta_u, eta_v)
     S0 = _check_init(factor, init)
-    if S0 is not None and method != "active_set":
+    if S0 is not None and method not in _SIDES:
         raise ValueError("init: warm starts are supported by method='active_set' only")
+    _check_side(factor, method)
     if callback is not None and not callable(callback):
         raise ValueError(f"callback: expected a callable or None, got {callback!r}")
     if verbose:
@@ -627,7 +686,7 @@ def _helpers():
 
 def _order(n, costs=None):
     """Problem indices, most expensive first (ties in input order)."""
-    # must agree with the Cython _Order rule (_active_set.pyx): decreasing cost, stable
+    # must agree with the Cython _Order rule (_batch.pyx): decreasing cost, stable
     if costs is None:
         return np.arange(n, dtype=np.intp)
     return np.argsort(-np.asarray(costs), kind="stable").astype(np.intp)
@@ -639,7 +698,7 @@ SOLO_BUDGET = 50e-6
 
 
 def _run(batch, n_threads):
-    """Run a prepared ``_active_set._Batch`` on n_threads threads, the caller's included.
+    """Run a prepared ``_batch._Batch`` on n_threads threads, the caller's included.
 
     The caller starts alone, from the cheap end of the order; if problems
     are left after ``SOLO_BUDGET``, it wakes the crew's helpers and, like
@@ -855,8 +914,10 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
                              f"results, lists of structures or None)")
         inits = [_check_init(factors if shared else factors[i], s, f"init[{i}]")
                  for i, s in enumerate(init)]
-        if method != "active_set" and any(s is not None for s in inits):
+        if method not in _SIDES and any(s is not None for s in inits):
             raise ValueError("init: warm starts are supported by method='active_set' only")
+    for i, f in enumerate([factors] if shared else factors):
+        _check_side(f, method, "" if shared else f"factors[{i}]: ")
     if B == 0:
         return []
 
@@ -920,7 +981,7 @@ def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
         with ThreadPoolExecutor(n_threads) as pool:
             list(pool.map(SparseMAPResult._backward_solution, lazy))
     sols = [r._backward_solution() for r in rs]
-    return _run(_active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
+    return _run(_batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 
 
@@ -1014,7 +1075,7 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
 # One padded float64 array in, one out: problem i reads the leading block of shape
 # factors[i].shape_u of etas_u[i] (and of etas_v[i]) and writes u, zero-padded, into its
 # slot of one output array. The threads copy and scan each block and write each slot
-# without the GIL (_active_set.prepare_solve with out_u), so what stays serial is one
+# without the GIL (_batch.prepare_solve with out_u), so what stays serial is one
 # pass over the problems to take pointers, and a look at the few the run reports.
 
 def _blocks(factors, arr, on_v):
@@ -1062,7 +1123,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
-    if method != "active_set" or set(solve_kw) - {"method", "max_iter", "tol"} or \
+    if method not in _SIDES or set(solve_kw) - {"method", "max_iter", "tol"} or \
             _holds_gil(factors):
         # the general path: blocks through solve_batch (CG solvers, warm starts, oracles
         # whose results then tell the backward pass its default n_jobs, ...), from
@@ -1079,8 +1140,11 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     # the layer's backward pass has no scores to untie a fibered face with: untie it now
     # where eta_v is differentiated (without eta_v, the eta_u part is exact as it is)
-    batch = _active_set.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
-                                      False, n_threads, None, out_u, etas_v is not None)
+    for i, f in enumerate([factors] if isinstance(factors, Factor) else factors):
+        _check_side(f, method, f"factors[{i}]: ")
+    batch = _batch.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
+                                 False, n_threads, None, out_u, etas_v is not None,
+                                 _SIDES[method])
     sols = _run(batch, n_threads)
     report = batch.report()
     if report:
@@ -1098,7 +1162,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, whe
     """
     fs = [factors] * len(sols) if isinstance(factors, Factor) else factors
     for i, code in report:
-        if code != _active_set.REFUSED:
+        if code != _batch.REFUSED:
             continue
         f = fs[i]
         eu = f._check_array(_blocks(f, etas_u[i:i + 1], False)[0], f"etas_u[{i}]", False, True)
@@ -1115,7 +1179,7 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, whe
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
             _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"{where(i)}: ")
-        elif sol.face_status == _active_set.FACE_STATUS_FIBERED:
+        elif sol.face_status == FACE_STATUS_FIBERED:
             warn(f"{where(i)}: SparseMAP: {_UNTIE_FAILED}")
 
 
@@ -1126,14 +1190,17 @@ _STATUS_CODES = {STATUS_CONVERGED: 0, STATUS_MAX_ITER: 1, STATUS_STALLED: 2,
 
 
 def _padded_info(handles):
-    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``) and gaps
-    of a padded batch's problems, from :func:`_solve_padded`'s handles (no solve)."""
+    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``), gaps
+    and sides (True: the facet side) of a padded batch's problems, from
+    :func:`_solve_padded`'s handles (no solve). A facet-side solution holds no
+    structures: its support size is -1 (a decomposition would cost a solve)."""
     sols = [handles.solution(i) for i in range(len(handles))] \
         if isinstance(handles, _Solutions) else [h._sol for h in handles]
-    return (np.array([s.n_support for s in sols], dtype=np.int64),
+    facet = np.array([s.side == "facet" for s in sols], dtype=bool)
+    return (np.array([-1 if f else s.n_support for s, f in zip(sols, facet)], dtype=np.int64),
             np.array([s.n_iter for s in sols], dtype=np.int64),
             np.array([_STATUS_CODES[s.status] for s in sols], dtype=np.int64),
-            np.array([s.gap for s in sols], dtype=np.float64))
+            np.array([s.gap for s in sols], dtype=np.float64), facet)
 
 
 def _infeasible_error(f, i):
@@ -1172,7 +1239,7 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         n_jobs, None if isinstance(handles, _Solutions) else [h.factor for h in handles]), B))
     sols = handles if isinstance(handles, _Solutions) else \
         [h._backward_solution() for h in handles]
-    batch = _active_set.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
+    batch = _batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
                                          out_u, out_v)
     _run(batch, n_threads)
     report = batch.report()

@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from sparsemap import _active_set
+from sparsemap import _batch
 from sparsemap._factors._base import Factor, _first_invalid
 from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options, _run,
                               solve)
@@ -501,7 +501,7 @@ def _loss_padded(factors, etas_u, etas_v, targets, margin, sparse, n_jobs, solve
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
     n_threads = max(1, min(_check_n_jobs(n_jobs, factors), B))
-    batch = _active_set.prepare_loss(factors, etas_u, etas_v, targets, float(margin),
+    batch = _batch.prepare_loss(factors, etas_u, etas_v, targets, float(margin),
                                      bool(sparse), max_iter, tol, n_threads, out_u, out_v,
                                      values)
     _run(batch, n_threads)

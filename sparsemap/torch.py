@@ -327,9 +327,15 @@ class SolveInfo(NamedTuple):
     ----------
     support_size : int64 Tensor
         Structures with nonzero weight in the solution (for a tree layer,
-        trees per sentence): 1 when the MAP structure wins outright.
+        trees per sentence): 1 when the MAP structure wins outright. -1 where
+        the facet side solved the problem (see :attr:`facet`): it holds ``u``
+        and the constraints tight there, no list of structures, and finding
+        one (:attr:`sparsemap.SparseMAPResult.structures`) would cost more
+        than the solve. Pass ``method="vertex"`` for support sizes
+        everywhere.
     n_iter : int64 Tensor
-        Iterations of the solver (active-set steps by default).
+        Iterations of the solver that returned the solution: active-set steps
+        on the vertex side, the facet solver's steps on the facet side.
     status : int64 Tensor
         Why the solver stopped, an index into :attr:`STATUSES`: 0
         ``"converged"`` (the duality gap met ``tol``), 1 ``"max_iter"``, 2
@@ -339,7 +345,13 @@ class SolveInfo(NamedTuple):
         converge also raises a :class:`~sparsemap.ConvergenceWarning` naming
         its batch element.
     gap : float64 Tensor
-        The Wolfe duality gap of the returned solution.
+        The Wolfe duality gap of the returned solution (on either side, from
+        one MAP call at the returned ``u``).
+    facet : bool Tensor
+        Whether the facet side solved the problem (``SparseMAPResult.side ==
+        "facet"``; the solvers page, "Two representations"), else the vertex
+        side. Only trees, sequences and matchings have a facet side, chosen
+        per problem by the default ``method="active_set"``.
 
     Examples
     --------
@@ -347,7 +359,9 @@ class SolveInfo(NamedTuple):
     >>> scores = torch.zeros(2, 4, 4)
     >>> scores[0, 0, 1] = scores[0, 1, 2] = scores[0, 2, 3] = 2.0
     >>> u, info = smt.tree(scores, return_info=True)
-    >>> info.support_size
+    >>> info.support_size, info.facet      # flat scores: the facet side
+    (tensor([ 1, -1]), tensor([False,  True]))
+    >>> smt.tree(scores, return_info=True, method="vertex")[1].support_size
     tensor([1, 3])
     >>> info.converged.all()
     tensor(True)
@@ -359,6 +373,7 @@ class SolveInfo(NamedTuple):
     n_iter: torch.Tensor
     status: torch.Tensor
     gap: torch.Tensor
+    facet: torch.Tensor
 
     #: The meaning of each code of :attr:`status`.
     STATUSES = _STATUS_NAMES
@@ -697,6 +712,9 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.5000, -0.5000])
     """
     layout = _Layout(factor, eta_u, eta_v)
+    if solve_kw.get("method", "active_set") == "active_set":
+        # the distribution is the active set's support (the facet side has none)
+        solve_kw = dict(solve_kw, method="vertex")
     return _DistributionFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
 
 

@@ -412,11 +412,12 @@ def test_max_iter_reached():
     n_warned = 0
     for _ in range(5):
         eta_u, eta_v = rng.standard_normal((5, 3)), 0.2 * rng.standard_normal((4, 3, 3))
-        best = solve_quiet(f, eta_u, eta_v)
+        # the vertex side's loop (the facet side solves these in one piece)
+        best = solve_quiet(f, eta_u, eta_v, method="vertex")
         assert best.n_iter > 2
         for max_iter in (1, 2):
             with pytest.warns(sm.ConvergenceWarning):
-                r = sm.solve(f, eta_u, eta_v, max_iter=max_iter)
+                r = sm.solve(f, eta_u, eta_v, max_iter=max_iter, method="vertex")
             n_warned += 1
             assert not r.converged and r.n_iter == max_iter
             # reported quantities are those of the returned point
@@ -450,7 +451,8 @@ def test_result_invariants(problem, return_history):
     assert r.u.dtype == np.float64 and r.v.dtype == np.float64
     np.testing.assert_allclose(r.u.ravel(), MS @ w, atol=1e-12)
     np.testing.assert_allclose(r.v.ravel(), NS @ w, atol=1e-12)
-    assert affinely_independent(MS)
+    # the support (on the facet side, the decomposition of (u, v) it gives on request)
+    assert affinely_independent(MS if r.side == "vertex" else np.vstack([MS, NS]))
     size = max(1.0, np.abs(eta_u).sum() + np.abs(eta_v).sum())
     assert r.gap >= -1e-12 * size
     u, v = r.u.ravel(), r.v.ravel()
@@ -461,9 +463,11 @@ def test_result_invariants(problem, return_history):
         assert r.history is None
         return
     h = r.history
+    # the facet side records one row, its solution, holding no structures
+    rows, least = (r.n_iter, 1) if r.side == "vertex" else (1, 0)
     for key in ("objective", "gap", "support_size", "seconds"):
-        assert h[key].shape == (r.n_iter,)
-    assert np.all(h["support_size"] >= 1)
+        assert h[key].shape == (rows,)
+    assert np.all(h["support_size"] >= least)
     assert np.all(np.diff(h["seconds"]) >= 0)
     assert np.all(np.diff(h["objective"]) <= 1e-12 * size)
     assert h["objective"][-1] == pytest.approx(r.objective, abs=1e-12 * size)
@@ -646,4 +650,7 @@ def test_small_scores_sequence_converges_with_a_true_gap(scale):
     np.testing.assert_allclose(r.u, u, atol=1e-14)
     wolfe = viterbi(eta_u - u, eta_v)[1] - ((eta_u - u) * u).sum() - (eta_v * v).sum()
     assert abs(wolfe - r.gap) <= 1e-13
-    assert wolfe <= 1e-12
+    # the documented rule: gap <= tol * gap_scale (||u||^2 = 2.4 here, so the
+    # bound is relative, not 1e-12 absolute: round-off differs between CPUs)
+    scale = max(1.0, np.abs(eta_u * u).sum() + np.abs(eta_v * v).sum() + (u * u).sum())
+    assert wolfe <= 1e-12 * scale

@@ -26,10 +26,13 @@ def test_callback_sees_every_iteration_and_changes_nothing(method):
         plain = sm.solve(TREE, ETA, method=method, max_iter=200)
     assert np.array_equal(plain.u, r.u) and plain.n_iter == r.n_iter
     its = [info.n_iter for info in seen]
-    assert its == list(range(1, len(its) + 1))
+    if r.side == "facet":
+        # one record: the solution (the facet side's iterates are not feasible points)
+        assert its == [r.n_iter] and r.history["objective"].shape == (1,)
+    else:
+        assert its == list(range(1, len(its) + 1))
     h = r.history
-    for info in seen:
-        k = info.n_iter - 1
+    for k, info in enumerate(seen):
         # the iterate's figures, computed independently from its u
         u = info.u
         assert u.shape == TREE.shape_u
@@ -37,12 +40,13 @@ def test_callback_sees_every_iteration_and_changes_nothing(method):
         assert info.objective == pytest.approx(h["objective"][k], abs=1e-12)
         assert info.support_size == h["support_size"][k]
         assert info.gap >= -1e-12 and info.seconds >= 0
-    if method == "active_set":
-        assert len(seen) == r.n_iter
+    if method in ("active_set", "vertex", "facet"):
+        assert len(seen) == (1 if r.side == "facet" else r.n_iter)
         assert np.allclose(seen[-1].u, r.u, atol=1e-14) and seen[-1].gap == r.gap
 
 
-@pytest.mark.parametrize("method", METHODS)
+# (the default method takes the facet side on TREE: it has one record, the solution)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("active_set", "facet")])
 @pytest.mark.parametrize("how", ["return", "raise"])
 def test_callback_stops_the_solve_without_warning(method, how):
     def stop_at_3(info):
@@ -61,13 +65,30 @@ def test_callback_stops_the_solve_without_warning(method, how):
     np.testing.assert_allclose(r.u, u, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_callback_on_the_facet_side_sees_the_solution_once(how):
+    """A facet-side solve has one record, its solution; asking it to stop changes
+    nothing (the solve is done)."""
+    seen = []
+
+    def stop(info):
+        seen.append(info)
+        if how == "raise":
+            raise StopIteration
+        return True
+    r = sm.solve(TREE, ETA, callback=stop)
+    assert r.side == "facet" and r.converged and len(seen) == 1
+    assert seen[0].n_iter == r.n_iter and seen[0].gap == r.gap
+    assert np.array_equal(seen[0].u, r.u)
+
+
 def test_callback_exceptions_propagate():
     class Boom(Exception):
         pass
 
     def boom(info):
         raise Boom("from the callback")
-    for method in ("active_set", "pairwise_cg"):
+    for method in ("active_set", "vertex", "pairwise_cg"):
         with pytest.raises(Boom, match="from the callback"):
             sm.solve(TREE, ETA, method=method, callback=boom)
 
@@ -81,8 +102,9 @@ def test_bad_callback():
 
 def test_verbose_prints_log_spaced_lines_and_a_summary(capsys):
     seen = []
+    # the vertex side's iterations (the facet side would print its one record)
     r = sm.solve(sm.SequenceFactor(30, 8), RNG.standard_normal((30, 8)), verbose=True,
-                 callback=seen.append)
+                 callback=seen.append, method="vertex")
     err = capsys.readouterr().err.splitlines()
     assert len(seen) == r.n_iter       # the user's callback still runs
     rows = [line.split() for line in err[1:-1]]
@@ -92,5 +114,5 @@ def test_verbose_prints_log_spaced_lines_and_a_summary(capsys):
     # solve this small never takes)
     assert r.n_iter > 20 and printed == expected
     assert "iter" in err[0] and "gap" in err[0]
-    assert err[-1].startswith("SparseMAP (active_set): converged after")
+    assert err[-1].startswith("SparseMAP (vertex): converged after")
     assert f"{r.n_iter} iterations" in err[-1]

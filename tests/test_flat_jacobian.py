@@ -232,10 +232,10 @@ def test_face_completion_budget_warns():
     """max_iter bounds the completion's MAP calls; running out says so."""
     f = sm.TreeFactor(12)
     eta = 0.01 * np.random.default_rng(0).standard_normal(f.shape_u)
-    r = sm.solve(f, eta)
+    r = sm.solve(f, eta, method="vertex")
     assert r.converged and r.n_map >= r.n_iter + 2
     with pytest.warns(sm.ConvergenceWarning, match="optimal face"):
-        r2 = sm.solve(f, eta, max_iter=r.n_iter + 1)
+        r2 = sm.solve(f, eta, max_iter=r.n_iter + 1, method="vertex")
     assert not r2.converged and "optimal face" in r2.message
     np.testing.assert_allclose(r2.u, r.u, atol=1e-12)
 
@@ -250,13 +250,13 @@ def test_distribution_at_flat_scores():
     import sparsemap.torch as smt
     f = sm.TreeFactor(10)
     eta = 0.05 * np.random.default_rng(1).standard_normal(f.shape_u)
-    r = sm.solve(f, eta)
+    r = sm.solve(f, eta, method="vertex")
     M, _ = dense_columns(f, r.structures)
     adj = M.T @ (eta - r.u).ravel()
     np.testing.assert_allclose(adj, adj.max(), atol=1e-10)       # every structure in the face
     np.testing.assert_allclose(M @ r.weights, r.u.ravel(), atol=1e-12)
     et = torch.tensor(eta, requires_grad=True)
-    structures, weights = smt.distribution(f, et)
+    structures, weights = smt.distribution(f, et, method="vertex")
     d = np.random.default_rng(2).standard_normal(f.shape_u)
     J = np.array([torch.autograd.grad(weights[k], et, retain_graph=True)[0].numpy().ravel()
                   for k in range(len(weights))])          # dy / d eta_u, (K, n_u)
@@ -497,15 +497,15 @@ def test_tied_eta_v_is_detected_and_untied_on_demand():
     agree with the single solve."""
     import pickle
     import sparsemap.torch as smt
-    from sparsemap._active_set import FACE_STATUS_CERTIFIED, FACE_STATUS_FIBERED
+    from sparsemap._backward import FACE_STATUS_CERTIFIED, FACE_STATUS_FIBERED
     f = sm.SequenceFactor(10, 4)
     rng = np.random.default_rng(3)
     etas = 0.3 * rng.standard_normal((3,) + f.shape_u)
     gs = rng.standard_normal((3,) + f.shape_u)
-    generic = sm.solve(f, etas[0], 0.3 * rng.standard_normal(f.shape_v))
+    generic = sm.solve(f, etas[0], 0.3 * rng.standard_normal(f.shape_v), method="vertex")
     assert generic._sol.face_status == FACE_STATUS_CERTIFIED
     assert not generic._backward_solution().untied
-    res = sm.solve(f, etas[0])
+    res = sm.solve(f, etas[0], method="vertex")
     assert res._sol.face_status == FACE_STATUS_FIBERED
     gu, gv = res.vjp(gs[0])
     back = res._backward_solution()
@@ -515,19 +515,19 @@ def test_tied_eta_v_is_detected_and_untied_on_demand():
     np.testing.assert_array_equal(copy.vjp(gs[0])[1], gv)
     copy = pickle.loads(pickle.dumps(res._sol))      # before untying: still untied on demand
     assert copy.face_status == FACE_STATUS_FIBERED
-    rs = sm.solve_batch(f, etas, n_jobs=2)
+    rs = sm.solve_batch(f, etas, n_jobs=2, method="vertex")
     for r, (bu, bv), e, g in zip(rs, sm.vjp_batch(rs, gs, n_jobs=2), etas, gs):
-        su, sv = sm.solve(f, e).vjp(g)
+        su, sv = sm.solve(f, e, method="vertex").vjp(g)
         np.testing.assert_array_equal(bu, su)
         np.testing.assert_array_equal(bv, sv)
     cg = sm.solve(f, etas[0], method="pairwise_cg", max_iter=20000)
     np.testing.assert_allclose(cg.vjp(gs[0])[1], gv, atol=1e-8)
     eu = torch.tensor(etas, requires_grad=True)
     ev = torch.zeros((3,) + f.shape_v, dtype=torch.float64, requires_grad=True)
-    u = smt.sequence(eu, ev)
+    u = smt.sequence(eu, ev, method="vertex")
     u.backward(torch.tensor(gs))
     for i in range(3):
-        ru, rv = sm.solve(f, etas[i]).vjp(gs[i])
+        ru, rv = sm.solve(f, etas[i], method="vertex").vjp(gs[i])
         np.testing.assert_allclose(eu.grad[i].numpy(), ru, atol=1e-10)
         np.testing.assert_allclose(ev.grad[i].numpy(), rv, atol=1e-10)
 
@@ -582,17 +582,18 @@ def test_untying_that_fails_warns():
     pass says so and keeps the tied face's backward set (its eta_u part stays exact)."""
     f = sm.SequenceFactor(15, 5)
     eta = 0.1 * np.random.default_rng(0).standard_normal(f.shape_u)
-    r = sm.solve(f, eta, max_iter=200)          # the solve takes 57; untying about 1000
+    # the solve takes 57; untying about 1000
+    r = sm.solve(f, eta, max_iter=200, method="vertex")
     assert r.converged
     g = np.random.default_rng(1).standard_normal(f.shape_u)
     with pytest.warns(sm.ConvergenceWarning, match="ties in eta_v"):
         gu, _ = r.vjp(g)
     assert not r._backward_solution().untied
-    np.testing.assert_allclose(gu, sm.solve(f, eta).vjp(g)[0], atol=1e-10)
+    np.testing.assert_allclose(gu, sm.solve(f, eta, method="vertex").vjp(g)[0], atol=1e-10)
     import sparsemap.torch as smt            # the layer unties in its forward pass
     ev = torch.zeros((1,) + f.shape_v, dtype=torch.float64, requires_grad=True)
     with pytest.warns(sm.ConvergenceWarning, match="batch element 0: SparseMAP: ties in eta_v"):
-        smt.sequence(torch.tensor(eta[None]), ev, max_iter=200)
+        smt.sequence(torch.tensor(eta[None]), ev, max_iter=200, method="vertex")
 
 
 def test_binned_transition_scores_untie_to_the_piece_along_r():
@@ -609,11 +610,11 @@ def test_binned_transition_scores_untie_to_the_piece_along_r():
         ev = np.broadcast_to(w[np.clip(jump, -2, 2) + 2], (n - 1, m, m)).copy()
         eu = 0.5 * rng.standard_normal((n, m))
         f = sm.SequenceFactor(n, m)
-        res = sm.solve(f, eu, ev)
+        res = sm.solve(f, eu, ev, method="vertex")
         g = rng.standard_normal(f.shape_u)
         gu, gv = res.vjp(g)
         for t in (1e-6, 1e-7):
-            hu, hv = sm.solve(f, eu, ev + t * tie_direction(f)).vjp(g)
+            hu, hv = sm.solve(f, eu, ev + t * tie_direction(f), method="vertex").vjp(g)
             np.testing.assert_allclose(hu, gu, atol=1e-9)
             np.testing.assert_allclose(hv, gv, atol=1e-9)
         n_untied += res._backward_solution().untied

@@ -74,7 +74,7 @@ def prop1_dense(factor, structures):
 def test_jvp_vjp_match_dense_prop1(problem):
     factor, eta_u, eta_v = problem
     n_u, n = factor.n_u, factor.n_u + factor.n_v
-    r = sm.solve(factor, eta_u, eta_v)
+    r = sm.solve(factor, eta_u, eta_v, method="vertex")
     # Prop. 1 on the backward set: the support and its completion to the optimal face
     J_ref = prop1_dense(factor, r._backward_structures())
     # the whole Jacobian, one basis direction at a time, through jvp and through vjp

@@ -25,16 +25,21 @@ def expected(factors, blocks, **solve_kw):
     codes = {"converged": 0, "max_iter": 1, "stalled": 2}
     status = [0 if r.converged else codes["max_iter" if "maximum" in r.message else "stalled"]
               for r in rs]
-    return ([len(r.structures) for r in rs], [r.n_iter for r in rs], status,
-            [r.gap for r in rs])
+    # the facet side holds no structures: -1, not the size of a decomposition
+    return ([-1 if r.side == "facet" else len(r.structures) for r in rs],
+            [r.n_iter for r in rs], status, [r.gap for r in rs],
+            [r.side == "facet" for r in rs])
+
+
+DTYPES = {"gap": torch.float64, "facet": torch.bool}
 
 
 def assert_info(info, want, shape):
     assert isinstance(info, smt.SolveInfo)
-    for field, values in zip(("support_size", "n_iter", "status", "gap"), want):
+    for field, values in zip(("support_size", "n_iter", "status", "gap", "facet"), want):
         t = getattr(info, field)
         assert t.shape == shape, field
-        assert t.dtype == (torch.float64 if field == "gap" else torch.int64), field
+        assert t.dtype == DTYPES.get(field, torch.int64), field
         assert t.reshape(-1).tolist() == values, field     # bitwise: the same solves
     assert torch.equal(info.converged, info.status == 0)
 
@@ -49,7 +54,8 @@ def test_tree_info_per_sentence_equals_solve():
     factors = [sm.TreeFactor(n, single_root=True) for n in flat]
     blocks = [scores.reshape(6, 8, 8)[b, :n + 1, :n + 1].numpy() for b, n in enumerate(flat)]
     assert_info(info, expected(factors, blocks), (2, 3))
-    assert (info.support_size >= 1).all() and info.converged.all()
+    assert torch.equal(info.support_size == -1, info.facet)
+    assert (info.support_size[~info.facet] >= 1).all() and info.converged.all()
 
 
 @pytest.mark.parametrize("layer", ["sparsemap", "sequence", "matching"])
@@ -117,13 +123,13 @@ def test_general_path_info_equals_solve():
 
 def test_info_is_read_from_the_forward_solve(monkeypatch):
     calls = []
-    prepare = sparsemap._solve._active_set.prepare_solve
+    prepare = sparsemap._solve._batch.prepare_solve
 
     def counted(*args, **kwargs):
         calls.append(1)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(sparsemap._solve._active_set, "prepare_solve", counted)
+    monkeypatch.setattr(sparsemap._solve._batch, "prepare_solve", counted)
     monkeypatch.setattr(sparsemap._solve, "_solve_problems", None)   # no NumPy re-solve
     scores = torch.randn(4, 6, 6, generator=torch.Generator().manual_seed(4))
     u, info = smt.tree(scores, torch.tensor([5, 3, 4, 2]), return_info=True)
@@ -150,3 +156,31 @@ def test_warnings_and_errors_use_one_name():
     bad[1, 2, 4, 5] = float("nan")
     with pytest.raises(ValueError, match=r"\(batch element \(1, 2\)\)"):
         smt.tree(bad, torch.full((2, 3), 20))
+
+
+@pytest.mark.parametrize("layer", ["tree", "sequence", "matching"])
+def test_facet_side_info(layer):
+    """Forced onto the facet side, the report says so, with support size -1 (no
+    structures are held), the facet solver's iterations and a certified gap; ``u``
+    is the vertex side's (an independent solver)."""
+    rng = np.random.default_rng(6)
+    if layer == "tree":
+        eta, f = rng.standard_normal((3, 7, 7)), sm.TreeFactor(6)
+        call = lambda e, **kw: smt.tree(e, **kw)                        # noqa: E731
+    elif layer == "sequence":
+        eta, f = rng.standard_normal((3, 6, 4)), sm.SequenceFactor(6, 4)
+        call = lambda e, **kw: smt.sequence(e, **kw)                    # noqa: E731
+    else:
+        eta, f = rng.standard_normal((3, 4, 5)), sm.MatchingFactor(4, 5)
+        call = lambda e, **kw: smt.matching(e, **kw)                    # noqa: E731
+    u, info = call(torch.tensor(eta), method="facet", return_info=True)
+    assert_info(info, expected([f] * 3, list(eta), method="facet"), (3,))
+    assert info.facet.all() and (info.support_size == -1).all() and info.converged.all()
+    assert (info.n_iter >= 1).all()
+    rs = [sm.solve(f, e, method="vertex") for e in eta]
+    # the gap bounds the objective's excess over the vertex side's certified optimum
+    excess = [sm.solve(f, e, method="facet").objective - r.objective for r, e in zip(rs, eta)]
+    assert all(-1e-9 < x <= g + 1e-9 for x, g in zip(excess, info.gap.tolist()))
+    np.testing.assert_allclose(u.numpy(), np.stack([r.u for r in rs]), atol=1e-9)
+    _, vertex = call(torch.tensor(eta), method="vertex", return_info=True)
+    assert not vertex.facet.any() and (vertex.support_size >= 1).all()

@@ -45,7 +45,7 @@ def test_solve_batch_in_threads():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         line = next_line()
-        sm.solve_batch(f, etas, max_iter=1, n_jobs=2)
+        sm.solve_batch(f, etas, method="vertex", max_iter=1, n_jobs=2)
     check(record, line, 3)
 
 
@@ -100,7 +100,7 @@ def test_torch_sparsemap():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         line = next_line()
-        smt.sparsemap(f, eta, max_iter=1)
+        smt.sparsemap(f, eta, method="vertex", max_iter=1)
     check(record, line, 2)
 
 

@@ -1,0 +1,1708 @@
+"""The facet side for sequences: SparseMAP on a chain's local polytope.
+
+For a :class:`~sparsemap.SequenceFactor` the marginal polytope is the chain's
+local polytope: ``u_i`` in the simplex, ``v_i >= 0`` with row sums ``u_i`` and
+column sums ``u_{i+1}``. Only ``u`` is regularised, so eliminating ``v`` leaves
+
+    min over u   1/2 |u|^2 - eta_u . u - sum_i OT_i(u_i, u_{i+1}),
+
+``OT_i`` the best transport plan's score under the cost ``eta_v[i]``. Its dual
+potentials ``f_i`` (rows) and ``g_{i+1}`` (columns) give
+``u_i = sparsemax(eta_u[i] + f_i + g_i)``.
+
+The solution is held by its *structure*: the supports ``P_i`` of the ``u_i`` and,
+per transition, a spanning forest of ``P_i x P_{i+1}`` that carries ``v_i``. On a
+fixed structure the potentials are linear in ``eta_v`` (one free constant, a
+*gauge*, per tree of the forest), and ``u`` is the projection of
+``z = eta_u + f + g`` onto ``{sum u_i = 1, and per tree: its row mass = its
+column mass}``: a block-tridiagonal linear system in the simplex thresholds and
+the gauges (one block per position, as large as the forest has trees). Where
+every forest is a single tree the system is diagonal and ``u_i`` is sparsemax
+of ``z_i``; a forest of several trees is a kink of ``OT`` where ``u`` is held.
+
+The solver follows ``u`` along ``eta_v(t) = t eta_v`` from ``t = 0`` (where
+``u_i = sparsemax(eta_u[i])`` and the forests are the optimal transport bases
+for ``eta_v``, ties broken by the tie direction ``r``) to ``t = 1``. On a fixed
+structure ``u`` is affine in ``t``; the structure changes at events:
+
+* an arc's flow reaches 0: it leaves (its tree splits in two, a balance
+  constraint and a gauge more; a node left without arcs leaves its support);
+* an arc of ``P_i x P_{i+1}`` outside the forest becomes tight (reduced cost
+  ``f_i[a] + g_{i+1}[b] - eta_v[i, a, b]`` reaches 0): it enters, joining two
+  trees (or, within a tree, by a network-simplex pivot);
+* a path of nodes outside the supports becomes tight (its score at the adjusted
+  scores reaches the solution's): its nodes and arcs enter. Found by a
+  Viterbi-like pass over the nodes outside the supports and Newton's method on
+  the piecewise-linear convex maximum of the paths' affine scores in ``t``.
+
+Where the result ties (zero flows, tight arcs or paths that neither enter nor
+leave), the structure is then moved along ``eta_v + s r`` for ``s -> 0+`` (the
+events at ``s = 0`` only), so that the Jacobian is the one of the piece ``u``
+follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)``.
+
+Masks: ``-inf`` in ``eta_u`` keeps a tag out of its support for good; ``-inf`` in
+``eta_v`` (a forbidden transition) keeps the arc out of every forest, which needs
+the start (per-position sparsemax) to have couplings that avoid the forbidden
+arcs: the first level of the start's lexicographic transport costs minimises the
+mass they carry, and the solver declines where it is positive.
+
+The solution is certified independently by the Wolfe duality gap (one Viterbi
+call at the adjusted scores) and the marginalisation residuals. The solver
+declines (the caller then takes the vertex side) when the pieces estimated from
+the scores' spreads, or projected from the first pieces, exceed twice its budget,
+when the budget runs out, at forbidden transitions its start cannot avoid, and
+whenever a check fails.
+"""
+import numpy as np
+
+from libc.math cimport INFINITY, fabs
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+from scipy.linalg.cython_blas cimport dgemv, dsyrk, dtrsm, dtrsv
+from scipy.linalg.cython_lapack cimport dpotrf
+
+from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
+                               state_resize)
+from sparsemap._factors._base cimport Factor
+
+
+# Tolerances, relative to the scales named. Values within them of zero are ties.
+cdef double TOL_X = 1e-13     # flows and u (their scale is 1)
+cdef double TOL_D = 1e-13     # reduced costs and paths' scores, times max |eta|, plus
+cdef double TOL_D0 = 1e-15    # (their terms in the units of u: thresholds ~ 1 / |P|)
+cdef double TOL_S = 1e-11     # slopes in t, times max |direction|
+cdef double GAP_TOL = 1e-12   # the certificate: Wolfe gap <= GAP_TOL * gap scale
+cdef double LOOSE = 1e-9      # consistency checks (a state this far off is declined)
+# Projected declines: after EARLY pieces past the start, decline when the pieces
+# projected for t = 1 (at the rate so far) exceed twice the budget.
+cdef Py_ssize_t EARLY = 12
+# Before anything, decline when the pieces estimated from the scores exceed twice the
+# budget. Measured (n x 17 tags, n = 20, 60, 100, randn scores): the pieces grow like
+# n S min(1, rho), rho = std(eta_v) / std(eta_u) (each centred per transition and per
+# position): 0.03 n S at rho = 0.01, 0.07 n S at 0.1, 0.2 to 1.2 n S at 1 and above.
+cdef double EST_FACTOR = 2.0
+
+cdef enum:
+    EV_NONE = 0
+    EV_LEAVE = 1    # a forest arc's flow reaches 0
+    EV_ENTER = 2    # an arc of P_i x P_{i+1} becomes tight
+    EV_PATH = 3     # a path outside the supports becomes tight
+
+cdef enum:
+    RUN_OK = 0
+    RUN_DECLINE = 1
+
+
+cdef struct _Cell:
+    double f, c, r
+    int a, b
+
+
+cdef inline bint _above(const _Cell* p, const _Cell* q) noexcept nogil:
+    return p.f > q.f or (p.f == q.f and (p.c > q.c or (p.c == q.c and p.r > q.r)))
+
+
+cdef void _sift(_Cell* h, int j, int size) noexcept nogil:
+    """Restore the max-heap (by (c, r)) below h[j]."""
+    cdef int c
+    cdef _Cell x = h[j]
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and _above(&h[c + 1], &h[c]):
+            c += 1
+        if not _above(&h[c], &x):
+            break
+        h[j] = h[c]
+        j = c
+    h[j] = x
+
+
+cdef inline bint _all_zero(const double* x, int k) noexcept nogil:
+    cdef int j
+    for j in range(k):
+        if x[j] > 0.0:
+            return False
+    return True
+
+
+cdef inline int _uf_find(int* uf, int x) noexcept nogil:
+    while uf[x] != x:
+        uf[x] = uf[uf[x]]
+        x = uf[x]
+    return x
+
+
+cdef struct _W:
+    int n, S, T, cap, L
+    # the structure
+    char* inP          # n*S: tag a in the support of u_i
+    int* arc_a         # T*cap: rows of transition i's arcs
+    int* arc_b         # T*cap: columns
+    int* na            # T: arcs per transition
+    char* inF          # T*S*S: arc in the forest
+    int* deg_r         # T*S: arcs of transition i at row a
+    int* deg_c         # T*S: at column b
+    char* dirty        # T: forest changed since its tree data were built
+    # tree data per transition (local nodes: rows 0..S-1, columns S..2S-1)
+    int* order         # T*L: BFS order (parents first)
+    int* nord          # T
+    int* par           # T*L: arc to the parent, -1 at a root
+    int* comp          # T*L: tree (component) index
+    int* depth         # T*L
+    int* ncomp         # T
+    int* cR            # T*S: rows per component
+    int* cC            # T*S: columns per component
+    int* adj_off       # L+1 scratch
+    int* adj           # 2*cap scratch
+    int* cur           # L scratch
+    int* rows          # 2*S scratch (the transport's rows and columns)
+    int* uf            # 2*S scratch (union-find)
+    _Cell* cells       # S*S scratch
+    double* lcost      # 2*S*S scratch (the transport's costs with forbidden cells)
+    double* pot        # L scratch
+    double* pot2       # L scratch
+    # root-gauged potentials of the base cost C0 and the direction D
+    double* F0
+    double* G0
+    double* F1
+    double* G1
+    # the block-tridiagonal system: block i = (tau_i, gauges of transition i but its last tree)
+    char* touched      # n: positions whose group is to be solved again
+    double* Kd         # n*S*S: diagonal blocks, then their Cholesky factors
+    double* Ks         # n*S*S: sub-diagonal blocks, then L_{i,i-1}
+    double* lamA
+    double* lamB
+    # the piece: u = uA + t uB etc.
+    double* zA
+    double* zB
+    double* uA
+    double* uB
+    double* fA
+    double* fB
+    double* gA
+    double* gB
+    double* flA
+    double* flB
+    # events
+    double* cmax0      # T*S: per transition, the largest entry of C0 per column (0 without C0)
+    double* dmax       # T*S: of D
+    double* e1t        # T: earliest time an arc's flow reaches 0 (cached)
+    int* e1k           # T: its arc
+    char* e1dirty      # T
+    double* e2t        # T: earliest entering time of an arc (cached)
+    int* e2k           # T: its a*S+b
+    char* e2dirty      # T
+    double* alpha      # n*S: best path scores into nodes outside the supports
+    int* back          # n*S
+    int* seg           # n: the tags of a path event
+    int seg_i0, seg_i1, seg_start, seg_end
+    # the certificate
+    double* adjs       # n*S
+    int* tags          # n
+    char* work         # the factor's MAP scratch
+    # scales
+    double tol_d, stol_x, stol_d
+
+
+cdef inline double _cost(const double* C0, const double* D, Py_ssize_t k, double t) noexcept nogil:
+    if C0 != NULL:
+        return C0[k] + t * D[k]
+    return t * D[k]
+
+
+cdef int _alloc(_W* w, int n, int S, Py_ssize_t work_bytes) except -1 nogil:
+    """One malloc'ed block carved into the workspace's arrays."""
+    cdef int T = n - 1 if n > 1 else 0
+    cdef int cap = 2 * S, L = 2 * S
+    cdef Py_ssize_t nS = n * S, TS = T * S, TSS = T * S * S, nSS = n * S * S
+    cdef Py_ssize_t nd = 0, ni = 0, nc = 0
+    w.n = n
+    w.S = S
+    w.T = T
+    w.cap = cap
+    w.L = L
+    # doubles
+    nd = (2 * L + 4 * nS + 2 * nSS + 2 * nS + 10 * nS + 2 * T * cap + 2 * T + 2 * TS + nS + nS + 2 * S * S)
+    # ints
+    ni = (2 * T * cap + T + 2 * TS + 5 * T * L + 2 * T + 2 * TS + (L + 1) + 2 * cap + L
+          + 2 * n + T + 2 * nS + 2 * n + n + 4 * S)
+    nc = nS + TSS + 3 * T + n
+    cdef size_t n_cells = S * S * sizeof(_Cell)
+    cdef size_t size = n_cells + nd * sizeof(double) + ni * sizeof(int) + nc + work_bytes + 64
+    cdef char* block = <char*> malloc(size)
+    if block == NULL:
+        with gil:
+            raise MemoryError()
+    memset(block, 0, size)
+    w.cells = <_Cell*> block
+    cdef double* d = <double*> (block + n_cells)
+    w.pot = d; d += L
+    w.pot2 = d; d += L
+    w.F0 = d; d += nS
+    w.G0 = d; d += nS
+    w.F1 = d; d += nS
+    w.G1 = d; d += nS
+    w.Kd = d; d += nSS
+    w.Ks = d; d += nSS
+    w.lamA = d; d += nS
+    w.lamB = d; d += nS
+    w.zA = d; d += nS
+    w.zB = d; d += nS
+    w.uA = d; d += nS
+    w.uB = d; d += nS
+    w.fA = d; d += nS
+    w.fB = d; d += nS
+    w.gA = d; d += nS
+    w.gB = d; d += nS
+    w.alpha = d; d += nS
+    w.lcost = d; d += 2 * S * S
+    w.adjs = d; d += nS
+    w.flA = d; d += T * cap
+    w.flB = d; d += T * cap
+    w.e2t = d; d += T
+    w.e1t = d; d += T
+    w.cmax0 = d; d += T * S
+    w.dmax = d; d += T * S
+    d += 2 * nS
+    cdef int* p = <int*> d
+    w.arc_a = p; p += T * cap
+    w.arc_b = p; p += T * cap
+    w.na = p; p += T
+    w.deg_r = p; p += TS
+    w.deg_c = p; p += TS
+    w.order = p; p += T * L
+    w.par = p; p += T * L
+    w.comp = p; p += T * L
+    w.depth = p; p += T * L
+    p += T * L
+    w.nord = p; p += T
+    w.ncomp = p; p += T
+    w.cR = p; p += TS
+    w.cC = p; p += TS
+    w.adj_off = p; p += L + 1
+    w.adj = p; p += 2 * cap
+    w.cur = p; p += L
+    w.rows = p; p += 2 * S
+    w.uf = p; p += 2 * S
+    w.e1k = p; p += T
+    p += n
+    w.e2k = p; p += T
+    w.back = p; p += 2 * nS
+    w.seg = p; p += 2 * n
+    w.tags = p; p += n
+    cdef char* c = <char*> p
+    w.inP = c; c += nS
+    w.inF = c; c += TSS
+    w.dirty = c; c += T
+    w.e2dirty = c; c += T
+    w.e1dirty = c; c += T
+    w.touched = c; c += n
+    # 16-byte aligned scratch for c_map
+    w.work = <char*> ((<size_t> c + 15) & ~(<size_t> 15))
+    return 0
+
+
+cdef inline void _free(_W* w) noexcept nogil:
+    free(w.cells)    # the block's start
+    w.cells = NULL
+
+
+# -- the structure ---------------------------------------------------------------------
+
+cdef inline void _add_arc(_W* w, int i, int a, int b) noexcept nogil:
+    cdef int k = w.na[i]
+    w.arc_a[i * w.cap + k] = a
+    w.arc_b[i * w.cap + k] = b
+    w.na[i] = k + 1
+    w.inF[(i * w.S + a) * w.S + b] = 1
+    w.deg_r[i * w.S + a] += 1
+    w.deg_c[i * w.S + b] += 1
+    w.dirty[i] = 1
+
+
+cdef inline void _del_arc(_W* w, int i, int k) noexcept nogil:
+    cdef int a = w.arc_a[i * w.cap + k], b = w.arc_b[i * w.cap + k]
+    cdef int last = w.na[i] - 1
+    w.arc_a[i * w.cap + k] = w.arc_a[i * w.cap + last]
+    w.arc_b[i * w.cap + k] = w.arc_b[i * w.cap + last]
+    w.na[i] = last
+    w.inF[(i * w.S + a) * w.S + b] = 0
+    w.deg_r[i * w.S + a] -= 1
+    w.deg_c[i * w.S + b] -= 1
+    w.dirty[i] = 1
+
+
+cdef int _cascade(_W* w, int p0, int x0, int* stack) noexcept nogil:
+    """Remove from the supports every node left without arcs on a side (with its
+    other arcs), starting from node (p0, x0). Returns 1 if a support empties."""
+    cdef int top = 0, p, x, k, y, S = w.S, n = w.n
+    cdef bint ok
+    stack[0] = p0 * S + x0
+    top = 1
+    while top > 0:
+        top -= 1
+        p = stack[top] // S
+        x = stack[top] % S
+        if not w.inP[p * S + x]:
+            continue
+        ok = (p == 0 or w.deg_c[(p - 1) * S + x] > 0) and (p == n - 1 or w.deg_r[p * S + x] > 0)
+        if ok:
+            continue
+        w.inP[p * S + x] = 0
+        if p > 0:
+            k = 0
+            while k < w.na[p - 1]:
+                if w.arc_b[(p - 1) * w.cap + k] == x:
+                    y = w.arc_a[(p - 1) * w.cap + k]
+                    _del_arc(w, p - 1, k)
+                    stack[top] = (p - 1) * S + y
+                    top += 1
+                else:
+                    k += 1
+        if p < n - 1:
+            k = 0
+            while k < w.na[p]:
+                if w.arc_a[p * w.cap + k] == x:
+                    y = w.arc_b[p * w.cap + k]
+                    _del_arc(w, p, k)
+                    stack[top] = (p + 1) * S + y
+                    top += 1
+                else:
+                    k += 1
+    for p in range(n):
+        ok = False
+        for x in range(S):
+            if w.inP[p * S + x]:
+                ok = True
+                break
+        if not ok:
+            return 1
+    return 0
+
+
+cdef int _bfs(_W* w, int i) noexcept nogil:
+    """Tree data of transition i from its arcs: 0, or 1 when a node of the supports has
+    no arc there or the arcs hold a cycle."""
+    cdef int S = w.S, L = w.L, cap = w.cap
+    cdef int* cp = w.comp + i * L
+    cdef int* pr = w.par + i * L
+    cdef int* dp = w.depth + i * L
+    cdef int* od = w.order + i * L
+    cdef int k, a, b, x, y, e, j, head, nord = 0, nc = 0
+    memset(w.adj_off, 0, (L + 1) * sizeof(int))
+    for k in range(w.na[i]):
+        w.adj_off[w.arc_a[i * cap + k] + 1] += 1
+        w.adj_off[S + w.arc_b[i * cap + k] + 1] += 1
+    for x in range(L):
+        w.adj_off[x + 1] += w.adj_off[x]
+        w.cur[x] = w.adj_off[x]
+        cp[x] = -1
+    for k in range(w.na[i]):
+        a = w.arc_a[i * cap + k]
+        b = S + w.arc_b[i * cap + k]
+        w.adj[w.cur[a]] = k
+        w.cur[a] += 1
+        w.adj[w.cur[b]] = k
+        w.cur[b] += 1
+    for a in range(S):
+        if not w.inP[i * S + a] or cp[a] >= 0:
+            continue
+        if w.adj_off[a + 1] == w.adj_off[a]:
+            return 1
+        w.cR[i * S + nc] = 0
+        w.cC[i * S + nc] = 0
+        cp[a] = nc
+        pr[a] = -1
+        dp[a] = 0
+        od[nord] = a
+        head = nord
+        nord += 1
+        while head < nord:
+            x = od[head]
+            head += 1
+            if x < S:
+                w.cR[i * S + nc] += 1
+            else:
+                w.cC[i * S + nc] += 1
+            for j in range(w.adj_off[x], w.adj_off[x + 1]):
+                e = w.adj[j]
+                if e == pr[x]:
+                    continue
+                y = (S + w.arc_b[i * cap + e]) if x < S else w.arc_a[i * cap + e]
+                if cp[y] >= 0:
+                    return 1
+                cp[y] = nc
+                pr[y] = e
+                dp[y] = dp[x] + 1
+                od[nord] = y
+                nord += 1
+        nc += 1
+    for b in range(S):
+        if w.inP[(i + 1) * S + b] and cp[S + b] < 0:
+            return 1
+    for x in range(L):
+        if cp[x] >= 0 and not w.inP[(i + (1 if x >= S else 0)) * S + (x % S)]:
+            return 1
+    w.nord[i] = nord
+    w.ncomp[i] = nc
+    return 0
+
+
+cdef void _pots(_W* w, int i, const double* X, double* F, double* G) noexcept nogil:
+    """Root-gauged potentials of cost X (S x S, NULL: zeros) on transition i's forest:
+    F at its rows (position i), G at its columns (position i + 1)."""
+    cdef int S = w.S, L = w.L, j, x, e, y
+    cdef const int* od = w.order + i * L
+    cdef const int* pr = w.par + i * L
+    cdef double p
+    for j in range(w.nord[i]):
+        x = od[j]
+        e = pr[x]
+        if e < 0:
+            p = 0.0
+        else:
+            y = (S + w.arc_b[i * w.cap + e]) if x < S else w.arc_a[i * w.cap + e]
+            p = (X[w.arc_a[i * w.cap + e] * S + w.arc_b[i * w.cap + e]] if X != NULL else 0.0) - w.pot[y]
+        w.pot[x] = p
+        if x < S:
+            F[i * S + x] = p
+        else:
+            G[(i + 1) * S + x - S] = p
+
+
+cdef void _flows(_W* w, int i, const double* u, double* fl) noexcept nogil:
+    """Flows on transition i's forest with row sums u_i and column sums u_{i+1}."""
+    cdef int S = w.S, L = w.L, j, x, e, y
+    cdef const int* od = w.order + i * L
+    cdef const int* pr = w.par + i * L
+    cdef double* s = w.pot2
+    for j in range(w.nord[i]):
+        x = od[j]
+        s[x] = u[i * S + x] if x < S else -u[(i + 1) * S + x - S]
+    for j in range(w.nord[i] - 1, -1, -1):
+        x = od[j]
+        e = pr[x]
+        if e < 0:
+            continue
+        fl[i * w.cap + e] = s[x] if x < S else -s[x]
+        y = (S + w.arc_b[i * w.cap + e]) if x < S else w.arc_a[i * w.cap + e]
+        s[y] += s[x]
+
+
+# -- the linear system -----------------------------------------------------------------
+# Unknowns of position i (block i, at lam[i S ...]): the threshold tau_i, then the
+# gauges of transition i's trees but the last (fixed at 0). B^T B is block tridiagonal;
+# a transition of one tree couples nothing, so the chain splits into independent
+# groups of positions joined by transitions of several trees.
+
+cdef inline int _m(_W* w, int i) noexcept nogil:
+    """Unknowns of block i."""
+    return w.ncomp[i] if i < w.T else 1
+
+
+cdef int _factor_range(_W* w, int lo, int hi) noexcept nogil:
+    """Assemble and factorise the blocks lo..hi of B^T B (a group: no coupling to
+    lo - 1 or hi + 1). 0, or 1 if not definite."""
+    cdef int S = w.S, T = w.T, L = w.L, i, k, m, mp, a, kr, kc, info = 0
+    cdef int SS = S * S
+    cdef double* A
+    cdef double* Bk
+    cdef double one = 1.0, mone = -1.0
+    cdef char cL = b'L', cR = b'R', cT = b'T', cN = b'N'
+    for i in range(lo, hi + 1):
+        m = _m(w, i)
+        A = w.Kd + i * SS
+        memset(A, 0, m * m * sizeof(double))
+        for a in range(S):
+            if w.inP[i * S + a]:
+                A[0] += 1.0
+        for k in range(m - 1):
+            A[(1 + k) * m] = -w.cR[i * S + k]
+            A[1 + k] = -w.cR[i * S + k]
+            A[(1 + k) * (m + 1)] = w.cR[i * S + k] + w.cC[i * S + k]
+        if i > lo:
+            mp = _m(w, i - 1)
+            Bk = w.Ks + i * SS
+            memset(Bk, 0, m * mp * sizeof(double))
+            for k in range(mp - 1):
+                Bk[(1 + k) * m] = w.cC[(i - 1) * S + k]
+            if m > 1 and mp > 1:
+                for a in range(S):
+                    if w.inP[i * S + a]:
+                        kr = w.comp[i * L + a]
+                        kc = w.comp[(i - 1) * L + S + a]
+                        if kr < m - 1 and kc < mp - 1:
+                            Bk[(1 + kr) + (1 + kc) * m] -= 1.0
+            if m > 1 or mp > 1:
+                # L_{i,i-1} = B_{i,i-1} L_{i-1}^{-T}; the Schur complement
+                dtrsm(&cR, &cL, &cT, &cN, &m, &mp, &one, w.Kd + (i - 1) * SS, &mp, Bk, &m)
+                dsyrk(&cL, &cN, &m, &mp, &mone, Bk, &m, &one, A, &m)
+        if m == 1:
+            if not A[0] > 0.0:
+                return 1
+            A[0] = A[0] ** 0.5
+        else:
+            dpotrf(&cL, &m, A, &m, &info)
+            if info != 0:
+                return 1
+    return 0
+
+
+cdef void _solve_range(_W* w, double* x, int lo, int hi) noexcept nogil:
+    """x <- (B^T B)^{-1} x on the blocks lo..hi, with the factor of _factor_range."""
+    cdef int S = w.S, SS = w.S * w.S, i, m, mp, inc = 1
+    cdef double one = 1.0, mone = -1.0
+    cdef char cL = b'L', cT = b'T', cN = b'N'
+    cdef double* xi
+    for i in range(lo, hi + 1):
+        m = _m(w, i)
+        xi = x + i * S
+        if i > lo:
+            mp = _m(w, i - 1)
+            if m > 1 or mp > 1:
+                dgemv(&cN, &m, &mp, &mone, w.Ks + i * SS, &m, x + (i - 1) * S, &inc, &one, xi, &inc)
+        if m == 1:
+            xi[0] /= w.Kd[i * SS]
+        else:
+            dtrsv(&cL, &cN, &cN, &m, w.Kd + i * SS, &m, xi, &inc)
+    for i in range(hi, lo - 1, -1):
+        m = _m(w, i)
+        xi = x + i * S
+        if i < hi:
+            mp = _m(w, i + 1)
+            if m > 1 or mp > 1:
+                dgemv(&cT, &mp, &m, &mone, w.Ks + (i + 1) * SS, &mp, x + (i + 1) * S, &inc,
+                      &one, xi, &inc)
+        if m == 1:
+            xi[0] /= w.Kd[i * SS]
+        else:
+            dtrsv(&cL, &cT, &cN, &m, w.Kd + i * SS, &m, xi, &inc)
+
+
+cdef inline double _gauge(_W* w, const double* lam, int i, int k) noexcept nogil:
+    return lam[i * w.S + 1 + k] if k < w.ncomp[i] - 1 else 0.0
+
+
+cdef void _project_range(_W* w, const double* z, double b0, double* lam, double* out,
+                         int lo, int hi) noexcept nogil:
+    """out = z + B lam on the supports of positions lo..hi (0 elsewhere there), with
+    B^T out = (b0 per position, 0 per balance): the projection of z onto the
+    structure's affine set (b0 = -1) or onto its linear part (b0 = 0). lo..hi is a
+    group (or the whole chain)."""
+    cdef int S = w.S, T = w.T, L = w.L, i, a, k
+    for i in range(lo, hi + 1):
+        memset(lam + i * S, 0, _m(w, i) * sizeof(double))
+        lam[i * S] = b0
+    for i in range(lo, hi + 1):
+        for a in range(S):
+            if w.inP[i * S + a]:
+                lam[i * S] += z[i * S + a]
+                if i < T:
+                    k = w.comp[i * L + a]
+                    if k < w.ncomp[i] - 1:
+                        lam[i * S + 1 + k] -= z[i * S + a]
+                if i > 0:
+                    k = w.comp[(i - 1) * L + S + a]
+                    if k < w.ncomp[i - 1] - 1:
+                        lam[(i - 1) * S + 1 + k] += z[i * S + a]
+    _solve_range(w, lam, lo, hi)
+    for i in range(lo, hi + 1):
+        for a in range(S):
+            if w.inP[i * S + a]:
+                out[i * S + a] = z[i * S + a] - lam[i * S]
+                if i < T:
+                    out[i * S + a] += _gauge(w, lam, i, w.comp[i * L + a])
+                if i > 0:
+                    out[i * S + a] -= _gauge(w, lam, i - 1, w.comp[(i - 1) * L + S + a])
+            else:
+                out[i * S + a] = 0.0
+
+
+cdef int _update(_W* w, const double* eta_u, const double* C0, const double* D,
+                 bint all_dirty) noexcept nogil:
+    """Bring the piece (u, potentials with gauges, flows, all affine in t) up to date
+    with the structure: the changed transitions' trees and potentials, then the groups
+    of positions they touch. 0, or 1 if the structure is not a valid one."""
+    cdef int n = w.n, S = w.S, T = w.T, L = w.L, i, a, k, p, lo, hi
+    memset(w.touched, 0, n)
+    for i in range(T):
+        if w.dirty[i] or all_dirty:
+            if _bfs(w, i):
+                return 1
+            _pots(w, i, C0 + i * S * S if C0 != NULL else NULL, w.F0, w.G0)
+            _pots(w, i, D + i * S * S, w.F1, w.G1)
+            w.dirty[i] = 0
+            w.e2dirty[i] = 1
+            w.touched[i] = 1
+            w.touched[i + 1] = 1
+    if T == 0 and all_dirty:
+        w.touched[0] = 1
+    p = 0
+    while p < n:
+        if not w.touched[p]:
+            p += 1
+            continue
+        lo = p
+        while lo > 0 and w.ncomp[lo - 1] > 1:
+            lo -= 1
+        hi = p
+        while hi < T and w.ncomp[hi] > 1:
+            hi += 1
+        for i in range(lo, hi + 1):
+            for a in range(S):
+                k = i * S + a
+                if w.inP[k]:
+                    w.zA[k] = eta_u[k] + (w.F0[k] if i < T else 0.0) + (w.G0[k] if i > 0 else 0.0)
+                    w.zB[k] = (w.F1[k] if i < T else 0.0) + (w.G1[k] if i > 0 else 0.0)
+        if _factor_range(w, lo, hi):
+            return 1
+        _project_range(w, w.zA, -1.0, w.lamA, w.uA, lo, hi)
+        _project_range(w, w.zB, 0.0, w.lamB, w.uB, lo, hi)
+        # transitions lo - 1 .. hi: flows (their marginals moved) and, inside, gauges
+        for i in range(lo - 1 if lo > 0 else 0, hi + 1 if hi < T else T):
+            if w.ncomp[i] > 1:
+                w.e2dirty[i] = 1
+            for a in range(S):
+                if w.inP[i * S + a]:
+                    k = w.comp[i * L + a]
+                    w.fA[i * S + a] = w.F0[i * S + a] + _gauge(w, w.lamA, i, k)
+                    w.fB[i * S + a] = w.F1[i * S + a] + _gauge(w, w.lamB, i, k)
+                if w.inP[(i + 1) * S + a]:
+                    k = w.comp[i * L + S + a]
+                    w.gA[(i + 1) * S + a] = w.G0[(i + 1) * S + a] - _gauge(w, w.lamA, i, k)
+                    w.gB[(i + 1) * S + a] = w.G1[(i + 1) * S + a] - _gauge(w, w.lamB, i, k)
+            _flows(w, i, w.uA, w.flA)
+            _flows(w, i, w.uB, w.flB)
+            w.e1dirty[i] = 1
+        p = hi + 1
+    return 0
+
+
+cdef int _factor_all(_W* w) noexcept nogil:
+    """The whole chain's factor (transitions of one tree couple nothing)."""
+    return _factor_range(w, 0, w.n - 1)
+
+
+# -- events ----------------------------------------------------------------------------
+
+cdef int _leave_times(_W* w, int i, double t, bint zero_only) noexcept nogil:
+    """The earliest time at which an arc of transition i's forest gets a zero flow
+    (cached per transition; zero_only: only arcs whose flow is 0 at t). 1 if a flow is
+    negative at t (an inconsistent state)."""
+    cdef int k, arg = -1
+    cdef double fa, fb, root, best = INFINITY
+    for k in range(w.na[i]):
+        fa = w.flA[i * w.cap + k]
+        fb = w.flB[i * w.cap + k]
+        if fa + t * fb < -LOOSE:
+            return 1
+        if fb < -w.stol_x:
+            if zero_only and fa + t * fb > TOL_X:
+                continue
+            root = -fa / fb
+            if root < best:
+                best = root
+                arg = k
+    w.e1t[i] = best
+    w.e1k[i] = arg
+    w.e1dirty[i] = 0
+    return 0
+
+
+cdef void _enter_times(_W* w, int i, const double* C0, const double* D) noexcept nogil:
+    """The earliest t at which an arc of P_i x P_{i+1} outside the forest gets a zero
+    reduced cost (cached per transition)."""
+    cdef int S = w.S, a, b
+    cdef Py_ssize_t q
+    cdef double ra, rb, root, best = INFINITY
+    cdef int arg = -1
+    for a in range(S):
+        if not w.inP[i * S + a]:
+            continue
+        for b in range(S):
+            if not w.inP[(i + 1) * S + b]:
+                continue
+            q = (i * S + a) * S + b
+            if w.inF[q]:
+                continue
+            rb = w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q]
+            if rb < -w.stol_d:
+                ra = w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
+                root = -ra / rb
+                if root < best:
+                    best = root
+                    arg = a * S + b
+    w.e2t[i] = best
+    w.e2k[i] = arg
+    w.e2dirty[i] = 0
+
+
+cdef double _path_max(_W* w, const double* eta_u, const double* C0, const double* D,
+                      double t, int* end_i, int* end_x, int* end_b) noexcept nogil:
+    """The best score at t of a path segment through nodes outside the supports: it
+    enters from a support node (row potential subtracted) or the chain's start, and
+    leaves to a support node (column potential subtracted) or the chain's end. 0 at
+    the optimum; the segment's last node and exit into end_*. Entries from nodes
+    outside the supports are skipped where a bound (their best score plus the
+    column's largest cost) cannot beat the best entry from the support."""
+    cdef int n = w.n, S = w.S, i, x, a, b, bk, eb, j
+    cdef int* plist = w.back + n * S     # the supports as lists (scratch)
+    cdef int* pcnt = w.seg + n
+    cdef Py_ssize_t q
+    cdef double best = -INFINITY, tau, ent, val, ex, c, amax_prev = -INFINITY, amax
+    end_i[0] = -1
+    for i in range(n):
+        pcnt[i] = 0
+        for x in range(S):
+            if w.inP[i * S + x]:
+                plist[i * S + pcnt[i]] = x
+                pcnt[i] += 1
+    for i in range(n):
+        tau = w.lamA[i * S] + t * w.lamB[i * S]
+        amax = -INFINITY
+        for x in range(S):
+            q = i * S + x
+            w.alpha[q] = -INFINITY
+            if w.inP[q] or eta_u[q] == -INFINITY:
+                continue
+            if i == 0:
+                ent = 0.0
+                bk = -1
+            else:
+                ent = -INFINITY
+                bk = -1
+                for j in range(pcnt[i - 1]):
+                    a = plist[(i - 1) * S + j]
+                    val = (_cost(C0, D, ((i - 1) * S + a) * S + x, t)
+                           - (w.fA[(i - 1) * S + a] + t * w.fB[(i - 1) * S + a]))
+                    if val > ent:
+                        ent = val
+                        bk = a
+                if amax_prev + w.cmax0[q - S] + t * w.dmax[q - S] > ent:
+                    for a in range(S):
+                        if w.alpha[(i - 1) * S + a] > -INFINITY:
+                            val = w.alpha[(i - 1) * S + a] + _cost(C0, D, ((i - 1) * S + a) * S + x, t)
+                            if val > ent:
+                                ent = val
+                                bk = S + a
+                if ent == -INFINITY:
+                    continue
+            w.alpha[q] = eta_u[q] - tau + ent
+            w.back[q] = bk
+            if w.alpha[q] > amax:
+                amax = w.alpha[q]
+            if i == n - 1:
+                ex = 0.0
+                eb = -1
+            else:
+                ex = -INFINITY
+                eb = -1
+                for j in range(pcnt[i + 1]):
+                    b = plist[(i + 1) * S + j]
+                    val = (_cost(C0, D, (i * S + x) * S + b, t)
+                           - (w.gA[(i + 1) * S + b] + t * w.gB[(i + 1) * S + b]))
+                    if val > ex:
+                        ex = val
+                        eb = b
+            if w.alpha[q] + ex > best:
+                best = w.alpha[q] + ex
+                end_i[0] = i
+                end_x[0] = x
+                end_b[0] = eb
+        amax_prev = amax
+    return best
+
+
+cdef void _path_trace(_W* w, int i1, int x1, int eb) noexcept nogil:
+    """The segment ending at (i1, x1) into seg[i0..i1], seg_start, seg_end."""
+    cdef int S = w.S, i = i1, x = x1, bk
+    w.seg_i1 = i1
+    w.seg_end = eb
+    w.seg_start = -1
+    while True:
+        w.seg[i] = x
+        bk = w.back[i * S + x]
+        if bk < 0:
+            break
+        if bk < S:
+            w.seg_start = bk
+            break
+        x = bk - S
+        i -= 1
+    w.seg_i0 = i
+
+
+cdef double _path_value(_W* w, const double* eta_u, const double* C0, const double* D,
+                        double t) noexcept nogil:
+    """The score at t of the segment in seg (as in _path_max)."""
+    cdef int S = w.S, i, i0 = w.seg_i0, i1 = w.seg_i1
+    cdef double val = 0.0
+    if w.seg_start >= 0:
+        val += (_cost(C0, D, ((i0 - 1) * S + w.seg_start) * S + w.seg[i0], t)
+                - (w.fA[(i0 - 1) * S + w.seg_start] + t * w.fB[(i0 - 1) * S + w.seg_start]))
+    for i in range(i0, i1 + 1):
+        val += eta_u[i * S + w.seg[i]] - (w.lamA[i * S] + t * w.lamB[i * S])
+        if i < i1:
+            val += _cost(C0, D, (i * S + w.seg[i]) * S + w.seg[i + 1], t)
+    if w.seg_end >= 0:
+        val += (_cost(C0, D, (i1 * S + w.seg[i1]) * S + w.seg_end, t)
+                - (w.gA[(i1 + 1) * S + w.seg_end] + t * w.gB[(i1 + 1) * S + w.seg_end]))
+    return val
+
+
+cdef int _pivot(_W* w, int i, int a, int b, double t) noexcept nogil:
+    """Arc (a, b) enters transition i's tree that already connects a and b: push flow
+    around the cycle until an arc of it empties, and that arc leaves (a network-simplex
+    pivot; u is unchanged since the cycle's cost is zero at t)."""
+    cdef int S = w.S, L = w.L, cap = w.cap
+    cdef int* pr = w.par + i * L
+    cdef int* dp = w.depth + i * L
+    cdef int x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
+    cdef double fl, best = INFINITY
+    # walk both ends up to their common ancestor; the first arc from each end
+    # decreases, then they alternate
+    while x != y:
+        if dp[x] >= dp[y]:
+            e = pr[x]
+            if e < 0:
+                return 1
+            if sx == 0:
+                fl = w.flA[i * cap + e] + t * w.flB[i * cap + e]
+                if fl < best:
+                    best = fl
+                    leave = e
+            sx ^= 1
+            x = (S + w.arc_b[i * cap + e]) if x < S else w.arc_a[i * cap + e]
+        else:
+            e = pr[y]
+            if e < 0:
+                return 1
+            if sy == 0:
+                fl = w.flA[i * cap + e] + t * w.flB[i * cap + e]
+                if fl < best:
+                    best = fl
+                    leave = e
+            sy ^= 1
+            y = (S + w.arc_b[i * cap + e]) if y < S else w.arc_a[i * cap + e]
+    if leave < 0:
+        return 1
+    _del_arc(w, i, leave)
+    _add_arc(w, i, a, b)
+    return 0
+
+
+cdef int _run(_W* w, const double* eta_u, const double* C0, const double* D, double t_end,
+              bint zero_only, Py_ssize_t budget, Py_ssize_t* n_iter, int* stack) noexcept nogil:
+    """Follow u along the costs C0 + t D from t = 0 to t_end (zero_only: apply only the
+    events at t = 0, the structure of the piece at 0+). RUN_OK or RUN_DECLINE."""
+    cdef int n = w.n, S = w.S, T = w.T, i, k, a, b, kind, ev_i = -1, ev_k = -1, ei, ex, eb
+    cdef int it_newton
+    cdef double t = 0.0, ev_t, root, fa, fb, val, v0, v1, slope, th, start_val
+    cdef Py_ssize_t pieces = 0, p0 = 0, q
+    cdef bint first = True
+    for i in range(T):
+        for b in range(S):
+            w.cmax0[i * S + b] = 0.0 if C0 == NULL else -INFINITY
+            w.dmax[i * S + b] = -INFINITY
+            for a in range(S):
+                q = (i * S + a) * S + b
+                if C0 != NULL and C0[q] > w.cmax0[i * S + b]:
+                    w.cmax0[i * S + b] = C0[q]
+                if D[q] > w.dmax[i * S + b]:
+                    w.dmax[i * S + b] = D[q]
+    while True:
+        if n_iter[0] >= budget:
+            return RUN_DECLINE
+        if _update(w, eta_u, C0, D, first):
+            return RUN_DECLINE
+        first = False
+        n_iter[0] += 1
+        pieces += 1
+        kind = EV_NONE
+        ev_t = INFINITY if zero_only else t_end
+        # an arc's flow reaches 0
+        for i in range(T):
+            if w.e1dirty[i] and _leave_times(w, i, t, zero_only):
+                return RUN_DECLINE
+            if w.e1k[i] < 0:
+                continue
+            root = w.e1t[i] if w.e1t[i] > t else t
+            if root < ev_t or (root == ev_t and kind != EV_LEAVE):
+                ev_t = root
+                kind = EV_LEAVE
+                ev_i = i
+                ev_k = w.e1k[i]
+        # an arc enters
+        for i in range(T):
+            if w.e2dirty[i]:
+                _enter_times(w, i, C0, D)
+            if w.e2k[i] < 0:
+                continue
+            root = w.e2t[i]
+            if zero_only:
+                a = w.e2k[i] // S
+                b = w.e2k[i] % S
+                val = (w.fA[i * S + a] + w.gA[(i + 1) * S + b]
+                       - (C0[(i * S + a) * S + b] if C0 != NULL else 0.0))
+                if val > w.tol_d:
+                    continue
+            if root < t:
+                root = t
+            if root < ev_t:
+                ev_t = root
+                kind = EV_ENTER
+                ev_i = i
+                ev_k = w.e2k[i]
+        # a path through nodes outside the supports becomes tight: Newton on the convex
+        # maximum of the paths' affine scores, from the right
+        th = t + 1.0 if zero_only else ev_t
+        if ev_t < th:
+            th = ev_t
+        start_val = -INFINITY
+        for it_newton in range(64):
+            val = _path_max(w, eta_u, C0, D, th, &ei, &ex, &eb)
+            if ei < 0 or val <= w.tol_d:
+                break
+            _path_trace(w, ei, ex, eb)
+            v0 = _path_value(w, eta_u, C0, D, t)
+            start_val = v0
+            if th <= t:
+                root = t
+            else:
+                slope = (val - v0) / (th - t)
+                root = th - val / slope if slope > 0 else t
+                if root < t:
+                    root = t
+            kind = EV_PATH
+            ev_t = root
+            if root >= th or root <= t:
+                th = root
+                break
+            th = root
+        if kind == EV_PATH and zero_only and start_val < -w.tol_d:
+            kind = EV_NONE
+        if kind == EV_NONE:
+            return RUN_OK
+        if t <= 1e-9:
+            p0 = pieces     # pieces of the start (zero-length where it is degenerate)
+        elif (not zero_only and pieces - p0 >= EARLY
+                and p0 + <double> (pieces - p0) / ev_t > EST_FACTOR * budget):
+            return RUN_DECLINE
+        t = ev_t
+        if kind == EV_LEAVE:
+            a = w.arc_a[ev_i * w.cap + ev_k]
+            b = w.arc_b[ev_i * w.cap + ev_k]
+            _del_arc(w, ev_i, ev_k)
+            if _cascade(w, ev_i, a, stack):
+                return RUN_DECLINE
+            if _cascade(w, ev_i + 1, b, stack):
+                return RUN_DECLINE
+        elif kind == EV_ENTER:
+            a = ev_k // S
+            b = ev_k % S
+            if w.comp[ev_i * w.L + a] == w.comp[ev_i * w.L + S + b]:
+                if _pivot(w, ev_i, a, b, t):
+                    return RUN_DECLINE
+            else:
+                _add_arc(w, ev_i, a, b)
+        else:
+            for i in range(w.seg_i0, w.seg_i1 + 1):
+                w.inP[i * S + w.seg[i]] = 1
+            if w.seg_start >= 0:
+                _add_arc(w, w.seg_i0 - 1, w.seg_start, w.seg[w.seg_i0])
+            for i in range(w.seg_i0, w.seg_i1):
+                _add_arc(w, i, w.seg[i], w.seg[i + 1])
+            if w.seg_end >= 0:
+                _add_arc(w, w.seg_i1, w.seg[w.seg_i1], w.seg_end)
+
+
+cdef bint _has_ties(_W* w, const double* eta_u, const double* C0, const double* D,
+                    double t) noexcept nogil:
+    """Whether the piece's structure at t is ambiguous: a zero flow, a tight arc outside
+    the forest or a tight path outside the supports."""
+    cdef int S = w.S, i, k, a, b, ei, ex, eb
+    cdef Py_ssize_t q
+    for i in range(w.T):
+        for k in range(w.na[i]):
+            if w.flA[i * w.cap + k] + t * w.flB[i * w.cap + k] <= TOL_X:
+                return True
+        for a in range(S):
+            if not w.inP[i * S + a]:
+                continue
+            for b in range(S):
+                q = (i * S + a) * S + b
+                if w.inP[(i + 1) * S + b] and not w.inF[q]:
+                    if (w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
+                            + t * (w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q])) <= w.tol_d:
+                        return True
+    return _path_max(w, eta_u, C0, D, t, &ei, &ex, &eb) >= -w.tol_d
+
+
+# -- the start: sparsemax per position, optimal transport per transition ----------------
+
+cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) noexcept nogil:
+    """u = sparsemax(z) (entries -inf excluded) by sorting; 1 if every entry is -inf."""
+    cdef int a, j, m = 0, k
+    cdef double x, cs = 0.0, tau = 0.0
+    for a in range(S):
+        if z[a] > -INFINITY:
+            # insertion sort, descending (S is small)
+            x = z[a]
+            j = m
+            while j > 0 and tmp[j - 1] < x:
+                tmp[j] = tmp[j - 1]
+                j -= 1
+            tmp[j] = x
+            m += 1
+    if m == 0:
+        return 1
+    k = 0
+    for j in range(m):
+        cs += tmp[j]
+        if 1.0 + (j + 1) * tmp[j] > cs:
+            k = j + 1
+            tau = (cs - 1.0) / (j + 1)
+    for a in range(S):
+        if z[a] > -INFINITY and z[a] - tau > 0.0:
+            u[a] = z[a] - tau
+            inP[a] = 1
+        else:
+            u[a] = 0.0
+            inP[a] = 0
+    return 0
+
+
+cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
+                    double tolC) noexcept nogil:
+    """Transition i's forest <- an optimal basis of the transport problem max <C, V>
+    over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
+    in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
+    network-simplex pivots (Dantzig's rule; Bland's after repeated degenerate pivots).
+    The forest is the basis (a spanning tree) less its forbidden arcs. 0; 2 when every
+    coupling uses a forbidden cell; 1 on a failure."""
+    cdef int S = w.S, cap = w.cap, a, b, ia, ib, k, j, ra, best_a, best_b, tier, n_degen = 0
+    cdef int nr = 0, nc = 0, it, heap
+    cdef _Cell cell
+    cdef int* rows = w.rows
+    cdef int* cols = w.rows + S
+    cdef double* pr = w.pot2        # residuals (2 S doubles)
+    cdef double* pc = w.pot2 + S
+    cdef double rc, best, x
+    cdef const double* Ci = C + i * S * S
+    cdef const double* Ri = R + i * S * S
+    cdef double* lf = w.lcost       # with forbidden cells: -[forbidden] and C there 0
+    cdef double* lc = w.lcost + S * S
+    cdef bint bland, forbidden = False
+    for a in range(S):
+        if w.inP[i * S + a]:
+            rows[nr] = a
+            nr += 1
+        if w.inP[(i + 1) * S + a]:
+            cols[nc] = a
+            nc += 1
+    for ia in range(nr):
+        for ib in range(nc):
+            if Ci[rows[ia] * S + cols[ib]] == -INFINITY:
+                forbidden = True
+    if forbidden:
+        for k in range(S * S):
+            lf[k] = -1.0 if Ci[k] == -INFINITY else 0.0
+            lc[k] = 0.0 if Ci[k] == -INFINITY else Ci[k]
+        Ci = lc
+    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap),
+    # each given all it can take; then zero-flow cells join the trees into a spanning tree
+    k = 0
+    for ia in range(nr):
+        pr[ia] = u[i * S + rows[ia]]
+        for ib in range(nc):
+            j = rows[ia] * S + cols[ib]
+            w.cells[k].f = lf[j] if forbidden else 0.0
+            w.cells[k].c = Ci[j]
+            w.cells[k].r = Ri[j]
+            w.cells[k].a = ia
+            w.cells[k].b = ib
+            k += 1
+    for ib in range(nc):
+        pc[ib] = u[(i + 1) * S + cols[ib]]
+    for j in range(k // 2 - 1, -1, -1):
+        _sift(w.cells, j, k)
+    for ia in range(nr + nc):
+        w.uf[ia] = ia
+    ra = 0
+    heap = k
+    for it in range(2):
+        j = k - 1
+        while j >= 0 and ra < nr + nc - 1:
+            if j < heap:
+                # the next cell in decreasing order: pop it to the heap's end
+                heap -= 1
+                cell = w.cells[0]
+                w.cells[0] = w.cells[heap]
+                w.cells[heap] = cell
+                _sift(w.cells, 0, heap)
+            ia = w.cells[j].a
+            ib = w.cells[j].b
+            j -= 1
+            if it == 0 and (pr[ia] <= 0.0 or pc[ib] <= 0.0):
+                if pr[ia] <= 0.0 and pc[ib] <= 0.0 and _all_zero(pr, nr):
+                    break   # everything allocated; pass 2 joins the trees
+                continue
+            a = _uf_find(w.uf, ia)
+            b = _uf_find(w.uf, nr + ib)
+            if a == b:
+                continue
+            w.uf[a] = b
+            _add_arc(w, i, rows[ia], cols[ib])
+            ra += 1
+            if it == 0:
+                if pr[ia] <= pc[ib]:
+                    pc[ib] -= pr[ia]
+                    pr[ia] = 0.0
+                else:
+                    pr[ia] -= pc[ib]
+                    pc[ib] = 0.0
+    for it in range(100000):
+        if _bfs(w, i):
+            return 1
+        _pots(w, i, Ci, w.F0, w.G0)
+        _pots(w, i, Ri, w.F1, w.G1)
+        if forbidden:
+            _pots(w, i, lf, w.fA, w.gA)
+        _flows(w, i, u, w.flA)
+        bland = n_degen > 2 * S
+        tier = 3
+        best = 0.0
+        best_a = best_b = -1
+        for ia in range(nr):
+            a = rows[ia]
+            for ib in range(nc):
+                b = cols[ib]
+                if w.inF[(i * S + a) * S + b]:
+                    continue
+                if forbidden:
+                    # integer-valued: -1, 0 or +1 and more
+                    rc = w.fA[i * S + a] + w.gA[(i + 1) * S + b] - lf[a * S + b]
+                    if rc < -0.5:
+                        if tier > 0 or rc < best:
+                            tier = 0
+                            best = rc
+                            best_a = a
+                            best_b = b
+                        continue
+                    if rc > 0.5 or tier == 0:
+                        continue
+                rc = w.F0[i * S + a] + w.G0[(i + 1) * S + b] - Ci[a * S + b]
+                if rc < -tolC:
+                    if tier > 1 or rc < best:
+                        tier = 1
+                        best = rc
+                        best_a = a
+                        best_b = b
+                elif tier > 1 and rc <= tolC:
+                    rc = w.F1[i * S + a] + w.G1[(i + 1) * S + b] - Ri[a * S + b]
+                    if rc < -1e-12 and (tier == 3 or rc < best):
+                        tier = 2
+                        best = rc
+                        best_a = a
+                        best_b = b
+                if bland and tier < 3:
+                    break
+            if bland and tier < 3:
+                break
+        if tier == 3:
+            break
+        k = _cycle_min(w, i, best_a, best_b)
+        if k < 0:
+            return 1
+        if w.flA[i * cap + k] <= TOL_X:
+            n_degen += 1
+        else:
+            n_degen = 0
+        _del_arc(w, i, k)
+        _add_arc(w, i, best_a, best_b)
+    else:
+        return 1
+    if forbidden:
+        k = 0
+        while k < w.na[i]:
+            j = w.arc_a[i * cap + k] * S + w.arc_b[i * cap + k]
+            if lf[j] < 0.0:
+                if w.flA[i * cap + k] > TOL_X:
+                    return 2
+                _del_arc(w, i, k)
+                w.flA[i * cap + k] = w.flA[i * cap + w.na[i]]
+            else:
+                k += 1
+    return 0
+
+
+cdef int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
+    """For arc (a, b) entering transition i's tree: the leaving arc (the decreasing arc of
+    the cycle with the least flow, lowest index on ties), or -1."""
+    cdef int S = w.S, L = w.L, cap = w.cap, x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
+    cdef int* pr = w.par + i * L
+    cdef int* dp = w.depth + i * L
+    cdef double fl, best = INFINITY
+    while x != y:
+        if dp[x] >= dp[y]:
+            e = pr[x]
+            if e < 0:
+                return -1
+            if sx == 0:
+                fl = w.flA[i * cap + e]
+                if fl < best or (fl == best and e < leave):
+                    best = fl
+                    leave = e
+            sx ^= 1
+            x = (S + w.arc_b[i * cap + e]) if x < S else w.arc_a[i * cap + e]
+        else:
+            e = pr[y]
+            if e < 0:
+                return -1
+            if sy == 0:
+                fl = w.flA[i * cap + e]
+                if fl < best or (fl == best and e < leave):
+                    best = fl
+                    leave = e
+            sy ^= 1
+            y = (S + w.arc_b[i * cap + e]) if y < S else w.arc_a[i * cap + e]
+    return leave
+
+
+cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size) noexcept nogil:
+    """The standard deviation of x's finite entries about their group's mean (n_groups
+    consecutive groups of size entries; 0 when none is finite)."""
+    cdef Py_ssize_t g, j, cnt, tot = 0
+    cdef double mean, acc = 0.0
+    cdef const double* xg
+    for g in range(n_groups):
+        xg = x + g * size
+        mean = 0.0
+        cnt = 0
+        for j in range(size):
+            if xg[j] > -INFINITY:
+                mean += xg[j]
+                cnt += 1
+        if cnt == 0:
+            continue
+        mean /= cnt
+        tot += cnt
+        for j in range(size):
+            if xg[j] > -INFINITY:
+                acc += (xg[j] - mean) ** 2
+    return (acc / tot) ** 0.5 if tot > 0 else 0.0
+
+
+cdef double _spread_ratio(const double* eta_u, const double* eta_v, int n, int S) noexcept nogil:
+    """std(eta_v) / std(eta_u), each centred per transition and per position (finite
+    entries): how far u moves from per-position sparsemax, relative to the unary
+    scores' spread (0 when eta_v is constant per transition, inf when eta_u is)."""
+    cdef double su = _pooled_std(eta_u, n, S)
+    cdef double sv = _pooled_std(eta_v, n - 1, <Py_ssize_t> S * S)
+    if sv == 0.0:
+        return 0.0
+    return sv / su if su > 0.0 else INFINITY
+
+
+# -- the state -------------------------------------------------------------------------
+# ints: n, S, inP (n S), then per transition its arc count and arcs (a, b).
+
+cdef int _save(_W* w, FacetState* st) except -1 nogil:
+    cdef Py_ssize_t size = 2 + w.n * w.S, j
+    cdef int i, k
+    for i in range(w.T):
+        size += 1 + 2 * w.na[i]
+    state_resize(st, size, 0)
+    st.ints[0] = w.n
+    st.ints[1] = w.S
+    for j in range(w.n * w.S):
+        st.ints[2 + j] = w.inP[j]
+    j = 2 + w.n * w.S
+    for i in range(w.T):
+        st.ints[j] = w.na[i]
+        j += 1
+        for k in range(w.na[i]):
+            st.ints[j] = w.arc_a[i * w.cap + k]
+            st.ints[j + 1] = w.arc_b[i * w.cap + k]
+            j += 2
+    return 0
+
+
+cdef int _load(_W* w, const FacetState* st) noexcept nogil:
+    """The structure of a state into a fresh workspace, its trees and factor built:
+    0, or 1 if the state does not describe a valid structure."""
+    cdef Py_ssize_t j
+    cdef int i, k, a, b, S = w.S
+    if st.n_ints < 2 + w.n * S:
+        return 1
+    for j in range(w.n * S):
+        w.inP[j] = 1 if st.ints[2 + j] else 0
+    j = 2 + w.n * S
+    for i in range(w.T):
+        if j >= st.n_ints or st.ints[j] < 0 or st.ints[j] > w.cap:
+            return 1
+        k = st.ints[j]
+        j += 1
+        if j + 2 * k > st.n_ints:
+            return 1
+        while k > 0:
+            a = st.ints[j]
+            b = st.ints[j + 1]
+            if a < 0 or a >= S or b < 0 or b >= S:
+                return 1
+            _add_arc(w, i, a, b)
+            j += 2
+            k -= 1
+    for i in range(w.T):
+        if _bfs(w, i):
+            return 1
+    return _factor_all(w)
+
+
+cdef class SequenceFacetSolver(FacetSolver):
+    """The facet-side solver of a :class:`~sparsemap.SequenceFactor`.
+
+    SparseMAP over the chain's local polytope (marginalisation constraints), by
+    following ``u`` along ``t eta_v`` from ``t = 0`` (per-position sparsemax) to
+    ``t = 1`` through the events where its structure (the supports of ``u`` and the
+    spanning forests of the transport plans ``v``) changes; each piece is solved
+    exactly as a block-tridiagonal linear system. The result is certified by the
+    duality gap (one Viterbi call). See the module's docstring.
+
+    Parameters
+    ----------
+    factor : SequenceFactor
+
+    Notes
+    -----
+    ``v`` is the basic optimal plan on the identified forests (a vertex of each
+    transport polytope); ``v`` is not unique when transitions tie (for example at
+    ``eta_v = 0``, where every coupling of the marginals is optimal).
+
+    Where ``u`` is not differentiable in ``eta_v`` (exact ties in ``eta_v``, such
+    as a zero-initialised transition matrix), the Jacobian is the one of the piece
+    that ``u`` follows along ``(0, r)``, ``r =``
+    :func:`sparsemap.testing.tie_direction`: the limit of the Jacobians at
+    ``eta_v + t r`` as ``t`` decreases to 0, as on the vertex side.
+
+    ``-inf`` entries forbid tags (``eta_u``) and transitions (``eta_v``); u, v and
+    both Jacobian products are 0 on them.
+
+    The solve declines (``FACET_DECLINED``) when its budget of pieces runs out, or
+    is estimated or projected to be exceeded twice over (transition scores as
+    spread as the unary ones, where ``u`` crosses many structures: the vertex side
+    is fast there), when forbidden transitions cannot be avoided by couplings of
+    per-position sparsemax (its start), and when a consistency check or the
+    certificate fails.
+
+    Examples
+    --------
+    Three positions, two tags; the transition from tag 0 to tag 1 costs 1:
+
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap._facet_sequence import SequenceFacetSolver
+    >>> f = sm.SequenceFactor(3, 2)
+    >>> eta_u = np.array([[1.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
+    >>> eta_v = np.zeros(f.shape_v)
+    >>> eta_v[:, 0, 1] = -1.0
+    >>> solver = SequenceFacetSolver(f)
+    >>> sol = solver.solve(eta_u, eta_v)
+    >>> sol.status                       # FACET_SOLVED
+    0
+    >>> print(np.round(sol.u, 3))
+    [[0.625 0.375]
+     [0.625 0.375]
+     [1.    0.   ]]
+    >>> structures, weights = solver.decompose(sol.u, sol.v)
+    >>> for s, w in zip(structures, weights):
+    ...     print(s.tolist(), round(float(w), 3))
+    [0, 0, 0] 0.625
+    [1, 1, 0] 0.375
+    """
+    cdef int n, S
+    cdef object r_array
+    cdef const double* r
+
+    def __init__(self, Factor factor, decline_peaked=True):
+        from sparsemap._factors._sequence import SequenceFactor
+        from sparsemap._active_set import tie_direction
+        if not isinstance(factor, SequenceFactor):
+            raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
+        super().__init__(factor, decline_peaked)
+        self.n = factor.n_positions
+        self.S = factor.n_states
+        self.r_array = np.ascontiguousarray(tie_direction(factor), dtype=np.float64).reshape(-1)
+        cdef const double[::1] rv = self.r_array
+        self.r = &rv[0] if rv.shape[0] else NULL
+
+    cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
+                     FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
+                     double* residuals) except -1 nogil:
+        cdef int n = self.n, S = self.S, T = n - 1, status
+        cdef Py_ssize_t j
+        cdef double scale_u = 0.0, scale_v = 0.0, x
+        cdef _W w
+        cdef int* stack = NULL
+        n_iter[0] = 0
+        residuals[0] = residuals[1] = INFINITY
+        for j in range(n * S):
+            x = eta_u[j]
+            if x != x or x == INFINITY:
+                return FACET_DECLINED
+            if x > -INFINITY and fabs(x) > scale_u:
+                scale_u = fabs(x)
+        if T > 0:
+            for j in range(T * S * S):
+                x = eta_v[j]
+                if x != x or x == INFINITY:
+                    return FACET_DECLINED
+                if x > -INFINITY and fabs(x) > scale_v:
+                    scale_v = fabs(x)
+        if T > 0 and EST_FACTOR * budget < n * S * min(1.0, _spread_ratio(eta_u, eta_v, n, S)):
+            return FACET_DECLINED
+        _alloc(&w, n, S, self.factor.work_bytes)
+        # the cascade's stack: at most one entry per arc removed, plus one
+        stack = <int*> malloc((2 * n * S + 2) * sizeof(int))
+        if stack == NULL:
+            _free(&w)
+            with gil:
+                raise MemoryError()
+        try:
+            status = self._solve(&w, eta_u, eta_v, u, v, st, budget, n_iter, residuals,
+                                 scale_u, scale_v, stack)
+        finally:
+            free(stack)
+            _free(&w)
+        return status
+
+    cdef int _solve(self, _W* w, const double* eta_u, const double* eta_v, double* u,
+                    double* v, FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
+                    double* residuals, double scale_u, double scale_v,
+                    int* stack) except -1 nogil:
+        cdef int n = self.n, S = self.S, T = n - 1, i, a, b, k
+        cdef Py_ssize_t j
+        cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
+        cdef bint phase2 = False
+        w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+        # the start: u_i = sparsemax(eta_u[i]), the optimal transport bases for eta_v
+        for i in range(n):
+            if _sparsemax(eta_u + i * S, S, w.uA + i * S, w.inP + i * S, w.pot):
+                return FACET_DECLINED      # no allowed tag at a position
+        for i in range(T):
+            if _transport(w, i, w.uA, eta_v, self.r, 1e-12 * scale_v):
+                return FACET_DECLINED
+        # phase 1: eta_v(t) = t eta_v
+        if scale_v > 0.0:
+            w.stol_x = TOL_S * scale_v
+            w.stol_d = TOL_S * scale_v
+            if _run(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) != RUN_OK:
+                return FACET_DECLINED
+            phase2 = _has_ties(w, eta_u, NULL, eta_v, 1.0)
+        else:
+            phase2 = T > 0
+        # phase 2: at ties, the piece along eta_v + s r, s -> 0+
+        if phase2:
+            w.stol_x = TOL_S
+            w.stol_d = TOL_S
+            if _run(w, eta_u, eta_v, self.r, 0.0, True, budget, n_iter, stack) != RUN_OK:
+                return FACET_DECLINED
+        elif T == 0:
+            if _factor_all(w):
+                return FACET_DECLINED
+            memcpy(w.zA, eta_u, S * sizeof(double))
+            _project_range(w, w.zA, -1.0, w.lamA, w.uA, 0, 0)
+        # the solution: the piece at t = 1 (phase 1) or s = 0 (phase 2)
+        t_end = 0.0 if (phase2 or T == 0) else 1.0
+        for j in range(n * S):
+            x = w.uA[j] + t_end * w.uB[j] if w.inP[j] else 0.0
+            if x < -LOOSE:
+                return FACET_DECLINED
+            u[j] = x if x > 0.0 else 0.0
+        if T > 0:
+            memset(v, 0, T * S * S * sizeof(double))
+            for i in range(T):
+                for k in range(w.na[i]):
+                    x = w.flA[i * w.cap + k] + t_end * w.flB[i * w.cap + k]
+                    if x < -LOOSE:
+                        return FACET_DECLINED
+                    v[(i * S + w.arc_a[i * w.cap + k]) * S + w.arc_b[i * w.cap + k]] = (
+                        x if x > 0.0 else 0.0)
+        # the certificate: the marginalisation residuals (residuals[0]) and the Wolfe
+        # gap (residuals[1]; one Viterbi call), independent of the structure
+        res_p = 0.0
+        for i in range(n):
+            x = -1.0
+            for a in range(S):
+                x += u[i * S + a]
+            res_p = max(res_p, fabs(x))
+        for i in range(T):
+            for a in range(S):
+                x = -u[i * S + a]
+                lin = -u[(i + 1) * S + a]
+                for b in range(S):
+                    x += v[(i * S + a) * S + b]
+                    lin += v[(i * S + b) * S + a]
+                res_p = max(res_p, max(fabs(x), fabs(lin)))
+        usq = lin = lin_abs = 0.0
+        for j in range(n * S):
+            w.adjs[j] = eta_u[j] - u[j]
+            if u[j] > 0.0:
+                usq += u[j] * u[j]
+                lin += w.adjs[j] * u[j]
+                lin_abs += fabs(eta_u[j]) * u[j]
+        for j in range(T * S * S):
+            if v[j] > 0.0:
+                lin += eta_v[j] * v[j]
+                lin_abs += fabs(eta_v[j]) * v[j]
+        if self.factor.c_map(w.adjs, eta_v if T > 0 else NULL, w.tags, w.work):
+            return FACET_DECLINED
+        self.factor.c_score(w.tags, w.adjs, eta_v if T > 0 else NULL, &best)
+        gap = best - lin
+        residuals[0] = res_p
+        residuals[1] = gap if gap > 0.0 else 0.0
+        if res_p > 1e-12 or gap > GAP_TOL * max(1.0, lin_abs + usq):
+            return FACET_DECLINED
+        _save(w, st)
+        return FACET_SOLVED
+
+    cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
+                     double* out_u, double* out_v, bint transpose) except -1 nogil:
+        cdef int n = self.n, S = self.S, T = n - 1, i, j, x, e, y, L
+        cdef _W w
+        cdef double* tv
+        if st.n_ints < 2 or st.ints[0] != n or st.ints[1] != S:
+            with gil:
+                raise ValueError("the state does not belong to this solver's factor")
+        _alloc(&w, n, S, 0)
+        try:
+            if _load(&w, st):
+                with gil:
+                    raise ValueError("the state does not describe a valid structure")
+            L = w.L
+            # y = d_u + L d_v on the supports (jvp), or d_u (vjp)
+            memset(w.zA, 0, n * S * sizeof(double))
+            if not transpose and in_v != NULL:
+                for i in range(T):
+                    _pots(&w, i, in_v + i * S * S, w.F0, w.G0)
+            for j in range(n * S):
+                if w.inP[j]:
+                    w.zA[j] = in_u[j]
+                    if not transpose and in_v != NULL:
+                        i = j // S
+                        w.zA[j] += (w.F0[j] if i < T else 0.0) + (w.G0[j] if i > 0 else 0.0)
+            _project_range(&w, w.zA, 0.0, w.lamA, out_u, 0, n - 1)
+            if transpose and out_v != NULL and T > 0:
+                # J_v^T g = L^T (J g): per arc, the alternating sum of J g over the
+                # subtree below it
+                memset(out_v, 0, T * S * S * sizeof(double))
+                tv = w.pot2
+                for i in range(T):
+                    for j in range(w.nord[i]):
+                        x = w.order[i * L + j]
+                        tv[x] = out_u[i * S + x] if x < S else out_u[(i + 1) * S + x - S]
+                    for j in range(w.nord[i] - 1, -1, -1):
+                        x = w.order[i * L + j]
+                        e = w.par[i * L + x]
+                        if e < 0:
+                            continue
+                        out_v[(i * S + w.arc_a[i * w.cap + e]) * S + w.arc_b[i * w.cap + e]] = tv[x]
+                        y = (S + w.arc_b[i * w.cap + e]) if x < S else w.arc_a[i * w.cap + e]
+                        tv[y] -= tv[x]
+        finally:
+            _free(&w)
+        return 0
+
+    def decompose(self, u, v=None):
+        """A convex combination of tag sequences equal to ``(u, v)``.
+
+        ``v`` is a unit flow through the trellis (position by position, tag to
+        tag), so a path decomposition of it gives the sequences: repeatedly the
+        path of largest bottleneck through the positive entries (a max-min
+        Viterbi), with that bottleneck as its weight, subtracted until nothing is
+        left. Each path empties at least one entry, so there are at most as many
+        sequences as positive entries of ``v`` (of ``u`` when ``n == 1``).
+
+        Parameters
+        ----------
+        u : array_like, shape (n, S)
+        v : array_like, shape (n - 1, S, S)
+            A point of the chain's local polytope (a solution's ``u`` and ``v``).
+
+        Returns
+        -------
+        structures : ndarray of intc, shape (k, n)
+        weights : ndarray of float64, shape (k,)
+            Positive, summing to one, with ``sum_s w_s m_s = u`` and
+            ``sum_s w_s n_s = v`` up to round-off.
+        """
+        cdef int n = self.n, S = self.S, T = n - 1
+        uu = np.ascontiguousarray(u, dtype=np.float64).reshape(-1)
+        if uu.shape[0] != n * S:
+            raise ValueError(f"u: expected shape {(n, S)}, got {np.shape(u)}")
+        if T > 0:
+            if v is None:
+                raise ValueError("v: expected shape "
+                                 f"{(n - 1, S, S)}, got None (u alone does not fix the sequences)")
+            vv = np.array(v, dtype=np.float64).reshape(-1)
+            if vv.shape[0] != T * S * S:
+                raise ValueError(f"v: expected shape {(n - 1, S, S)}, got {np.shape(v)}")
+        else:
+            vv = np.zeros(0)
+        if not (np.all(np.isfinite(uu)) and np.all(np.isfinite(vv))):
+            raise ValueError("u, v: expected finite values")
+        res_u = np.where(uu > 0.0, uu, 0.0)
+        res_v = np.where(vv > 0.0, vv, 0.0)
+        cdef double[::1] ru = res_u, rv = res_v
+        cdef double[::1] width = np.zeros(n * S)
+        cdef int[::1] bk = np.zeros(n * S, dtype=np.intc)
+        cdef int[::1] path = np.zeros(n, dtype=np.intc)
+        cdef int i, a, b, arg, k
+        cdef Py_ssize_t q
+        cdef double wb, x, total = 0.0
+        structures, weights = [], []
+        cdef int limit = n * S + T * S * S + 1
+        for k in range(limit):
+            # widest path: width[i, b] = max_a min(width[i-1, a], v[i-1, a, b])
+            for a in range(S):
+                width[a] = ru[a] if T == 0 else 0.0
+                if T > 0:
+                    x = 0.0
+                    for b in range(S):
+                        x += rv[a * S + b]
+                    width[a] = x
+            for i in range(1, n):
+                for b in range(S):
+                    wb = 0.0
+                    arg = -1
+                    for a in range(S):
+                        x = min(width[(i - 1) * S + a], rv[((i - 1) * S + a) * S + b])
+                        if x > wb:
+                            wb = x
+                            arg = a
+                    width[i * S + b] = wb
+                    bk[i * S + b] = arg
+            arg = -1
+            wb = 0.0
+            for b in range(S):
+                if width[(n - 1) * S + b] > wb:
+                    wb = width[(n - 1) * S + b]
+                    arg = b
+            if arg < 0 or wb <= 1e-15 * max(1.0, total):
+                break
+            path[n - 1] = arg
+            for i in range(n - 1, 0, -1):
+                path[i - 1] = bk[i * S + path[i]]
+            for i in range(T):
+                q = (i * S + path[i]) * S + path[i + 1]
+                rv[q] = rv[q] - wb if rv[q] - wb > 0.0 else 0.0
+            if T == 0:
+                ru[path[0]] = 0.0
+            structures.append(np.array(path, dtype=np.intc))
+            weights.append(wb)
+            total += wb
+        if not structures:
+            raise ValueError("u, v: no positive flow to decompose")
+        weights = np.array(weights)
+        return np.array(structures, dtype=np.intc).reshape(-1, n), weights / weights.sum()
