@@ -50,6 +50,16 @@ _spec.loader.exec_module(parsing)
 SCORERS = ("plain", "plain-ln", "plain-leaky", "normalized")
 
 
+def lstm_states(model, words, tags, lengths):
+    """The bi-LSTM states of ``model`` (either parser) over the padded batch, as its
+    forward pass computes them."""
+    x = torch.cat([model.word_emb(words), model.tag_emb(tags)], -1)
+    packed = parsing.pack_padded_sequence(x, lengths + 1, batch_first=True,
+                                          enforce_sorted=False)
+    h, _ = model.lstm(packed)
+    return parsing.pad_packed_sequence(h, batch_first=True, total_length=words.shape[1])[0]
+
+
 class PlainParser(parsing.Parser):
     """The example's parser with the scorer it had before: ``w . act(W_h x_h + W_m x_m
     + b)``, the same parameters drawn in the same order, and ``w`` standard normal."""
@@ -73,12 +83,7 @@ class PlainParser(parsing.Parser):
 
     def parts(self, words, tags, lengths):
         """``(bi-LSTM states, hidden units, scores)``."""
-        N1 = words.shape[1]
-        x = torch.cat([self.word_emb(words), self.tag_emb(tags)], -1)
-        packed = parsing.pack_padded_sequence(x, lengths + 1, batch_first=True,
-                                              enforce_sorted=False)
-        h, _ = self.lstm(packed)
-        h, _ = parsing.pad_packed_sequence(h, batch_first=True, total_length=N1)
+        h = lstm_states(self, words, tags, lengths)
         if self.norm is not None:
             h = self.norm(h)
         z = self.act(self.head(h)[:, :, None, :] + self.mod(h)[:, None, :, :])
@@ -92,12 +97,7 @@ class NormalizedParser(parsing.Parser):
     """The example's parser, with its parts exposed as :class:`PlainParser`'s."""
 
     def parts(self, words, tags, lengths):
-        N1 = words.shape[1]
-        x = torch.cat([self.word_emb(words), self.tag_emb(tags)], -1)
-        packed = parsing.pack_padded_sequence(x, lengths + 1, batch_first=True,
-                                              enforce_sorted=False)
-        h, _ = self.lstm(packed)
-        h, _ = parsing.pad_packed_sequence(h, batch_first=True, total_length=N1)
+        h = lstm_states(self, words, tags, lengths)
         A, M = parsing.normalize_over_arcs(self.head(h), self.mod(h), lengths)
         z = torch.tanh(A[:, :, None, :] + M[:, None, :, :])
         return h, z, self.out(z).squeeze(-1)

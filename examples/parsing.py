@@ -325,7 +325,9 @@ def evaluate(model, encoded, loss, sparsity=True, threads=1):
     if loss == "svm":
         return uas, 1.0, 1.0
     trees = heads = 0
-    for r in sm.solve_batch(factors, etas, n_jobs=threads):
+    # Figure 4 counts the active set's support; the facet side holds no list of trees
+    # (its r.structures is one decomposition of u among many)
+    for r in sm.solve_batch(factors, etas, method="vertex", n_jobs=threads):
         support = np.array(r.structures)
         trees += len(support)
         heads += sum(len(np.unique(col)) for col in support[:, 1:].T)
