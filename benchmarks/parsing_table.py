@@ -20,14 +20,14 @@ names) unless ``--tag`` says otherwise.
 Each run of ``examples/parsing.py`` imports this repository's ``sparsemap`` (built
 in place) and writes ``OUT/LOSS-seedS/`` (``OUT/subN-...`` and ``OUT/longN-...`` for
 the smaller sets) with its ``results.json``, its log, and ``run.json``: the command,
-the package used and hashes of ``examples/parsing.py`` and of the data files. A run whose ``run.json``
-matches is reused (``--force`` reruns it), so an interrupted or repeated table
-redoes only the runs it lacks, and a change to the example or its options reruns
-them all. ``--no-run`` trains nothing: it writes the tables of the runs already
-done (the seeds that every loss has finished) and names the runs still missing,
-for a table read while another call is still training. Runs go one after the other unless ``--jobs`` > 1; wall times are
-comparable only between runs made under the same load (each epoch also records its
-CPU time, which other jobs disturb less).
+the package used and hashes of ``examples/parsing.py`` and of the data files. A run
+whose ``run.json`` matches is reused (``--force`` reruns it), so an interrupted or
+repeated table redoes only the runs it lacks, and a change to the example or its
+options reruns them all. ``--no-run`` trains nothing: it writes the tables of the runs
+already done (the seeds that every loss has finished) and names the runs still
+missing, for a table read while another call is still training. Runs go one after the
+other unless ``--jobs`` > 1; wall times are comparable only between runs made under the
+same load (each epoch also records its CPU time, which other jobs disturb less).
 
 Usage::
 
@@ -218,6 +218,11 @@ def subset_summary(results, seeds):
     return out
 
 
+def seed_list(seeds):
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
 def mean_sd(s, seeds):
     """``mean ± sd`` over the seeds (the mean alone for one seed)."""
     return f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if len(seeds) > 1 else "")
@@ -274,7 +279,7 @@ def results_rst(summary, seeds, args, settings, batch, tag, treebank):
     opts = " ".join(settings)
     return "\n".join([
         f"{treebank}, the full training set. Test UAS (percent, punctuation included) "
-        f"with the dev-best epoch, over seeds {', '.join(map(str, seeds))}; "
+        f"with the dev-best epoch, over {seed_list(seeds)}; "
         f"{args.epochs} epochs; batches of {batch} sentences; ``parsing.py`` options: "
         f"``--threads {args.threads}{(' ' + opts) if opts else ''}`` (defaults otherwise). "
         "Mean ± sample standard deviation over the seeds"
@@ -312,8 +317,8 @@ def smaller_rst(sub, kind, n, words, seeds, args, batch, treebank):
     rows.append(["largest spread with one seed", f"{seed_spread(sub):.2f}", "", "", ""])
     return "\n".join([
         f"{treebank}, {SMALL[kind].format(n=n)} only ({words:.1f} words on average; the "
-        f"same dev and test sets, the same options), over seeds "
-        f"{', '.join(map(str, seeds))}; {args.epochs} epochs; batches of {batch} "
+        f"same dev and test sets, the same options), over {seed_list(seeds)}; "
+        f"{args.epochs} epochs; batches of {batch} "
         "sentences. Test UAS, mean ± sample standard deviation over the seeds, and the "
         "median CPU time of a training epoch. " + warnings_text(sub),
         "",
@@ -328,8 +333,8 @@ def missing_text(everything, kind, all_seeds, seeds):
                if everything[kind, loss, s] is None]
     if not missing:
         return "\n"
-    return (f"Seeds {', '.join(map(str, seeds))} only: not run yet when this table was "
-            f"written: {', '.join(missing)}.\n\n")
+    return (f"\n{seed_list(seeds).capitalize()} only: not run yet when this table was written: "
+            f"{', '.join(missing)}.\n\n")
 
 
 def sparsity_figure(results, seeds, path):
