@@ -1,34 +1,44 @@
-"""Table 1 (Vietnamese column) and Figure 4 of the paper, rerun with examples/parsing.py.
+"""Table 1 of the paper and Figure 4, rerun with examples/parsing.py on any UD treebank.
 
 Trains the parser of ``examples/parsing.py`` with each of the four losses and the
-same seeds and settings, on the full training set and on its first ``--subset``
-sentences (a small treebank: same dev and test sets, dev sparsity not measured),
-then writes
+same seeds and settings on a treebank's full training set and on smaller training
+sets cut from it (the same dev and test sets; dev sparsity not measured there):
+its first ``--subset`` sentences, and its ``--longest`` longest ones. Then writes
 
-* ``DOCS/parsing_results.inc``: the test UAS tables of both training sizes (mean
-  and spread over the seeds, each seed, the paper's figure for the full set, the
-  spread between the losses), the training-epoch times and the dev sparsity at
-  the first and the selected epoch, included by ``docs/parsing.rst``;
-* ``DOCS/figures/parsing_sparsity.png``: the SparseMAP support on the dev set over
-  training (mean trees per sentence, mean heads per word), as in Figure 4;
+* ``DOCS/parsing_results_TAG.inc``: the test UAS tables of every training set
+  (mean and spread over the seeds, each seed, the spread between the losses, the
+  paper's figure where Table 1 has the treebank), the training-epoch times, the
+  dev sparsity at the first and the selected epoch, and any warning the runs'
+  guard raised; included by ``docs/parsing.rst``;
+* ``DOCS/figures/parsing_sparsity_TAG.png``: the SparseMAP support on the dev set
+  over training (mean trees per sentence, mean heads per word), as in Figure 4;
 * ``OUT/summary.json``: the same numbers.
 
-Each run writes ``OUT/LOSS-seedS/results.json`` (``OUT/subN-LOSS-seedS/`` on the
-subset) and is skipped when that file
-exists (delete it, or pass ``--force``, to rerun), so an interrupted table
-resumes where it stopped. Runs go one after the other unless ``--jobs`` > 1;
-wall times are comparable only between runs made under the same load (each epoch also
-records its CPU time, which other jobs disturb less).
+``TAG`` is the treebank's language code (``vi``, ``hu``: the prefix of its file
+names) unless ``--tag`` says otherwise.
+
+Each run of ``examples/parsing.py`` imports this repository's ``sparsemap`` (built
+in place) and writes ``OUT/LOSS-seedS/`` (``OUT/subN-...`` and ``OUT/longN-...`` for
+the smaller sets) with its ``results.json``, its log, and ``run.json``: the command,
+the package used and hashes of ``examples/parsing.py`` and of the data files. A run
+whose ``run.json`` matches is reused (``--force`` reruns it), so an interrupted or
+repeated table redoes only the runs it lacks, and a change to the example or its
+options reruns them all. ``--no-run`` trains nothing: it writes the tables of the runs
+already done (the seeds that every loss has finished) and names the runs still
+missing, for a table read while another call is still training. Runs go one after the
+other unless ``--jobs`` > 1; wall times are comparable only between runs made under the
+same load (each epoch also records its CPU time, which other jobs disturb less).
 
 Usage::
 
     python benchmarks/parsing_table.py --data /path/to/UD_Vietnamese-VTB \\
-        [--epochs 15] [--seeds 0 1 2] [--subset 500] [--subset-seeds 0 1 2] \\
-        [--out out/parsing] [--docs docs] [--threads 1] [--jobs 1] [--force] \\
-        [-- extra options for parsing.py]
+        [--epochs 15] [--seeds 0 1 2] [--subset 500] [--longest 500] [--tag vi] \\
+        [--out out/parsing/vi] [--docs docs] [--threads 1] [--jobs 1] [--force] \\
+        [--no-run] [-- extra options for parsing.py]
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import statistics
@@ -39,12 +49,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "parsing.py")
+# The runs import this repository's sparsemap (built in place), not whichever one the
+# interpreter would find from examples/ (another clone's, installed elsewhere).
+PACKAGE = os.path.join(ROOT, "sparsemap")
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 LOSSES = ("svm", "crf", "sparsemap", "margin_sparsemap")
 NAMES = {"svm": "Structured SVM", "crf": "CRF", "sparsemap": "SparseMAP",
          "margin_sparsemap": "m-SparseMAP"}
-# Table 1 of the paper, column "vi" (UD 2.0 Vietnamese), and its UDPipe baseline.
-PAPER = {"svm": 69.42, "crf": 69.10, "sparsemap": 69.71, "margin_sparsemap": 70.87}
-PAPER_UDPIPE = 69.63
+# Table 1 of the paper, by treebank tag: column "vi" (UD 2.0 Vietnamese), and the
+# UDPipe baseline of that column.
+PAPER = {"vi": {"svm": 69.42, "crf": 69.10, "sparsemap": 69.71, "margin_sparsemap": 70.87}}
+PAPER_UDPIPE = {"vi": 69.63}
 
 
 def treebank_files(data):
@@ -59,37 +75,76 @@ def treebank_files(data):
     return found
 
 
-def subset_file(train, n, out):
-    """The first n sentences of the CoNLL-U file train, written to out/subN/train.conllu."""
-    path = os.path.join(out, f"sub{n}", "train.conllu")
-    with open(train, encoding="utf-8") as f:
-        blocks = [b for b in f.read().split("\n\n") if b.strip()]
+def read_blocks(path):
+    """The sentences of a CoNLL-U file, as text blocks."""
+    with open(path, encoding="utf-8") as f:
+        return [b.strip("\n") for b in f.read().split("\n\n") if b.strip()]
+
+
+def n_words(block):
+    """Words of a CoNLL-U sentence block (multiword-token lines and empty nodes aside)."""
+    return sum(1 for line in block.split("\n")
+               if line and not line.startswith("#") and line.split("\t", 1)[0].isdigit())
+
+
+def smaller_set(train, kind, n, out):
+    """A training set cut from ``train``: its first ``n`` sentences (``kind="sub"``)
+    or its ``n`` longest ones, in file order (``kind="long"``; ties: the earlier
+    first). Written to ``out/KINDn/train.conllu``; returns the path."""
+    blocks = read_blocks(train)
     if len(blocks) < n:
-        raise ValueError(f"--subset: the training set has {len(blocks)} sentences, fewer "
-                         f"than {n}")
+        raise ValueError(f"--{'subset' if kind == 'sub' else 'longest'}: the training set "
+                         f"has {len(blocks)} sentences, fewer than {n}")
+    if kind == "sub":
+        keep = blocks[:n]
+    else:
+        order = sorted(range(len(blocks)), key=lambda i: (-n_words(blocks[i]), i))
+        keep = [blocks[i] for i in sorted(order[:n])]
+    path = os.path.join(out, f"{kind}{n}", "train.conllu")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n\n".join(b.strip("\n") for b in blocks[:n]) + "\n\n")
+        f.write("\n\n".join(keep) + "\n\n")
     return path
 
 
-def run_one(files, loss, seed, args, extra, subset=0):
-    name = f"{loss}-seed{seed}" if not subset else f"sub{subset}-{loss}-seed{seed}"
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def run_one(files, loss, seed, args, extra, prefix=""):
+    """Train one run (or reuse it when its run.json matches); its results.json (None
+    with ``--no-run`` when it has none)."""
+    name = f"{prefix}{loss}-seed{seed}"
     out = os.path.join(args.out, name)
-    path = os.path.join(out, "results.json")
-    if os.path.exists(path) and not args.force:
+    path, stamp_path = os.path.join(out, "results.json"), os.path.join(out, "run.json")
+    train, dev, test = files
+    cmd = ["--train", train, "--dev", dev, "--test", test, "--loss", loss,
+           "--epochs", str(args.epochs), "--out", out, "--seed", str(seed),
+           "--threads", str(args.threads)] + extra + (["--no-sparsity"] if prefix else [])
+    stamp = {"args": cmd, "script_sha256": sha256(SCRIPT),
+             "data_sha256": [sha256(p) for p in files], "sparsemap": PACKAGE}
+    reuse = False
+    if os.path.exists(path) and os.path.exists(stamp_path) and not args.force:
+        with open(stamp_path) as f:
+            reuse = json.load(f) == stamp
+    if reuse:
         print(f"{name}: reusing {path}", flush=True)
+    elif args.no_run:
+        print(f"{name}: not run yet", flush=True)
+        return None
     else:
-        train, dev, test = files
-        cmd = [sys.executable, SCRIPT, "--train", train, "--dev", dev, "--test", test,
-               "--loss", loss, "--epochs", str(args.epochs), "--out", out,
-               "--seed", str(seed), "--threads", str(args.threads)] + extra
-        if subset:
-            cmd.append("--no-sparsity")
         os.makedirs(out, exist_ok=True)
+        for stale in (path, stamp_path):
+            if os.path.exists(stale):
+                os.remove(stale)
         start = time.perf_counter()
         with open(os.path.join(out, "log.txt"), "w") as log:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+            # faulthandler: a crash leaves its Python traceback in the log
+            subprocess.run([sys.executable, "-X", "faulthandler", SCRIPT] + cmd, stdout=log,
+                           stderr=subprocess.STDOUT, check=True, env=ENV)
+        with open(stamp_path, "w") as f:
+            json.dump(stamp, f, indent=1)
         print(f"{name}: done in {time.perf_counter() - start:.0f} s", flush=True)
     with open(path) as f:
         return json.load(f)
@@ -105,7 +160,7 @@ def spread(values):
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(results, seeds):
+def summarize(results, seeds, paper):
     """Per loss: test UAS per seed, mean, standard deviation, median epoch time, sparsity."""
     summary = {}
     for loss in LOSSES:
@@ -116,7 +171,7 @@ def summarize(results, seeds):
         best = [r["epochs"][r["best_epoch"] - 1] for r in runs]
         summary[loss] = {
             "test_uas": uas, "mean": statistics.mean(uas), "std": spread(uas),
-            "paper": PAPER[loss], "best_epochs": [r["best_epoch"] for r in runs],
+            "paper": paper.get(loss), "best_epochs": [r["best_epoch"] for r in runs],
             "dev_uas": [r["dev_uas"] for r in runs],
             "median_epoch_seconds": statistics.median(seconds),
             "median_epoch_cpu_seconds": statistics.median(
@@ -125,8 +180,27 @@ def summarize(results, seeds):
             "trees_best": statistics.mean(e["mean_trees"] for e in best),
             "heads_first": statistics.mean(e["mean_heads_per_word"] for e in first),
             "heads_best": statistics.mean(e["mean_heads_per_word"] for e in best),
+            "warnings": warning_counts(runs),
         }
     return summary
+
+
+def warning_counts(runs):
+    """How many runs the guard of examples/parsing.py warned about, by kind."""
+    counts = {}
+    for r in runs:
+        for kind in sorted({w["kind"] for w in r.get("warnings", [])}):
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def warnings_text(summary):
+    """A sentence on the guard's warnings over the runs of a table ("" when none)."""
+    parts = [f"{NAMES[loss]}: {n} run{'s' if n > 1 else ''} with {kind.replace('_', ' ')}"
+             for loss, s in summary.items() for kind, n in s["warnings"].items()]
+    if not parts:
+        return "The guard of ``parsing.py`` raised no warning in these runs."
+    return "The guard of ``parsing.py`` warned: " + "; ".join(parts) + "."
 
 
 def subset_summary(results, seeds):
@@ -139,8 +213,14 @@ def subset_summary(results, seeds):
                      "best_epochs": [r["best_epoch"] for r in runs],
                      "dev_uas": [r["dev_uas"] for r in runs],
                      "median_epoch_cpu_seconds": statistics.median(
-                         e["cpu_seconds"] for r in runs for e in r["epochs"])}
+                         e["cpu_seconds"] for r in runs for e in r["epochs"]),
+                     "warnings": warning_counts(runs)}
     return out
+
+
+def seed_list(seeds):
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
 
 
 def mean_sd(s, seeds):
@@ -154,6 +234,12 @@ def loss_spread(summary):
     return max(means) - min(means)
 
 
+def seed_spread(summary):
+    """Largest difference between the losses' test UAS with the same seed."""
+    per_seed = zip(*(summary[loss]["test_uas"] for loss in LOSSES))
+    return max(max(u) - min(u) for u in per_seed)
+
+
 def rst_table(header, rows):
     cols = list(zip(header, *rows))
     widths = [max(len(c) for c in col) for col in cols]
@@ -162,16 +248,17 @@ def rst_table(header, rows):
     return "\n".join([rule, line(header), rule] + [line(r) for r in rows] + [rule])
 
 
-def results_rst(summary, seeds, args, settings, batch):
+def results_rst(summary, seeds, args, settings, batch, tag, treebank):
     crf_time = summary["crf"]["median_epoch_seconds"]
     crf_cpu = summary["crf"]["median_epoch_cpu_seconds"]
+    paper = tag in PAPER
     uas_rows, time_rows = [], []
     for loss in LOSSES:
         s = summary[loss]
-        uas_rows.append([NAMES[loss], mean_sd(s, seeds),
-                         ", ".join(f"{u:.2f}" for u in s["test_uas"]), f"{s['paper']:.2f}",
-                         f"{s['mean'] - s['paper']:+.2f}",
-                         ", ".join(str(b) for b in s["best_epochs"])])
+        row = [NAMES[loss], mean_sd(s, seeds), ", ".join(f"{u:.2f}" for u in s["test_uas"])]
+        if paper:
+            row += [f"{s['paper']:.2f}", f"{s['mean'] - s['paper']:+.2f}"]
+        uas_rows.append(row + [", ".join(str(b) for b in s["best_epochs"])])
         fmt = (lambda x: f"{x:.2g}") if loss == "crf" else (lambda x: f"{x:.2f}")
         time_rows.append([NAMES[loss], f"{s['median_epoch_seconds']:.1f}",
                           f"{s['median_epoch_seconds'] / crf_time:.2f}",
@@ -179,22 +266,27 @@ def results_rst(summary, seeds, args, settings, batch):
                           f"{s['median_epoch_cpu_seconds'] / crf_cpu:.2f}",
                           f"{fmt(s['trees_first'])} → {fmt(s['trees_best'])}",
                           f"{s['heads_first']:.2f} → {s['heads_best']:.2f}"])
-    uas_rows.append(["UDPipe baseline (paper)", "", "", f"{PAPER_UDPIPE:.2f}", "", ""])
-    uas_rows.append(["spread between the losses", f"{loss_spread(summary):.2f}", "", "", "", ""])
+    blank = [""] * (3 if paper else 1)
+    if paper:
+        uas_rows.append(["UDPipe baseline (paper)", "", "", f"{PAPER_UDPIPE[tag]:.2f}", "",
+                         ""])
+    uas_rows.append(["spread between the losses' means", f"{loss_spread(summary):.2f}", ""]
+                    + blank)
+    uas_rows.append(["largest spread with one seed", f"{seed_spread(summary):.2f}", ""]
+                    + blank)
+    header = ["loss", "test UAS", "per seed"] + (["paper", "difference"] if paper else []) \
+        + ["best epochs"]
     opts = " ".join(settings)
     return "\n".join([
-        f".. Generated by benchmarks/parsing_table.py on {time.strftime('%Y-%m-%d')}; "
-        "do not edit by hand.",
-        "",
-        f"Test UAS (percent, punctuation included) with the dev-best epoch, over seeds "
-        f"{', '.join(map(str, seeds))}; {args.epochs} epochs; batches of {batch} "
-        "sentences; ``parsing.py`` options: "
+        f"{treebank}, the full training set. Test UAS (percent, punctuation included) "
+        f"with the dev-best epoch, over {seed_list(seeds)}; "
+        f"{args.epochs} epochs; batches of {batch} sentences; ``parsing.py`` options: "
         f"``--threads {args.threads}{(' ' + opts) if opts else ''}`` (defaults otherwise). "
-        "Mean ± sample standard deviation over the seeds; \"paper\" is Table 1's "
-        "Vietnamese column (UD 2.0).",
+        "Mean ± sample standard deviation over the seeds"
+        + ("; \"paper\" is Table 1's column for this treebank (UD 2.0)." if paper else ".")
+        + " " + warnings_text(summary),
         "",
-        rst_table(["loss", "test UAS", "per seed", "paper", "difference", "best epochs"],
-                  uas_rows),
+        rst_table(header, uas_rows),
         "",
         "Median wall time and CPU time of a training epoch (forward, loss, backward and "
         "update over the training sentences; dev evaluation excluded), over every epoch "
@@ -211,23 +303,38 @@ def results_rst(summary, seeds, args, settings, batch):
     ])
 
 
-def subset_rst(sub, n, seeds, args, batch):
+SMALL = {"sub": "its first {n} training sentences", "long": "its {n} longest training "
+         "sentences"}
+
+
+def smaller_rst(sub, kind, n, words, seeds, args, batch, treebank):
     rows = [[NAMES[loss], mean_sd(s, seeds),
              ", ".join(f"{u:.2f}" for u in s["test_uas"]),
              ", ".join(str(b) for b in s["best_epochs"]),
              f"{s['median_epoch_cpu_seconds']:.1f}"]
             for loss, s in sub.items()]
-    rows.append(["spread between the losses", f"{loss_spread(sub):.2f}", "", "", ""])
+    rows.append(["spread between the losses' means", f"{loss_spread(sub):.2f}", "", "", ""])
+    rows.append(["largest spread with one seed", f"{seed_spread(sub):.2f}", "", "", ""])
     return "\n".join([
-        f"A small treebank: the first {n} training sentences only (the same dev and test "
-        f"sets, the same options), over seeds {', '.join(map(str, seeds))}; "
-        f"{args.epochs} epochs; batches of {batch} sentences. Test UAS, mean ± sample "
-        "standard deviation over the "
-        "seeds, and the median CPU time of a training epoch.",
+        f"{treebank}, {SMALL[kind].format(n=n)} only ({words:.1f} words on average; the "
+        f"same dev and test sets, the same options), over {seed_list(seeds)}; "
+        f"{args.epochs} epochs; batches of {batch} "
+        "sentences. Test UAS, mean ± sample standard deviation over the seeds, and the "
+        "median CPU time of a training epoch. " + warnings_text(sub),
         "",
         rst_table(["loss", "test UAS", "per seed", "best epochs", "CPU s / epoch"], rows),
         "",
     ])
+
+
+def missing_text(everything, kind, all_seeds, seeds):
+    """A sentence naming the runs a table lacks (``--no-run``), or ""."""
+    missing = [f"{NAMES[loss]} seed {s}" for s in all_seeds for loss in LOSSES
+               if everything[kind, loss, s] is None]
+    if not missing:
+        return "\n"
+    return (f"\n{seed_list(seeds).capitalize()} only: not run yet when this table was written: "
+            f"{', '.join(missing)}.\n\n")
 
 
 def sparsity_figure(results, seeds, path):
@@ -263,45 +370,69 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--subset", type=int, default=500,
                    help="also train on the first SUBSET training sentences (0: not)")
-    p.add_argument("--subset-seeds", type=int, nargs="+", default=None,
-                   help="seeds of the subset runs (default: --seeds)")
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "parsing"))
+    p.add_argument("--longest", type=int, default=0,
+                   help="also train on the LONGEST longest training sentences (0: not)")
+    p.add_argument("--tag", default=None,
+                   help="names the docs files (default: the treebank's language code)")
+    p.add_argument("--out", default=None, help="runs' folder (default: out/parsing/TAG)")
     p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
     p.add_argument("--threads", type=int, default=1, help="threads of each run")
     p.add_argument("--jobs", type=int, default=1, help="runs at the same time")
     p.add_argument("--force", action="store_true", help="rerun runs that have results")
+    p.add_argument("--no-run", action="store_true",
+                   help="train nothing: tables of the runs done, the missing ones named")
     args = p.parse_args(argv)
+    if args.force and args.no_run:
+        p.error("--force and --no-run: expected one of them, got both")
     files = treebank_files(args.data)
-    sub_seeds = args.subset_seeds or args.seeds
-    sub_files = None
-    if args.subset:
-        sub_files = [subset_file(files[0], args.subset, args.out)] + files[1:]
+    tag = args.tag or os.path.basename(files[0]).split("_")[0].split("-")[0]
+    args.out = args.out or os.path.join(ROOT, "out", "parsing", tag)
+    treebank = os.path.basename(os.path.normpath(args.data)).replace("_", " ")
+    sets = [("", 0, files)]
+    for kind, n in (("sub", args.subset), ("long", args.longest)):
+        if n:
+            sets.append((kind, n, [smaller_set(files[0], kind, n, args.out)] + files[1:]))
 
     # the long runs first, so that the short ones fill the gaps at the end
-    jobs = [(0, loss, seed) for seed in args.seeds for loss in LOSSES]
-    if args.subset:
-        jobs += [(args.subset, loss, seed) for seed in sub_seeds for loss in LOSSES]
+    jobs = [(kind, n, fs, loss, seed) for kind, n, fs in sets
+            for seed in args.seeds for loss in LOSSES]
     with ThreadPoolExecutor(max_workers=args.jobs) as ex:
-        done = ex.map(lambda job: run_one(sub_files if job[0] else files, job[1], job[2],
-                                          args, extra, job[0]), jobs)
-        everything = dict(zip(jobs, done))
-    results = {(loss, seed): r for (n, loss, seed), r in everything.items() if not n}
-    summary = summarize(results, args.seeds)
-    record = {"epochs": args.epochs, "seeds": args.seeds, "options": extra,
-              "losses": summary}
-    text = results_rst(summary, args.seeds, args, extra, batch_sizes(results))
-    if args.subset:
-        sub_results = {(loss, seed): r for (n, loss, seed), r in everything.items() if n}
-        sub = subset_summary(sub_results, sub_seeds)
-        record["subset"] = {"sentences": args.subset, "seeds": sub_seeds, "losses": sub}
-        text += "\n" + subset_rst(sub, args.subset, sub_seeds, args,
-                                   batch_sizes(sub_results))
+        done = ex.map(lambda job: run_one(job[2], job[3], job[4], args, extra,
+                                          f"{job[0]}{job[1]}-" if job[0] else ""), jobs)
+        everything = {(kind, loss, seed): r
+                      for (kind, n, fs, loss, seed), r in zip(jobs, done)}
+    record = {"treebank": treebank, "epochs": args.epochs, "seeds": args.seeds,
+              "options": extra}
+    text = f".. Generated by benchmarks/parsing_table.py on {time.strftime('%Y-%m-%d')}; " \
+        "do not edit by hand.\n\n"
+    figure = None
+    for kind, n, fs in sets:
+        runs = {(loss, seed): r for (k, loss, seed), r in everything.items() if k == kind}
+        seeds = [s for s in args.seeds if all(runs[loss, s] is not None for loss in LOSSES)]
+        runs = {key: r for key, r in runs.items() if key[1] in seeds}
+        label = f"{treebank}, " + (SMALL[kind].format(n=n) if kind else "the full training set")
+        if not seeds:
+            text += f"{label}: not run yet.\n\n"
+            continue
+        if not kind:
+            summary = summarize(runs, seeds, PAPER.get(tag, {}))
+            record["losses"] = summary
+            text += results_rst(summary, seeds, args, extra, batch_sizes(runs), tag, treebank)
+            figure = runs, seeds
+        else:
+            sub = subset_summary(runs, seeds)
+            blocks = read_blocks(fs[0])
+            words = statistics.mean(n_words(b) for b in blocks)
+            record[f"{kind}{n}"] = {"sentences": n, "mean_words": words, "losses": sub}
+            text += smaller_rst(sub, kind, n, words, seeds, args, batch_sizes(runs), treebank)
+        text += missing_text(everything, kind, args.seeds, seeds)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(record, f, indent=1)
-    with open(os.path.join(args.docs, "parsing_results.inc"), "w") as f:
+    with open(os.path.join(args.docs, f"parsing_results_{tag}.inc"), "w") as f:
         f.write(text)
-    sparsity_figure(results, args.seeds, os.path.join(args.docs, "figures",
-                                                      "parsing_sparsity.png"))
+    if figure is not None:
+        sparsity_figure(*figure, os.path.join(args.docs, "figures",
+                                              f"parsing_sparsity_{tag}.png"))
     print(text)
 
 

@@ -70,7 +70,9 @@ html_theme_options = {
 # theme's default lists only the sub-pages of the current top-level page, which
 # the narrative pages do not have, so it was empty there.
 html_sidebars = {"**": ["sidebar-site-nav"]}
-# No external inventories (intersphinx): the build needs no network.
+# No external inventories (intersphinx): the build needs no network. So torch's
+# classes cannot resolve: SolveInfo's fields are annotated torch.Tensor.
+nitpick_ignore = [("py:class", "torch.Tensor")]
 
 # -- autodoc / autosummary -------------------------------------------------------
 autodoc_member_order = "bysource"

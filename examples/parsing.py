@@ -24,8 +24,15 @@ Usage::
 It prints one line per epoch and writes ``DIR/results.json``::
 
     {"loss": ..., "test_uas": ..., "best_epoch": ...,
-     "epochs": [{"epoch", "dev_uas", "train_loss", "seconds",
-                 "mean_trees", "mean_heads_per_word", ...}, ...], ...}
+     "epochs": [{"epoch", "dev_uas", "train_loss", "seconds", "score_spread",
+                 "mean_trees", "mean_heads_per_word", ...}, ...],
+     "warnings": [{"epoch", "kind", "message"}, ...], ...}
+
+``score_spread`` is the largest standard deviation of the arc scores within a
+training sentence over the epoch. A guard (:class:`Guard`) warns, on stderr and
+in ``warnings``, when an epoch's arc scores tie (``score_spread`` below
+``TIE_SPREAD``: ``kind`` ``"tied_scores"``) or the training loss stops moving
+(``"stalled_loss"``): a run that learns nothing never ends silently.
 
 ``seconds`` is the wall time of the epoch's training pass (forward, loss,
 backward and update over the training set; dev evaluation excluded), and
@@ -147,33 +154,61 @@ def eval_batches(encoded):
 
 
 # -- model --------------------------------------------------------------------------
+def normalize_over_arcs(A, M, lengths, eps=1e-8):
+    """The hidden layer ``A[:, h] + M[:, m]`` standardised over each sentence's arcs.
+
+    ``A`` (the head part) and ``M`` (the modifier part) have shape ``(B, N + 1,
+    H)``; the hidden unit ``k`` of arc ``h -> m`` is ``A[b, h, k] + M[b, m, k]``.
+    Returns ``(A', M')`` such that ``A'[:, h] + M'[:, m]`` has, for every sentence
+    and unit, mean 0 and variance 1 over the sentence's arcs (``h`` in ``0..n``,
+    ``m`` in ``1..n``, ``h != m``; ``eps`` added to the variance, far below that of a
+    fresh model's hidden layer, about ``2e-3``). The mean and
+    variance over the ``n ** 2`` arcs are sums over the ``n + 1`` words, so this
+    costs no more than the layer itself; entries past a sentence are never read.
+    """
+    N1 = A.shape[1]
+    n = lengths.to(A.dtype)[:, None, None]                                  # (B, 1, 1)
+    idx = torch.arange(N1)
+    inside = (idx[None, :] <= lengths[:, None]).to(A.dtype)[..., None]      # words 0..n
+    is_mod = inside * (idx >= 1).to(A.dtype)[None, :, None]                 # words 1..n
+    heads_of = inside * (n - (idx >= 1).to(A.dtype)[None, :, None])         # arcs from h
+    a = A - (heads_of * A).sum(1, keepdim=True) / (n * n)
+    mu = M - (is_mod * M).sum(1, keepdim=True) / n
+    # sum over the arcs of (a_h + mu_m)^2: the mu_m sum to 0, the diagonal h = m is out
+    var = ((heads_of * a * a).sum(1, keepdim=True) + n * (is_mod * mu * mu).sum(1, keepdim=True)
+           - 2 * (is_mod * a * mu).sum(1, keepdim=True)) / (n * n)
+    scale = torch.rsqrt(var.clamp(min=0) + eps)
+    return a * scale, mu * scale
+
+
 class Parser(nn.Module):
-    """Bi-LSTM arc scorer: ``score[b, h, m] = w . tanh(W_h x_h + W_m x_m + b)``.
+    """Bi-LSTM arc scorer: ``score[b, h, m] = w . tanh(norm(W_h x_h + W_m x_m))``.
 
     ``x`` are the bi-LSTM states over ``[ROOT] + words``, each word the
-    concatenation of its word and gold UPOS embeddings. Returns scores of shape
-    ``(B, N + 1, N + 1)``, the :class:`sparsemap.TreeFactor` layout (0 is the
-    root; column 0 and the diagonal are ignored downstream).
+    concatenation of its word and gold UPOS embeddings; ``norm`` standardises
+    each hidden unit over the arcs of the sentence (:func:`normalize_over_arcs`).
+    Returns scores of shape ``(B, N + 1, N + 1)``, the :class:`sparsemap.TreeFactor`
+    layout (0 is the root; column 0 and the diagonal are ignored downstream).
     """
 
     def __init__(self, n_words, n_tags, word_dim=100, tag_dim=25, lstm_dim=125,
-                 lstm_layers=2, mlp_dim=100, dropout=0.0, init_scale=1.0):
+                 lstm_layers=2, mlp_dim=100, dropout=0.0):
         super().__init__()
         self.word_emb = nn.Embedding(n_words, word_dim, padding_idx=PAD)
         self.tag_emb = nn.Embedding(n_tags, tag_dim, padding_idx=PAD)
         self.lstm = nn.LSTM(word_dim + tag_dim, lstm_dim, lstm_layers, batch_first=True,
                             bidirectional=True, dropout=dropout if lstm_layers > 1 else 0.0)
         self.drop = nn.Dropout(dropout)
+        # no bias: the normalisation takes every unit's mean out
         self.head = nn.Linear(2 * lstm_dim, mlp_dim, bias=False)
-        self.mod = nn.Linear(2 * lstm_dim, mlp_dim)
+        self.mod = nn.Linear(2 * lstm_dim, mlp_dim, bias=False)
         self.out = nn.Linear(mlp_dim, 1, bias=False)
-        # Glorot for the MLP, and output weights of unit scale: arc scores then start
-        # around unit spread instead of ~0.02, the scale at which the Hamming margin
-        # of the SVM and margin losses bites and SparseMAP is no longer near-uniform.
-        # (With PyTorch's default init the SVM stalls for epochs with every tree tied.)
+        # Normalised over the arcs, every tanh unit varies from arc to arc, so the arc
+        # scores cannot all tie unless w is 0 (docs/parsing.rst, "Small treebanks"):
+        # w starts standard normal, far from 0 in Adam steps of 2e-3.
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.xavier_uniform_(self.mod.weight)
-        nn.init.normal_(self.out.weight, std=init_scale)
+        nn.init.normal_(self.out.weight)
 
     def forward(self, words, tags, lengths):
         N1 = words.shape[1]
@@ -182,8 +217,8 @@ class Parser(nn.Module):
         h, _ = self.lstm(packed)
         h, _ = pad_packed_sequence(h, batch_first=True, total_length=N1)
         h = self.drop(h)
-        z = torch.tanh(self.head(h)[:, :, None, :] + self.mod(h)[:, None, :, :])
-        return self.out(z).squeeze(-1)
+        A, M = normalize_over_arcs(self.head(h), self.mod(h), lengths)
+        return self.out(torch.tanh(A[:, :, None, :] + M[:, None, :, :])).squeeze(-1)
 
 
 # -- losses -------------------------------------------------------------------------
@@ -290,26 +325,75 @@ def evaluate(model, encoded, loss, sparsity=True, threads=1):
     if loss == "svm":
         return uas, 1.0, 1.0
     trees = heads = 0
-    for r in sm.solve_batch(factors, etas, n_jobs=threads):
+    # Figure 4 counts the active set's support; the facet side holds no list of trees
+    # (its r.structures is one decomposition of u among many)
+    for r in sm.solve_batch(factors, etas, method="vertex", n_jobs=threads):
         support = np.array(r.structures)
         trees += len(support)
         heads += sum(len(np.unique(col)) for col in support[:, 1:].T)
     return uas, trees / len(golds), heads / n_words.sum()
 
 
+# -- the guard ----------------------------------------------------------------------
+# A run whose arc scores tie, or whose loss stops moving, learns nothing more: say so.
+TIE_SPREAD = 1e-2     # arc scores within a sentence spread less than this: tied
+STALL_CHANGE = 1e-3   # training loss moved less than this fraction in an epoch: stalled
+
+
+def score_spread(scores, lengths):
+    """Per sentence, the standard deviation of its arc scores ``(B,)`` (no gradient; 0
+    for a one-word sentence, whose one arc has nothing to tie with)."""
+    with torch.no_grad():
+        valid = arc_mask(lengths, scores.shape[1])
+        n = valid.sum((1, 2))
+        s = scores.detach().double().masked_fill(~valid, 0.0)
+        mean = s.sum((1, 2)) / n
+        var = ((s - mean[:, None, None]) ** 2).masked_fill(~valid, 0.0).sum((1, 2))
+        return torch.where(n > 1, var / (n - 1).clamp(min=1), 0.0).sqrt()
+
+
+class Guard:
+    """Watches a training run for the two ways it can stop learning without failing.
+
+    * **Tied scores**: every training sentence of an epoch had arc scores spread
+      (standard deviation) below ``TIE_SPREAD``, so the decoded trees are
+      decided by round-off and every loss's gradient is nearly flat.
+    * **A stalled loss**: the training loss moved by less than ``STALL_CHANGE``
+      of its value from one epoch to the next while still above zero.
+
+    Call :meth:`observe` with each batch's scores and :meth:`end_epoch` after
+    each epoch; the latter returns the epoch's warnings (also kept in
+    :attr:`warnings`, as dictionaries for ``results.json``).
+    """
+
+    def __init__(self, tie_spread=TIE_SPREAD, stall_change=STALL_CHANGE):
+        self.tie_spread, self.stall_change = tie_spread, stall_change
+        self.warnings, self._spread, self._seen, self._last_loss = [], 0.0, False, None
+
+    def observe(self, scores, lengths):
+        """Record a batch's arc scores ``(B, N + 1, N + 1)`` of sentences of ``lengths``."""
+        self._spread = max(self._spread, float(score_spread(scores, lengths).max()))
+        self._seen |= bool((lengths > 1).any())
+
+    def end_epoch(self, epoch, train_loss):
+        """The epoch's largest score spread, and its warnings (a list of dicts)."""
+        spread, seen, self._spread, self._seen = self._spread, self._seen, 0.0, False
+        found = []
+        if seen and spread < self.tie_spread:
+            found.append({"epoch": epoch, "kind": "tied_scores", "message": (
+                f"epoch {epoch}: the arc scores tie (largest spread within a sentence "
+                f"{spread:.2g} < {self.tie_spread:g}): the model scores every arc the same")})
+        last, self._last_loss = self._last_loss, train_loss
+        if last is not None and train_loss > 0 and \
+                abs(train_loss - last) < self.stall_change * abs(last):
+            found.append({"epoch": epoch, "kind": "stalled_loss", "message": (
+                f"epoch {epoch}: the training loss stopped moving ({last:.6g} -> "
+                f"{train_loss:.6g}, less than {self.stall_change:.1%} of it)")})
+        self.warnings += found
+        return spread, found
+
+
 # -- training -----------------------------------------------------------------------
-# The structured SVM leaves its flat start after about a hundred updates whatever the
-# data (docs/parsing.rst, "Small treebanks"), so the default batch shrinks on small
-# training sets to keep the number of updates per epoch, the same for every loss.
-MAX_BATCH = 32
-MIN_UPDATES = 40
-
-
-def default_batch_size(n_train):
-    """Sentences per update: ``MAX_BATCH``, or fewer for ``MIN_UPDATES`` updates an epoch."""
-    return max(1, min(MAX_BATCH, n_train // MIN_UPDATES))
-
-
 def train(args):
     """Train, select on dev, score on test; return the results dictionary."""
     torch.manual_seed(args.seed)
@@ -321,23 +405,24 @@ def train(args):
     vocab = Vocab(train_set)
     train_enc, dev_enc, test_enc = ([vocab.encode(s) for s in data]
                                     for data in (train_set, dev_set, test_set))
-    batch_size = args.batch_size or default_batch_size(len(train_enc))
     model = Parser(len(vocab.words) + 3, len(vocab.tags) + 3, dropout=args.dropout)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.9))
 
     epochs, best_uas, best_state, best_epoch = [], -1.0, None, 0
+    guard = Guard()
     print(f"{args.loss}: {len(train_set)} / {len(dev_set)} / {len(test_set)} sentences, "
-          f"{len(vocab.words)} words, {len(vocab.tags)} tags, batches of {batch_size}",
+          f"{len(vocab.words)} words, {len(vocab.tags)} tags, batches of {args.batch_size}",
           flush=True)
     for epoch in range(1, args.epochs + 1):
         model.train()
         order = rng.permutation(len(train_enc))
         total = 0.0
         start, cpu_start = time.perf_counter(), time.process_time()
-        for k in range(0, len(order), batch_size):
-            batch = [train_enc[i] for i in order[k:k + batch_size]]
+        for k in range(0, len(order), args.batch_size):
+            batch = [train_enc[i] for i in order[k:k + args.batch_size]]
             words, tags, heads, lengths = pad_batch(batch, args.word_dropout, rng)
             scores = model(words, tags, lengths)
+            guard.observe(scores, lengths)
             loss = training_loss(args.loss, scores, heads, lengths, args.threads)
             optimizer.zero_grad()
             loss.backward()
@@ -349,9 +434,10 @@ def train(args):
         start = time.perf_counter()
         dev_uas, mean_trees, mean_heads = evaluate(model, dev_enc, args.loss, args.sparsity,
                                                    threads=args.threads)
+        spread, alarms = guard.end_epoch(epoch, total / len(train_enc))
         record = {"epoch": epoch, "dev_uas": dev_uas, "train_loss": total / len(train_enc),
                   "seconds": seconds, "cpu_seconds": cpu_seconds, "mean_trees": mean_trees,
-                  "mean_heads_per_word": mean_heads,
+                  "mean_heads_per_word": mean_heads, "score_spread": spread,
                   "eval_seconds": time.perf_counter() - start}
         epochs.append(record)
         if dev_uas > best_uas:
@@ -361,15 +447,24 @@ def train(args):
                     if args.sparsity else "")
         print(f"epoch {epoch:3d}  train loss {record['train_loss']:8.4f}  dev UAS {dev_uas:6.2f}  "
               f"{sparsity}{seconds:6.1f} s (+{record['eval_seconds']:.1f} s dev)", flush=True)
+        for alarm in alarms:
+            print(f"parsing.py: warning: {args.loss}: {alarm['message']}", file=sys.stderr,
+                  flush=True)
 
     model.load_state_dict(best_state)
     test_uas, _, _ = evaluate(model, test_enc, args.loss, sparsity=False)
     print(f"test UAS {test_uas:.2f} (dev-best epoch {best_epoch}, dev UAS {best_uas:.2f})",
           flush=True)
+    if guard.warnings:
+        kinds = sorted({w["kind"] for w in guard.warnings})
+        print(f"parsing.py: warning: {args.loss}: this run did not train normally "
+              f"({', '.join(kinds)} in epochs "
+              f"{', '.join(str(e) for e in sorted({w['epoch'] for w in guard.warnings}))}); "
+              f"see 'warnings' in results.json", file=sys.stderr, flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings["batch_size"] = batch_size
     return {"loss": args.loss, "test_uas": test_uas, "best_epoch": best_epoch,
-            "dev_uas": best_uas, "epochs": epochs, "settings": settings}
+            "dev_uas": best_uas, "epochs": epochs, "settings": settings,
+            "warnings": guard.warnings}
 
 
 def parse_args(argv=None):
@@ -384,9 +479,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch and sparsemap threads")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="sentences per update (default: at most %d, fewer so that an "
-                        "epoch makes at least %d updates)" % (MAX_BATCH, MIN_UPDATES))
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per update")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on the embeddings and bi-LSTM states")
     p.add_argument("--word-dropout", type=float, default=0.25,
@@ -400,7 +493,7 @@ def parse_args(argv=None):
         p.error(f"--epochs: expected a positive integer, got {args.epochs}")
     if args.threads < 1:
         p.error(f"--threads: expected a positive integer, got {args.threads}")
-    if args.batch_size is not None and args.batch_size < 1:
+    if args.batch_size < 1:
         p.error(f"--batch-size: expected a positive integer, got {args.batch_size}")
     return args
 

@@ -684,7 +684,7 @@ cdef class _Order:
 
 def _add_note(exc, Py_ssize_t i):
     if hasattr(exc, "add_note"):   # Python >= 3.11
-        exc.add_note(f"(while solving problem {i} of the batch)")
+        exc.add_note(f"(while solving batch element {i})")
 
 
 def prepare_solve(factors, etas_u, etas_v, inits,

@@ -913,6 +913,17 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
     ...              for r, e in zip(rs, etas_u))
     (8, True)
     """
+    return _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, _element)
+
+
+def _element(i):
+    """How warnings and errors name problem ``i`` of a batch."""
+    return f"batch element {i}"
+
+
+def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
+    """:func:`solve_batch`, whose warnings name problem ``i`` as ``where(i)`` (the torch
+    layer's elements have multi-dimensional indices)."""
     unknown = set(solve_kw) - {"method", "max_iter", "tol", "init", "return_history"}
     if unknown:
         raise TypeError(f"solve_batch() got an unexpected keyword argument {sorted(unknown)[0]!r}")
@@ -962,7 +973,7 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
                for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
-            _warn_not_converged(r, f"problem {i}: ")
+            _warn_not_converged(r, f"{where(i)}: ")
     return results
 
 
@@ -1104,7 +1115,7 @@ def _blocks(factors, arr, on_v):
             for i, f in enumerate(fs)]
 
 
-def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
+def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_element):
     """Solve a padded batch (the fast path of ``sparsemap.torch``; private).
 
     Parameters
@@ -1124,6 +1135,8 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
     n_jobs : int or None
     solve_kw : dict
         As for :func:`solve_batch`.
+    where : callable, optional
+        ``where(i)`` names problem ``i`` in warnings (default ``batch element i``).
 
     Returns
     -------
@@ -1147,9 +1160,9 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
         # copies (CG's results keep their scores for the backward pass)
         etas_u = np.array(etas_u, dtype=np.float64)
         etas_v = None if etas_v is None else np.array(etas_v, dtype=np.float64)
-        results = solve_batch(factors, _blocks(factors, etas_u, False),
-                              None if etas_v is None else _blocks(factors, etas_v, True),
-                              n_jobs=n_jobs, **solve_kw)
+        results = _solve_batch(factors, _blocks(factors, etas_u, False),
+                               None if etas_v is None else _blocks(factors, etas_v, True),
+                               n_jobs, None, solve_kw, where)
         out_u[...] = 0.0
         for b, r in zip(_blocks(factors, out_u, False), results):
             b[...] = r.u
@@ -1165,11 +1178,11 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw):
     sols = _run(batch, n_threads)
     report = batch.report()
     if report:
-        _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol)
+        _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol, where)
     return sols
 
 
-def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
+def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, where=_element):
     """The problems a padded run reported, as :func:`solve_batch` would treat them.
 
     A refused block (nan or +inf) goes through the factor's validation, which
@@ -1195,9 +1208,29 @@ def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol):
             raise _infeasible_error(fs[i], i)
     for i, sol in reported:
         if sol.status != STATUS_CONVERGED:
-            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"problem {i}: ")
+            _warn_not_converged(SparseMAPResult(fs[i], sol, method), f"{where(i)}: ")
         elif sol.face_status == FACE_STATUS_FIBERED:
-            warn(f"SparseMAP: problem {i}: {_UNTIE_FAILED}")
+            warn(f"{where(i)}: SparseMAP: {_UNTIE_FAILED}")
+
+
+# The statuses of the torch layer's report, by code (SparseMAPResult.message says more).
+_STATUS_NAMES = ("converged", "max_iter", "stalled", "face_incomplete", "stopped")
+_STATUS_CODES = {STATUS_CONVERGED: 0, STATUS_MAX_ITER: 1, STATUS_STALLED: 2,
+                 STATUS_FACE_INCOMPLETE: 3, STATUS_STOPPED: 4}
+
+
+def _padded_info(handles):
+    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``), gaps
+    and sides (True: the facet side) of a padded batch's problems, from
+    :func:`_solve_padded`'s handles (no solve). A facet-side solution holds no
+    structures: its support size is -1 (a decomposition would cost a solve)."""
+    sols = [handles.solution(i) for i in range(len(handles))] \
+        if isinstance(handles, _Solutions) else [h._sol for h in handles]
+    facet = np.array([s.side == "facet" for s in sols], dtype=bool)
+    return (np.array([-1 if f else s.n_support for s, f in zip(sols, facet)], dtype=np.int64),
+            np.array([s.n_iter for s in sols], dtype=np.int64),
+            np.array([_STATUS_CODES[s.status] for s in sols], dtype=np.int64),
+            np.array([s.gap for s in sols], dtype=np.float64), facet)
 
 
 def _infeasible_error(f, i):

@@ -39,17 +39,21 @@ import functools
 import math
 import numbers
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._solve import _backward_padded, _check_n_jobs, _helpers, _order, _solve_padded
+from sparsemap._factors._base import check_bool
+from sparsemap._solve import (_STATUS_NAMES, _backward_padded, _check_n_jobs, _helpers, _order,
+                              _padded_info, _solve_batch, _solve_padded)
 from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
 __all__ = [
-    "sparsemap", "distribution", "tree", "sequence", "matching", "sparsemax", "Sparsemax",
+    "sparsemap", "SolveInfo", "distribution", "tree", "sequence", "matching", "sparsemax",
+    "Sparsemax",
     "sparsemap_loss", "structured_svm_loss", "perceptron_loss",
     "SparseMAPLoss", "StructuredSVMLoss", "PerceptronLoss",
     "factor_graph",
@@ -160,6 +164,8 @@ class _Layout:
                                      f"got shape {tuple(eta_v.shape)}")
             self._shapes = None
         self.B = math.prod(self.batch_shape)
+        self.index_shape = self.batch_shape   # how messages index the problems
+        self.handles = None                   # the solve's, for a SolveInfo
 
     def _blocks(self):
         """Per-element block shapes ``(shapes_u, shapes_v)`` of a ragged batch (None for an
@@ -268,13 +274,17 @@ def _batch_error(exc, layout):
     return ValueError(f"{_BATCH_NAMES[m[1]]}{str(exc)[m.end():]}{_where(layout, int(m[2]))}")
 
 
+def _element(layout, b):
+    """``batch element i`` for flat problem index b; multi-dim batches get a tuple."""
+    shape = layout.index_shape
+    if len(shape) <= 1:
+        return f"batch element {b}"
+    return f"batch element {tuple(int(i) for i in np.unravel_index(b, shape))}"
+
+
 def _where(layout, b):
-    """`` (batch element i)`` for flat problem index b; multi-dim batches get a tuple."""
-    if not layout.batch_shape:
-        return ""
-    if len(layout.batch_shape) == 1:
-        return f" (batch element {b})"
-    return f" (batch element {tuple(int(i) for i in np.unravel_index(b, layout.batch_shape))})"
+    """`` (batch element i)``, the end of an error message (nothing without batch dims)."""
+    return f" ({_element(layout, b)})" if layout.batch_shape else ""
 
 
 def _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw):
@@ -285,7 +295,8 @@ def _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw):
     out = _output(eu.shape, like)
     try:
         handles = _solve_padded(layout.factors if layout.ragged else layout.factor, eu, ev,
-                                out[1], n_jobs, solve_kw)
+                                out[1], n_jobs, solve_kw,
+                                functools.partial(_element, layout))
     except ValueError as exc:
         raise _batch_error(exc, layout) from None
     return _finish(out, layout.batch_shape + layout.pad_u, like), handles
@@ -299,9 +310,84 @@ def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
     ev = None if eta_v is None else layout.split_v(_to_host(eta_v))
     factors = layout.factors if layout.ragged else layout.factor
     try:
-        return sm.solve_batch(factors, eu, ev, n_jobs=n_jobs, **solve_kw)
+        return _solve_batch(factors, eu, ev, n_jobs, None, solve_kw,
+                            functools.partial(_element, layout))
     except ValueError as exc:
         raise _batch_error(exc, layout) from None
+
+
+class SolveInfo(NamedTuple):
+    """What the solver did for each problem of a layer call (``return_info=True``).
+
+    Each field is a tensor with the batch shape of the call (one entry per
+    problem: per sentence for :func:`tree`), on the device of the scores.
+    Reading it costs no solve: the numbers are those the forward pass ran.
+
+    Attributes
+    ----------
+    support_size : int64 Tensor
+        Structures with nonzero weight in the solution (for a tree layer,
+        trees per sentence): 1 when the MAP structure wins outright. -1 where
+        the facet side solved the problem (see :attr:`facet`): it holds ``u``
+        and the constraints tight there, no list of structures, and finding
+        one (:attr:`sparsemap.SparseMAPResult.structures`) would cost more
+        than the solve. Pass ``method="vertex"`` for support sizes
+        everywhere.
+    n_iter : int64 Tensor
+        Iterations of the solver that returned the solution: active-set steps
+        on the vertex side, the facet solver's steps on the facet side.
+    status : int64 Tensor
+        Why the solver stopped, an index into :attr:`STATUSES`: 0
+        ``"converged"`` (the duality gap met ``tol``), 1 ``"max_iter"``, 2
+        ``"stalled"`` (no further progress in double precision), 3
+        ``"face_incomplete"`` (``u`` converged but the backward pass may be
+        inexact: raise ``max_iter``), 4 ``"stopped"``. A problem that does not
+        converge also raises a :class:`~sparsemap.ConvergenceWarning` naming
+        its batch element.
+    gap : float64 Tensor
+        The Wolfe duality gap of the returned solution (on either side, from
+        one MAP call at the returned ``u``).
+    facet : bool Tensor
+        Whether the facet side solved the problem (``SparseMAPResult.side ==
+        "facet"``; the solvers page, "Two representations"), else the vertex
+        side. Only trees, sequences and matchings have a facet side, chosen
+        per problem by the default ``method="active_set"``.
+
+    Examples
+    --------
+    >>> import torch, sparsemap.torch as smt
+    >>> scores = torch.zeros(2, 4, 4)
+    >>> scores[0, 0, 1] = scores[0, 1, 2] = scores[0, 2, 3] = 2.0
+    >>> u, info = smt.tree(scores, return_info=True)
+    >>> info.support_size, info.facet      # flat scores: the facet side
+    (tensor([ 1, -1]), tensor([False,  True]))
+    >>> smt.tree(scores, return_info=True, method="vertex")[1].support_size
+    tensor([1, 3])
+    >>> info.converged.all()
+    tensor(True)
+    >>> [info.STATUSES[k] for k in info.status]
+    ['converged', 'converged']
+    """
+
+    support_size: torch.Tensor
+    n_iter: torch.Tensor
+    status: torch.Tensor
+    gap: torch.Tensor
+    facet: torch.Tensor
+
+    #: The meaning of each code of :attr:`status`.
+    STATUSES = _STATUS_NAMES
+
+    @property
+    def converged(self):
+        """Bool Tensor: whether each problem converged (``status == 0``)."""
+        return self.status == 0
+
+
+def _solve_info(layout, batch_shape, device):
+    """The :class:`SolveInfo` of the layer call that solved ``layout`` (its handles)."""
+    return SolveInfo(*(torch.from_numpy(a).reshape(batch_shape).to(device)
+                       for a in _padded_info(layout.handles)))
 
 
 def _like(arr, like):
@@ -397,10 +483,18 @@ class _SparseMAPFunction(_JacobianFunction):
     def forward(ctx, layout, n_jobs, solve_kw, eta_u, eta_v):
         u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
         ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
+        layout.handles = handles
         return u
 
 
-def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
+def _with_info(u, layout, return_info, batch_shape):
+    """``u``, or ``(u, SolveInfo)`` when asked."""
+    if not return_info:
+        return u
+    return u, _solve_info(layout, batch_shape, u.device)
+
+
+def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, return_info=False, **solve_kw):
     r"""SparseMAP posteriors :math:`u = M y^\star` as a differentiable PyTorch operation.
 
     Parameters
@@ -416,6 +510,9 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
         Additional scores (zeros when omitted), padded likewise.
     n_jobs : int, optional
         Threads for the solves and the backward products (default: all cores).
+    return_info : bool, default False
+        Also return a :class:`SolveInfo`: each problem's support size,
+        iteration count, status and duality gap.
     **solve_kw
         Passed to :func:`sparsemap.solve` (``method``, ``max_iter``, ``tol``).
 
@@ -423,6 +520,8 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     -------
     u : Tensor, shaped, typed and placed like ``eta_u``
         Zero outside each element's block.
+    info : SolveInfo
+        Only with ``return_info=True``; its fields have the batch shape.
 
     Raises
     ------
@@ -452,8 +551,10 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     >>> eta_u.grad[1]
     tensor([ 0.5000, -0.5000])
     """
+    return_info = check_bool(return_info, "return_info")
     layout = _Layout(factor, eta_u, eta_v)
-    return _SparseMAPFunction.apply(layout, n_jobs, solve_kw, eta_u, eta_v)
+    u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, eta_u, eta_v)
+    return _with_info(u, layout, return_info, layout.batch_shape)
 
 
 # -- the distribution: support and differentiable weights ----------------------------
@@ -641,16 +742,19 @@ def _sizes(values, name, batch_shape, upper):
     return sizes
 
 
-def _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw):
+def _family(factors, eta_u, eta_v, batch_shape, n_jobs, return_info, solve_kw):
     """Apply the layer with a shared factor, or ragged over flattened batch dims."""
     if isinstance(factors, Factor):
-        return sparsemap(factors, eta_u, eta_v, n_jobs=n_jobs, **solve_kw)
+        return sparsemap(factors, eta_u, eta_v, n_jobs=n_jobs, return_info=return_info,
+                         **solve_kw)
+    return_info = check_bool(return_info, "return_info")
     nb = len(batch_shape)
     flat_u = eta_u.reshape((-1,) + tuple(eta_u.shape[nb:]))
     flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
     layout = _Layout(factors, flat_u, flat_v, trusted=True)
+    layout.index_shape = batch_shape   # messages name the caller's batch element
     u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, flat_u, flat_v)
-    return u.reshape(eta_u.shape)
+    return _with_info(u.reshape(eta_u.shape), layout, return_info, batch_shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -682,7 +786,7 @@ def _check_scores_tensor(x, name, min_dim, what):
 
 
 def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=None,
-         **solve_kw):
+         return_info=False, **solve_kw):
     """SparseMAP arc posteriors of dependency trees.
 
     Parameters
@@ -697,7 +801,7 @@ def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=No
         every sentence has ``N`` words.
     projective, single_root : bool
         As in :class:`sparsemap.TreeFactor`.
-    n_jobs, **solve_kw
+    n_jobs, return_info, **solve_kw
         As in :func:`sparsemap`.
 
     Returns
@@ -705,6 +809,8 @@ def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=No
     Tensor, shaped like ``scores``
         Arc posteriors: each word's column sums to one within its sentence; 0
         in the padding.
+    info : SolveInfo
+        Only with ``return_info=True``: per sentence, shaped like ``lengths``.
 
     Examples
     --------
@@ -733,10 +839,10 @@ def tree(scores, lengths=None, projective=False, single_root=False, *, n_jobs=No
         _sizes(lengths, "lengths", batch_shape, n1 - 1)
     factors = _ragged_factors(sm.TreeFactor, [(s,) for s in sizes], (n1 - 1,),
                               (bool(projective), bool(single_root)))
-    return _family(factors, scores, None, batch_shape, n_jobs, solve_kw)
+    return _family(factors, scores, None, batch_shape, n_jobs, return_info, solve_kw)
 
 
-def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
+def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, return_info=False, **solve_kw):
     """SparseMAP tag posteriors of sequences (a linear chain).
 
     Parameters
@@ -751,13 +857,15 @@ def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
     lengths : int Tensor of shape ``batch``, optional
         Length of each sequence (``1 <= lengths <= N``); sequence ``b`` uses
         positions ``:lengths[b]`` (and transitions ``:lengths[b] - 1``).
-    n_jobs, **solve_kw
+    n_jobs, return_info, **solve_kw
         As in :func:`sparsemap`.
 
     Returns
     -------
     Tensor, shaped like ``eta_u``
         Tag posteriors (rows sum to one within each sequence, 0 beyond).
+    info : SolveInfo
+        Only with ``return_info=True``: per sequence, with the batch shape.
 
     Examples
     --------
@@ -790,10 +898,11 @@ def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, **solve_kw):
     sizes = [n] * math.prod(batch_shape) if lengths is None else \
         _sizes(lengths, "lengths", batch_shape, n)
     factors = _ragged_factors(sm.SequenceFactor, [(s,) for s in sizes], (n,), (m,))
-    return _family(factors, eta_u, eta_v, batch_shape, n_jobs, solve_kw)
+    return _family(factors, eta_u, eta_v, batch_shape, n_jobs, return_info, solve_kw)
 
 
-def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
+def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, return_info=False,
+             **solve_kw):
     """SparseMAP posteriors of bipartite matchings (alignments).
 
     Parameters
@@ -804,7 +913,7 @@ def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
         Sizes of each element's problem (rows ``1..R``, columns ``1..C``;
         default all): element ``b`` matches ``min(n_rows[b], n_cols[b])`` pairs
         within ``scores[b, :n_rows[b], :n_cols[b]]``.
-    n_jobs, **solve_kw
+    n_jobs, return_info, **solve_kw
         As in :func:`sparsemap`.
 
     Returns
@@ -812,6 +921,8 @@ def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
     Tensor, shaped like ``scores``
         Pair posteriors: a doubly substochastic matrix (doubly stochastic when
         square), 0 in the padding.
+    info : SolveInfo
+        Only with ``return_info=True``: per problem, with the batch shape.
 
     Examples
     --------
@@ -827,10 +938,10 @@ def matching(scores, n_rows=None, n_cols=None, *, n_jobs=None, **solve_kw):
     rows = [R] * B if n_rows is None else _sizes(n_rows, "n_rows", batch_shape, R)
     cols = [C] * B if n_cols is None else _sizes(n_cols, "n_cols", batch_shape, C)
     factors = _ragged_factors(sm.MatchingFactor, list(zip(rows, cols)), (R, C), ())
-    return _family(factors, scores, None, batch_shape, n_jobs, solve_kw)
+    return _family(factors, scores, None, batch_shape, n_jobs, return_info, solve_kw)
 
 
-def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
+def sparsemax(x, dim=-1, *, n_jobs=None, return_info=False, **solve_kw):
     """Sparsemax (Martins and Astudillo, 2016): SparseMAP with one part per structure.
 
     The Euclidean projection of ``x`` onto the probability simplex along
@@ -841,12 +952,15 @@ def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
     ----------
     x : Tensor
     dim : int, default -1
-    n_jobs, **solve_kw
+    n_jobs, return_info, **solve_kw
         As in :func:`sparsemap`.
 
     Returns
     -------
     Tensor, shaped like ``x``
+    info : SolveInfo
+        Only with ``return_info=True``: per slice along ``dim``, shaped like
+        ``x`` without ``dim``.
 
     Examples
     --------
@@ -861,8 +975,11 @@ def sparsemax(x, dim=-1, *, n_jobs=None, **solve_kw):
         raise ValueError(f"dim: expected an integer in [{-x.dim()}, {x.dim() - 1}], got {dim!r}")
     xm = x.movedim(dim, -1)
     # SparseMAP of "exactly one on" is sparsemax; its MAP is an O(d) argmax
-    u = sparsemap(_cached_factor(sm.XorFactor, xm.shape[-1]), xm, n_jobs=n_jobs, **solve_kw)
-    return u.movedim(-1, dim)
+    out = sparsemap(_cached_factor(sm.XorFactor, xm.shape[-1]), xm, n_jobs=n_jobs,
+                    return_info=return_info, **solve_kw)
+    if return_info:
+        return out[0].movedim(-1, dim), out[1]
+    return out.movedim(-1, dim)
 
 
 class Sparsemax(torch.nn.Module):
@@ -1406,6 +1523,7 @@ class _GraphLayout:
                         self.tensors.append(t)
                         self.slots.append((b, f))
         self.pad = eta_u.shape[-1]
+        self.index_shape = self.batch_shape
         self.sizes = [g.n_variables for g in self.graphs]
         # threads take the largest graphs of a ragged batch first: variables plus factor
         # parts, per problem (None: one shared graph, problems in input order)
@@ -1484,8 +1602,7 @@ def _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw):
 
     results = _in_threads(one, layout, n_jobs)
     for b, r in enumerate(results):      # an infeasible graph or an uncertified solve
-        _raise_unless_solved(r, f"{_where(layout, b).strip()[1:-1]}: " if layout.batch_shape
-                             else "", b)
+        _raise_unless_solved(r, f"{_element(layout, b)}: " if layout.batch_shape else "", b)
     return results
 
 

@@ -32,7 +32,7 @@ def batch_notes(exc):
     if sys.version_info >= (3, 11):
         assert notes, "the batch's error carries no note naming the problem"
     return [int(m.group(1)) for n in notes
-            for m in [re.search(r"\(while solving problem (\d+) of the batch\)", n)] if m]
+            for m in [re.search(r"\(while solving batch element (\d+)\)", n)] if m]
 
 
 def ragged_trees(rng, B, scale=1.0, lo=2, hi=12):
@@ -216,7 +216,7 @@ def test_convergence_warnings_name_the_problem():
         rs = sm.solve_batch(f, etas, method="vertex", max_iter=2, n_jobs=2)
     assert all(w.category is sm.ConvergenceWarning for w in caught)
     assert sorted(str(w.message).split(":")[0] for w in caught) == \
-        ["problem 0", "problem 1", "problem 2"]
+        ["batch element 0", "batch element 1", "batch element 2"]
     assert not any(r.converged for r in rs)
     assert all(w.filename == __file__ for w in caught)
 
@@ -519,7 +519,8 @@ def test_padded_general_path_and_convergence_warning():
     assert np.array_equal(block(g, 1, fs[1].shape_u), want[1].vjp(np.ones(fs[1].shape_u))[0])
     with pytest.warns(sm.ConvergenceWarning) as record:
         _solve_padded(fs, eu, None, u, 1, dict(method="vertex", max_iter=1))
-    assert [str(w.message)[:9] for w in record] == ["problem 0", "problem 1"]
+    assert [str(w.message).split(":")[0] for w in record] == ["batch element 0",
+                                                              "batch element 1"]
 
 
 @pytest.mark.parametrize("method, max_iter", [("active_set", None), ("pairwise_cg", None),

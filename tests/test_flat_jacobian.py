@@ -632,7 +632,7 @@ def test_untying_that_fails_warns():
     np.testing.assert_allclose(gu, sm.solve(f, eta, method="vertex").vjp(g)[0], atol=1e-10)
     import sparsemap.torch as smt            # the layer unties in its forward pass
     ev = torch.zeros((1,) + f.shape_v, dtype=torch.float64, requires_grad=True)
-    with pytest.warns(sm.ConvergenceWarning, match="problem 0: ties in eta_v"):
+    with pytest.warns(sm.ConvergenceWarning, match="batch element 0: SparseMAP: ties in eta_v"):
         smt.sequence(torch.tensor(eta[None]), ev, max_iter=200, method="vertex")
 
 

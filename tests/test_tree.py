@@ -348,3 +348,15 @@ def test_validation_agrees_with_naive_checker(n, projective, single_root):
         except ValueError:
             ok = False
         assert ok == is_valid(heads, projective, single_root), heads
+
+
+@pytest.mark.parametrize("heads", [
+    [0, 0, 1, 2], [-1, 0, 4, 1], [-1, 0, 2, 1], [-1, 2, 3, 1], [-1, 0, 0, 1]])
+def test_invalid_heads_message_says_got_once(heads):
+    """The reason, then the heads: "got" once (it said "got 4, got heads [...]")."""
+    f = sm.TreeFactor(3, single_root=True)
+    with pytest.raises(ValueError) as exc:
+        f.vertex(heads)
+    message = str(exc.value)
+    assert message.count("got") <= 1
+    assert message.endswith(f"; heads = {heads!r}")

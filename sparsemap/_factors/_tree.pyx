@@ -155,7 +155,7 @@ cdef class TreeFactor(Factor):
     def _validate_structure(self, s, name):
         msg = _tree_error(s, self.n_words, self.projective, self.single_root)
         if msg is not None:
-            raise ValueError(f"{name}: {msg}, got heads {s.tolist()!r}")
+            raise ValueError(f"{name}: {msg}; heads = {s.tolist()!r}")
 
     def _from_dense(self, m, n):
         heads = m.argmax(axis=0)   # the head of each word: the 1 in its column
