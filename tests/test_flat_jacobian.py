@@ -264,7 +264,7 @@ def test_backward_set_cap_is_reported_truthfully(n, projective, seed, cap):
         with pytest.warns(sm.ConvergenceWarning, match=f"cap of {cap} structures") as rec:
             r2 = sm.solve(f, eta, method="vertex")
         message = r2.message     # read under the cap it was solved with
-        with pytest.warns(sm.ConvergenceWarning, match=f"problem 1: .*cap of {cap}"):
+        with pytest.warns(sm.ConvergenceWarning, match=f"batch element 1: .*cap of {cap}"):
             sm.solve_batch(f, np.stack([10 * eta, eta]), method="vertex")
         d = np.random.default_rng(1).standard_normal(f.shape_u)
         fd = (_u(f, eta + H * d, None, method="vertex")
