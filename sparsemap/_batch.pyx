@@ -689,7 +689,8 @@ def _add_note(exc, Py_ssize_t i):
 
 def prepare_solve(factors, etas_u, etas_v, inits,
                   Py_ssize_t max_iter, double tol, bint return_history, Py_ssize_t n_threads,
-                  callback=None, out_u=None, bint untie=False, side="auto"):
+                  callback=None, out_u=None, bint untie=False, side="auto",
+                  bint backward=True):
     """A :class:`_Batch` of active-set solves; its ``outputs`` are the ``_Solution`` objects.
 
     Inputs must be validated: their pointers are read without checks (except
@@ -732,6 +733,9 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         peaked scores (a problem with a warm start runs on the vertex side);
         "facet" solves there unless it cannot certify; "vertex" runs the active
         set only.
+    backward : bool
+        False: no backward set (``u`` and ``v`` only, for the losses; the
+        outputs' jvp / vjp are then not the Jacobian's).
 
     Notes
     -----
@@ -760,7 +764,7 @@ def prepare_solve(factors, etas_u, etas_v, inits,
     b._setup(n, n_threads, SOLVE)
     b.max_iter = max_iter
     b.tol = tol
-    b.backward = BACKWARD_NOW if untie else BACKWARD_LAZY
+    b.backward = BACKWARD_NONE if not backward else BACKWARD_NOW if untie else BACKWARD_LAZY
     b.callback = NULL if callback is None else <void*> callback
     b.hists = [None] * n if return_history else None
     slots = {}

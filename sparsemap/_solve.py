@@ -393,7 +393,7 @@ def _names(factor, u, v, suffix=""):
 # -- running problems ------------------------------------------------------------------
 
 def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, return_history,
-                    n_threads=1, callback=None):
+                    n_threads=1, callback=None, backward=True):
     """Solutions of every problem (see ``_batch.prepare_solve`` for the arguments).
 
     The active set runs on ``n_threads`` threads, claiming problems largest
@@ -406,7 +406,7 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
         n_threads = max(1, min(n_threads, n))
         return _run(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
                                          return_history, n_threads, callback,
-                                         side=_SIDES[method]),
+                                         side=_SIDES[method], backward=backward),
                     n_threads)
     out = []
     for i in range(n):
@@ -557,6 +557,15 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     >>> bool(np.allclose(r2.u, r.u, atol=1e-6))
     True
     """
+    return _solve(factor, eta_u, eta_v, method, max_iter, tol, init, return_history, callback,
+                  verbose)
+
+
+def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
+           init=None, return_history=False, callback=None, verbose=False, backward=True):
+    """:func:`solve`; ``backward=False`` skips the backward set's completion (for callers
+    that need ``u`` and ``v`` only, as the losses do: the result's jvp / vjp are then not
+    the Jacobian's, so it must not leave the caller)."""
     _check_factor(factor)
     method, max_iter, tol = _check_options(method, max_iter, tol)
     eu, ev = factor.check_scores(eta_u, eta_v)
@@ -569,7 +578,7 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     if verbose:
         callback = _Printer(method, callback)
     sol = _solve_problems(factor, [eu], [ev], None if S0 is None else [S0], method, max_iter,
-                          tol, bool(return_history), callback=callback)[0]
+                          tol, bool(return_history), callback=callback, backward=backward)[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
     result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter))

@@ -28,7 +28,7 @@ import numpy as np
 from sparsemap import _batch
 from sparsemap._factors._base import Factor, _first_invalid
 from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options, _run,
-                              solve)
+                              _solve)
 
 __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]
 
@@ -247,7 +247,10 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
     margin = _check_nonneg(margin, "margin")
     if margin > 0:
         eu = eu + margin * (1.0 - mt)
-    r = solve(factor, eu.reshape(factor.shape_u), ev.reshape(factor.shape_v), **solve_kwargs)
+    # the gradient is u - m_t: no backward set is needed (a flat projective tree's would
+    # cost more than the solve, and could warn about a Jacobian nobody asked for)
+    r = _solve(factor, eu.reshape(factor.shape_u), ev.reshape(factor.shape_v),
+               backward=False, **solve_kwargs)
     u = r.u.reshape(-1)
     v = r.v.reshape(-1)
     gu = u - mt

@@ -280,6 +280,33 @@ def test_backward_set_cap_is_reported_truthfully(n, projective, seed, cap):
     assert np.abs(r2.jvp(d).ravel() - fd).max() > 1e-3
 
 
+def test_sparsemap_loss_needs_no_backward_set():
+    """The SparseMAP loss's gradient is u - m_t: it completes no backward set, so at the
+    cap (lowered so that a 20-word projective tree at flat scores, face 265, meets it)
+    it does not warn about a Jacobian it never uses, and its gradient is u - m_t with
+    the u of a plain solve (and the loss the closed form of its definition)."""
+    from sparsemap._backward import _set_max_backward_rows
+    f = sm.TreeFactor(20, projective=True)
+    eta = 0.01 * np.random.default_rng(3).standard_normal(f.shape_u)
+    target = np.r_[-1, np.arange(20)]          # a chain: projective
+    u = sm.solve(f, eta, method="vertex").u
+    mt = np.zeros(f.shape_u)
+    mt[target[1:], np.arange(1, 21)] = 1.0
+    old = _set_max_backward_rows(200)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss, gu, _ = sm.sparsemap_loss(f, eta, target, method="vertex")
+        with pytest.warns(sm.ConvergenceWarning, match="cap of 200"):
+            sm.solve(f, eta, method="vertex")     # the same solve with its backward set
+    finally:
+        _set_max_backward_rows(old)
+    np.testing.assert_allclose(gu, u - mt, atol=1e-12)
+    g = u - mt
+    expected = 0.5 * (g * g).sum() + (eta * g).sum() - (u * g).sum()
+    assert loss == pytest.approx(expected, abs=1e-10)
+
+
 # -- the distribution at flat scores ----------------------------------------------------------
 
 def test_distribution_at_flat_scores():
