@@ -871,40 +871,47 @@ cdef double _path_value(_W* w, const double* eta_u, const double* C0, const doub
     return val
 
 
+cdef int _leaving_arc(_W* w, int i, int a, int b, double t, bint lowest_on_ties) noexcept nogil:
+    """For arc (a, b) entering transition i's tree: the arc of the cycle it closes whose
+    flow (flA + t flB) decreases and is least (on ties the first met on the walk, or the
+    lowest index), or -1 when a and b are not connected. Both ends walk up to their
+    common ancestor; the first arc from each end decreases, then they alternate."""
+    cdef int S = w.S, cap = w.cap, x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
+    cdef int* pr = w.par + i * w.L
+    cdef int* dp = w.depth + i * w.L
+    cdef int* end
+    cdef int* parity
+    cdef double fl, best = INFINITY
+    while x != y:
+        if dp[x] >= dp[y]:
+            end, parity = &x, &sx
+        else:
+            end, parity = &y, &sy
+        e = pr[end[0]]
+        if e < 0:
+            return -1
+        if parity[0] == 0:
+            fl = w.flA[i * cap + e]
+            if t != 0.0:
+                fl += t * w.flB[i * cap + e]
+            if fl < best or (lowest_on_ties and fl == best and e < leave):
+                best = fl
+                leave = e
+        parity[0] ^= 1
+        end[0] = (S + w.arc_b[i * cap + e]) if end[0] < S else w.arc_a[i * cap + e]
+    return leave
+
+
+cdef inline int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
+    """The leaving arc at the current flows (lowest index on ties), or -1."""
+    return _leaving_arc(w, i, a, b, 0.0, True)
+
+
 cdef int _pivot(_W* w, int i, int a, int b, double t) noexcept nogil:
     """Arc (a, b) enters transition i's tree that already connects a and b: push flow
     around the cycle until an arc of it empties, and that arc leaves (a network-simplex
     pivot; u is unchanged since the cycle's cost is zero at t)."""
-    cdef int S = w.S, L = w.L, cap = w.cap
-    cdef int* pr = w.par + i * L
-    cdef int* dp = w.depth + i * L
-    cdef int x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
-    cdef double fl, best = INFINITY
-    # walk both ends up to their common ancestor; the first arc from each end
-    # decreases, then they alternate
-    while x != y:
-        if dp[x] >= dp[y]:
-            e = pr[x]
-            if e < 0:
-                return 1
-            if sx == 0:
-                fl = w.flA[i * cap + e] + t * w.flB[i * cap + e]
-                if fl < best:
-                    best = fl
-                    leave = e
-            sx ^= 1
-            x = (S + w.arc_b[i * cap + e]) if x < S else w.arc_a[i * cap + e]
-        else:
-            e = pr[y]
-            if e < 0:
-                return 1
-            if sy == 0:
-                fl = w.flA[i * cap + e] + t * w.flB[i * cap + e]
-                if fl < best:
-                    best = fl
-                    leave = e
-            sy ^= 1
-            y = (S + w.arc_b[i * cap + e]) if y < S else w.arc_a[i * cap + e]
+    cdef int leave = _leaving_arc(w, i, a, b, t, False)
     if leave < 0:
         return 1
     _del_arc(w, i, leave)
@@ -1256,38 +1263,6 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
                 k += 1
     return 0
 
-
-cdef int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
-    """For arc (a, b) entering transition i's tree: the leaving arc (the decreasing arc of
-    the cycle with the least flow, lowest index on ties), or -1."""
-    cdef int S = w.S, L = w.L, cap = w.cap, x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
-    cdef int* pr = w.par + i * L
-    cdef int* dp = w.depth + i * L
-    cdef double fl, best = INFINITY
-    while x != y:
-        if dp[x] >= dp[y]:
-            e = pr[x]
-            if e < 0:
-                return -1
-            if sx == 0:
-                fl = w.flA[i * cap + e]
-                if fl < best or (fl == best and e < leave):
-                    best = fl
-                    leave = e
-            sx ^= 1
-            x = (S + w.arc_b[i * cap + e]) if x < S else w.arc_a[i * cap + e]
-        else:
-            e = pr[y]
-            if e < 0:
-                return -1
-            if sy == 0:
-                fl = w.flA[i * cap + e]
-                if fl < best or (fl == best and e < leave):
-                    best = fl
-                    leave = e
-            sy ^= 1
-            y = (S + w.arc_b[i * cap + e]) if y < S else w.arc_a[i * cap + e]
-    return leave
 
 
 cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size,

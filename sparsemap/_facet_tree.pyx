@@ -137,22 +137,27 @@ cdef extern from *:
     #endif
     }
 
+    /* v when a is 1, +0 when a is 0, by a bit mask (no branch, and -inf * 0 would be
+       nan). */
+    static inline double sm_keep(double v, int a) {
+        unsigned long long bits;
+        memcpy(&bits, &v, 8);
+        bits &= -(unsigned long long) a;
+        memcpy(&v, &bits, 8);
+        return v;
+    }
+
     /* Sum and count of the entries of z[:n] above t, without branches (at flat
        scores each comparison is a coin flip, and a mispredicted jump per entry
        was most of a projection's time); -inf entries add +0. */
     static double sm_sum_above(const double* z, int n, double t, int* count) {
         double s0 = 0.0, s1 = 0.0, v;
-        unsigned long long bits, mask;
         int h, c = 0, a;
         for (h = 0; h < n; h++) {
             v = z[h];
             a = v > t;
             c += a;
-            mask = -(unsigned long long) a;
-            memcpy(&bits, &v, 8);
-            bits &= mask;
-            memcpy(&v, &bits, 8);
-            if (h & 1) s1 += v; else s0 += v;
+            if (h & 1) s1 += sm_keep(v, a); else s0 += sm_keep(v, a);
         }
         *count = c;
         return s0 + s1;
@@ -161,18 +166,13 @@ cdef extern from *:
     /* Sum, count and maximum of the finite entries of z[:n] (-inf add +0). */
     static double sm_sum_max(const double* z, int n, int* count, double* zmax) {
         double s0 = 0.0, s1 = 0.0, v, mx = -INFINITY;
-        unsigned long long bits, mask;
         int h, c = 0, a;
         for (h = 0; h < n; h++) {
             v = z[h];
             mx = v > mx ? v : mx;
             a = v > -INFINITY;
             c += a;
-            mask = -(unsigned long long) a;
-            memcpy(&bits, &v, 8);
-            bits &= mask;
-            memcpy(&v, &bits, 8);
-            if (h & 1) s1 += v; else s0 += v;
+            if (h & 1) s1 += sm_keep(v, a); else s0 += sm_keep(v, a);
         }
         *count = c;
         *zmax = mx;
@@ -184,7 +184,6 @@ cdef extern from *:
     static int sm_clip(const double* z, int n, double t, double* x, char* sp,
                        long long* changes, double* sq) {
         double xs, q = 0.0;
-        unsigned long long bits, mask;
         int h, c = 0, a;
         long long ch = 0;
         for (h = 0; h < n; h++) {
@@ -192,10 +191,7 @@ cdef extern from *:
             a = xs > 0.0;
             ch += a != sp[h];
             sp[h] = (char) a;
-            mask = -(unsigned long long) a;
-            memcpy(&bits, &xs, 8);
-            bits &= mask;
-            memcpy(&xs, &bits, 8);
+            xs = sm_keep(xs, a);
             x[h] = xs;
             q += xs * xs;
             c += a;
