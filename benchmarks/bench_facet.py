@@ -64,6 +64,7 @@ from sparsemap._facet_tree import single_head_count  # noqa: E402
 from bench_facet_matching import sinkhorn_case  # noqa: E402
 from bench_facet_sequence import crf_functions  # noqa: E402
 from bench_facet_tree import crf_timer  # noqa: E402
+from _timing import cpu_median  # noqa: E402
 
 TAGS = 17
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
@@ -71,16 +72,6 @@ TREEBANKS = ("UD_Vietnamese-VTB", "UD_Hungarian-Szeged")
 
 
 # -- timing -----------------------------------------------------------------------------
-def cpu_median(fn, repeats):
-    """Median CPU seconds of ``repeats`` calls of fn, and the last call's result."""
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.process_time()
-        out = fn()
-        times.append(time.process_time() - t0)
-    return float(np.median(times)), out
-
-
 def solve_vjp(f, eta_u, eta_v, g, method="active_set"):
     """A timer of ``sm.solve`` + ``r.vjp(g)``; its result is (r, number of warnings)."""
     def run():

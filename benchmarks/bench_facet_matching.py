@@ -3,9 +3,9 @@
 For each shape and scale the script draws scores ``scale * randn`` (seeds 0, 1, ...)
 and a cotangent ``g = randn``, and times the forward and backward pass of
 
-- **facet**: ``MatchingFacetSolver(f).solve(eta)`` then ``sol.vjp(g)`` (the facet
+- **facet**: ``MatchingFacetSolver(f, decline_peaked=False).solve(eta)`` then ``sol.vjp(g)`` (the facet
   side: semismooth Newton on the Birkhoff polytope's dual);
-- **vertex**: ``sm.solve(f, eta)`` then ``r.vjp(g)`` (today's active set), on the
+- **vertex**: ``sm.solve(f, eta, method="vertex")`` then ``r.vjp(g)`` (today's active set), on the
   first seed only where that one takes over ``--vertex-budget`` seconds;
 - **sinkhorn**: entropic optimal transport in torch float64 (log domain, temperature
   1: ``P = exp(eta + a_i + b_j)``), the shorter side's marginals 1 and the longer
@@ -36,6 +36,10 @@ import warnings
 import numpy as np
 
 import sparsemap as sm
+from _timing import best_time
+
+# a case stops repeating once this many CPU seconds are spent
+BUDGET = 0.05
 from sparsemap._facet_matching import MatchingFacetSolver
 
 SHAPES = [(40, 40), (30, 50), (50, 30)]
@@ -43,22 +47,8 @@ SCALES = [0.01, 0.03, 0.1, 0.3, 1.0, 5.0]
 CROSSOVER_SCALES = [5.0, 10.0, 20.0, 50.0, 100.0]
 
 
-def best_time(fn, runs, budget=0.05):
-    """The fastest of up to ``runs`` calls of fn (fewer once ``budget`` s are spent),
-    and its last result."""
-    best, spent, out = np.inf, 0.0, None
-    for _ in range(runs):
-        t0 = time.process_time()
-        out = fn()
-        t = time.process_time() - t0
-        best, spent = min(best, t), spent + t
-        if spent > budget:
-            break
-    return best, out
-
-
 def facet_case(f, eta, g):
-    S = MatchingFacetSolver(f)
+    S = MatchingFacetSolver(f, decline_peaked=False)
 
     def run():
         sol = S.solve(eta)
@@ -69,7 +59,7 @@ def facet_case(f, eta, g):
 
 def vertex_case(f, eta, g):
     def run():
-        r = sm.solve(f, eta)
+        r = sm.solve(f, eta, method="vertex")
         r.vjp(g)
         return r
     return run
@@ -128,18 +118,18 @@ def run_table(shapes, scales, seeds, runs, vertex_budget, torch):
                 rng = np.random.default_rng(seed)
                 eta = scale * rng.standard_normal(shape)
                 g = rng.standard_normal(shape)
-                t, sol = best_time(facet_case(f, eta, g), runs)
+                t, sol = best_time(facet_case(f, eta, g), runs, BUDGET)
                 tf.append(t)
                 iters.append(sol.n_iter)
                 declined += sol.status != 0
                 if seed < vertex_seeds:
-                    t, r = best_time(vertex_case(f, eta, g), runs)
+                    t, r = best_time(vertex_case(f, eta, g), runs, BUDGET)
                     tv.append(t)
                     supp.append(len(r.weights))
                     if t > vertex_budget:
                         vertex_seeds = seed + 1      # a slow case: this seed only
                 if torch is not None:
-                    t, it = best_time(sinkhorn_case(eta, g, torch), runs)
+                    t, it = best_time(sinkhorn_case(eta, g, torch), runs, BUDGET)
                     ts.append(t)
                     sk_iters.append(it)
             mf, mv = np.median(tf), np.median(tv)

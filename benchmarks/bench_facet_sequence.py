@@ -44,6 +44,7 @@ import warnings
 import numpy as np
 
 import sparsemap as sm
+from _timing import best_time
 from sparsemap._facet_sequence import SequenceFacetSolver
 
 S = 17
@@ -59,29 +60,20 @@ def scores(n, s_u, s_v, seed):
     return eta_u, eta_v, g / np.linalg.norm(g)
 
 
-def best_of(fn, repeats):
-    best, out = np.inf, None
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        out = fn()
-        best = min(best, time.thread_time() - t0)
-    return best, out
-
-
 def time_facet(solver, eta_u, eta_v, g, budget, repeats):
     def run():
         sol = solver.solve(eta_u, eta_v, budget=budget)
         if sol.status == 0:
             sol.vjp(g)
         return sol
-    return best_of(run, repeats)
+    return best_time(run, repeats, clock=time.thread_time)
 
 
 def time_vertex(f, eta_u, eta_v, g, max_iter):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0 = time.thread_time()
-        r = sm.solve(f, eta_u, eta_v, max_iter=max_iter)
+        r = sm.solve(f, eta_u, eta_v, method="vertex", max_iter=max_iter)
         r.vjp(g)
         return time.thread_time() - t0, r.converged
 
@@ -167,8 +159,8 @@ def main():
                     pieces.append(sol.n_iter)
                     declined += sol.status != 0
                     if crf is not None:
-                        t_loss.append(best_of(lambda: crf[0](eta_u, eta_v, g), args.repeats)[0])
-                        t_layer.append(best_of(lambda: crf[1](eta_u, eta_v, g), args.repeats)[0])
+                        t_loss.append(best_time(lambda: crf[0](eta_u, eta_v, g), args.repeats, clock=time.thread_time)[0])
+                        t_layer.append(best_time(lambda: crf[1](eta_u, eta_v, g), args.repeats, clock=time.thread_time)[0])
                 tf = 1e3 * np.median(t_facet)
                 status = "ok" if declined == 0 else f"{declined}/{args.seeds} dec"
                 vertex, conv = "", ""

@@ -8,7 +8,7 @@ For each root setting, number of words ``n`` and score scale, on scores
   solve peaked problems too), with the number of active cuts and of projection
   passes; and how many seeds the default solver (``decline_peaked=True``)
   declines at once as peaked, with the cost of that failed attempt;
-* **vertex**: today's ``sm.solve(f, eta)`` (the active set) followed by one
+* **vertex**: ``sm.solve(f, eta, method="vertex")`` (the active set) followed by one
   ``r.vjp``, where it finishes in reasonable time (a case is skipped, with every
   larger one at that scale and root setting, once a solve took longer than
   ``--vertex-limit`` seconds);
@@ -35,17 +35,8 @@ import warnings
 import numpy as np
 
 import sparsemap as sm
+from _timing import best_time
 from sparsemap._facet_tree import TreeFacetSolver
-
-
-def best_time(fn, repeats):
-    """The fastest of ``repeats`` runs of fn (CPU seconds) and fn's last result."""
-    best, out = np.inf, None
-    for _ in range(repeats):
-        t0 = time.process_time()
-        out = fn()
-        best = min(best, time.process_time() - t0)
-    return best, out
 
 
 def crf_timer(torch):
@@ -111,7 +102,7 @@ def run(args):
                         def vertex():
                             with warnings.catch_warnings():
                                 warnings.simplefilter("ignore")
-                                r = sm.solve(f, eta)
+                                r = sm.solve(f, eta, method="vertex")
                                 r.vjp(g)
                         t, _ = best_time(vertex, 1)
                         if t < args.vertex_limit / 10:

@@ -59,9 +59,9 @@ def bench(f, scale, n_instances, repeats, seed):
     rows, fresh, adjusted = [], [], []
     for _ in range(n_instances):
         eu, ev = draw_scores(f, scale, rng)
-        r = sm.solve(f, eu, ev)
+        r = sm.solve(f, eu, ev, method="vertex")
         assert r.converged, r
-        t, = median_times([lambda: sm.solve(f, eu, ev)], repeats)
+        t, = median_times([lambda: sm.solve(f, eu, ev, method="vertex")], repeats)
         rows.append((t, r.n_iter, r.n_map, len(r.structures), r.gap))
         fresh.append((eu, ev))
         adjusted.append((eu - r.u, ev))
@@ -153,8 +153,8 @@ def bench_logic(n_instances, repeats, seed):
             rows = []
             for _ in range(n_instances):
                 eu = rng.standard_normal(n) + shift
-                r = sm.solve(f, eu)
-                t_solve, = median_times([lambda: sm.solve(f, eu)], repeats)
+                r = sm.solve(f, eu, method="vertex")
+                t_solve, = median_times([lambda: sm.solve(f, eu, method="vertex")], repeats)
                 t_cf, = median_times([lambda: cf(eu)], max(repeats, 11))
                 rows.append((t_solve, r.n_iter, len(r.structures), t_cf,
                              float(np.abs(r.u - cf(eu)).max())))
