@@ -3,6 +3,7 @@
 # sparsemap._batch: the batch runner, one workspace per thread and factor; the
 # factor graph: one warm-started workspace per factor), and the small helpers
 # they share. Layers: _batch -> _backward -> _active_set -> the factors.
+from libc.math cimport fabs
 from sparsemap._factors._base cimport Factor
 
 
@@ -57,6 +58,15 @@ cdef inline double _dot(const double* a, const double* b, Py_ssize_t n) noexcept
     for i in range(m, n):
         a0 += a[i] * b[i]
     return (a0 + a1) + (a2 + a3)
+
+
+cdef inline double _maxabs(const double* x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef double m = 0.0
+    for i in range(n):
+        if fabs(x[i]) > m:
+            m = fabs(x[i])
+    return m
 
 
 # The scale the convergence tolerance is relative to (gap_scale in Python):

@@ -99,6 +99,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 from scipy.linalg.cython_lapack cimport dpotf2, dpotrs
 
+from sparsemap._active_set cimport _dot, _maxabs
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
                                state_clear, state_resize, top2)
 from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, _scan
@@ -536,23 +537,6 @@ cdef int _certify(Work* w, double* primal, double* dual) noexcept nogil:
     if eq_res > w.tol:
         return 2
     return 0
-
-
-cdef double _maxabs(const double* x, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double m = 0.0
-    for i in range(n):
-        if fabs(x[i]) > m:
-            m = fabs(x[i])
-    return m
-
-
-cdef double _dot(const double* a, const double* b, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double s = 0.0
-    for i in range(n):
-        s += a[i] * b[i]
-    return s
 
 
 cdef int _finish(Work* w, double* u, FacetState* st, Py_ssize_t rs, Py_ssize_t cs,

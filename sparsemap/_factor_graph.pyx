@@ -40,7 +40,7 @@ from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memcpy, memset
 
-from sparsemap._active_set cimport _Workspace, _dot, _run
+from sparsemap._active_set cimport _Workspace, _dot, _maxabs, _run
 from sparsemap._active_set import STATUS_CONVERGED, tie_direction
 from sparsemap._backward import FACE_STATUS_FIBERED, reduce_support
 from sparsemap import _variables
@@ -129,15 +129,6 @@ cdef enum:
     INFEASIBLE = 3     # no point satisfies every factor (a certificate, or a masked factor)
 
 cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
-
-
-cdef inline double _amax(const double* a, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef double m = 0
-    for i in range(n):
-        if fabs(a[i]) > m:
-            m = fabs(a[i])
-    return m
 
 
 cdef class _Engine:
@@ -495,7 +486,7 @@ cdef class _Engine:
                 if not self.lmask[j] and fabs(self.cmu[j]) > scale:
                     scale = fabs(self.cmu[j])
             if ws.n_v:
-                scale = max(scale, _amax(self.ev + self.voff[f], ws.n_v))
+                scale = max(scale, _maxabs(self.ev + self.voff[f], ws.n_v))
             ws.f.c_score(ws.S, &nu[self.uoff[f]], ev, &tau)
             if ws.f.c_map(&nu[self.uoff[f]], ev, ws.snew, ws.work) != 0:
                 return f
@@ -600,7 +591,7 @@ cdef class _Engine:
                 for j in range(self.L):
                     self.cz[j] *= self.eps
         else:
-            wmax = _amax(self.cw, self.V)
+            wmax = _maxabs(self.cw, self.V)
             for j in range(self.L):
                 self.cmu[j] = self.eps * self.ct[j]
             self._project(self.cw, self.cmu, self.cu, self.cz, self.cr, self.cp, self.cq,
@@ -756,7 +747,7 @@ cdef class _Engine:
             if fabs(self.cmu[j]) > scale and not self.lmask[j]:
                 scale = fabs(self.cmu[j])
         if ws.n_v:
-            scale = max(scale, _amax(ev, ws.n_v))
+            scale = max(scale, _maxabs(ev, ws.n_v))
         # every support structure has the same reduced score, and MAP finds none better
         for t in range(n):
             ws.f.c_score(ws.S + t * ws.k, self.cmu + a, ev if ev != NULL else self.zv, &val)
