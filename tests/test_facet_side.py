@@ -54,9 +54,9 @@ def check_derivative(f, eta_u, rng, n_dirs=3, eta_v=None):
 # -- the cap of the vertex side's backward set --------------------------------------------
 
 def test_66_words_at_flat_scores_converge_with_the_true_derivative():
-    """The issue's reproduction: from about 65 words the vertex side's backward set (at
-    most 4096 trees) cannot span the optimal face, its solve warns and reports
-    converged=False, and its Jacobian is wrong. The facet side has no cap."""
+    """The issue's reproduction: from about 65 words the vertex side's backward set (then
+    at most 4096 trees) could not span the optimal face, its solve warned and reported
+    converged=False, and its Jacobian was wrong. The facet side has no cap."""
     rng = np.random.default_rng(0)
     f = sm.TreeFactor(66)
     eta = 1e-4 * rng.standard_normal((67, 67))
