@@ -150,10 +150,17 @@ def run_one(files, loss, seed, args, extra, prefix=""):
         return json.load(f)
 
 
-def batch_sizes(results):
-    """The batch sizes the runs used, as text ("28", or "10, 12" if they differ)."""
-    sizes = sorted({r["settings"].get("batch_size") for r in results.values()})
-    return ", ".join(str(b) for b in sizes)
+def schedule(results):
+    """How the runs trained, as text: "15 epochs; batches of 32 sentences", saying
+    when ``--min-updates`` raised the epoch count (values that differ are listed)."""
+    text = lambda values: ", ".join(str(v) for v in sorted(values))  # noqa: E731
+    ran = {len(r["epochs"]) for r in results.values()}
+    asked = {r["settings"]["epochs"] for r in results.values()}
+    floor = {r["settings"].get("min_updates") for r in results.values()}
+    sizes = {r["settings"].get("batch_size") for r in results.values()}
+    raised = (f" (``--epochs {text(asked)}``, raised to make at least {text(floor)} "
+              "updates)" if ran != asked else "")
+    return f"{text(ran)} epochs{raised}; batches of {text(sizes)} sentences"
 
 
 def spread(values):
@@ -248,7 +255,7 @@ def rst_table(header, rows):
     return "\n".join([rule, line(header), rule] + [line(r) for r in rows] + [rule])
 
 
-def results_rst(summary, seeds, args, settings, batch, tag, treebank):
+def results_rst(summary, seeds, args, settings, training, tag, treebank):
     crf_time = summary["crf"]["median_epoch_seconds"]
     crf_cpu = summary["crf"]["median_epoch_cpu_seconds"]
     paper = tag in PAPER
@@ -280,7 +287,7 @@ def results_rst(summary, seeds, args, settings, batch, tag, treebank):
     return "\n".join([
         f"{treebank}, the full training set. Test UAS (percent, punctuation included) "
         f"with the dev-best epoch, over {seed_list(seeds)}; "
-        f"{args.epochs} epochs; batches of {batch} sentences; ``parsing.py`` options: "
+        f"{training}; ``parsing.py`` options: "
         f"``--threads {args.threads}{(' ' + opts) if opts else ''}`` (defaults otherwise). "
         "Mean ± sample standard deviation over the seeds"
         + ("; \"paper\" is Table 1's column for this treebank (UD 2.0)." if paper else ".")
@@ -307,7 +314,7 @@ SMALL = {"sub": "its first {n} training sentences", "long": "its {n} longest tra
          "sentences"}
 
 
-def smaller_rst(sub, kind, n, words, seeds, args, batch, treebank):
+def smaller_rst(sub, kind, n, words, seeds, args, training, treebank):
     rows = [[NAMES[loss], mean_sd(s, seeds),
              ", ".join(f"{u:.2f}" for u in s["test_uas"]),
              ", ".join(str(b) for b in s["best_epochs"]),
@@ -318,8 +325,7 @@ def smaller_rst(sub, kind, n, words, seeds, args, batch, treebank):
     return "\n".join([
         f"{treebank}, {SMALL[kind].format(n=n)} only ({words:.1f} words on average; the "
         f"same dev and test sets, the same options), over {seed_list(seeds)}; "
-        f"{args.epochs} epochs; batches of {batch} "
-        "sentences. Test UAS, mean ± sample standard deviation over the seeds, and the "
+        f"{training}. Test UAS, mean ± sample standard deviation over the seeds, and the "
         "median CPU time of a training epoch. " + warnings_text(sub),
         "",
         rst_table(["loss", "test UAS", "per seed", "best epochs", "CPU s / epoch"], rows),
@@ -417,14 +423,14 @@ def main(argv=None):
         if not kind:
             summary = summarize(runs, seeds, PAPER.get(tag, {}))
             record["losses"] = summary
-            text += results_rst(summary, seeds, args, extra, batch_sizes(runs), tag, treebank)
+            text += results_rst(summary, seeds, args, extra, schedule(runs), tag, treebank)
             figure = runs, seeds
         else:
             sub = subset_summary(runs, seeds)
             blocks = read_blocks(fs[0])
             words = statistics.mean(n_words(b) for b in blocks)
             record[f"{kind}{n}"] = {"sentences": n, "mean_words": words, "losses": sub}
-            text += smaller_rst(sub, kind, n, words, seeds, args, batch_sizes(runs), treebank)
+            text += smaller_rst(sub, kind, n, words, seeds, args, schedule(runs), treebank)
         text += missing_text(everything, kind, args.seeds, seeds)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -157,10 +157,11 @@ def test_excerpt_is_small_and_single_rooted():
     assert total <= 200
 
 
-def cli_args(out, loss, epochs, seed=0):
+def cli_args(out, loss, epochs, seed=0, min_updates=0):
     return ["--train", f"{EXCERPT}-train.conllu", "--dev", f"{EXCERPT}-dev.conllu",
             "--test", f"{EXCERPT}-test.conllu", "--loss", loss, "--epochs", str(epochs),
-            "--out", str(out), "--seed", str(seed), "--threads", "1"]
+            "--out", str(out), "--seed", str(seed), "--threads", "1",
+            "--min-updates", str(min_updates)]
 
 
 def run_cli(tmp_path, loss, epochs, seed=0):
@@ -219,6 +220,29 @@ def test_cli_contract(cli_run, loss):
             sum(n * n for n in lengths) / sum(lengths))
 
 
+@pytest.mark.parametrize("n, batch, epochs, min_updates, expected", [
+    (500, 32, 15, 400, 25),     # 16 updates an epoch (the last batch holds 20)
+    (910, 32, 15, 400, 15),     # 29 an epoch: 435 updates in 15 epochs already
+    (512, 32, 15, 400, 25),     # exactly 16 an epoch
+    (500, 32, 15, 0, 15),
+    (500, 32, 30, 400, 30),     # --epochs is a floor too
+    (1, 32, 1, 7, 7),
+])
+def test_epochs_to_run(n, batch, epochs, min_updates, expected):
+    assert parsing.epochs_to_run(n, batch, epochs, min_updates) == expected
+
+
+def test_cli_trains_at_least_min_updates(tmp_path):
+    """--epochs 1 with --min-updates past one epoch's updates runs the epochs needed."""
+    n = len(parsing.read_conllu(f"{EXCERPT}-train.conllu"))
+    per_epoch = -(-n // 32)
+    argv = cli_args(tmp_path / "u", "crf", epochs=1, min_updates=2 * per_epoch + 1)
+    with torch_state_restored():
+        res = parsing.main(argv + ["--no-sparsity"])
+    assert [e["epoch"] for e in res["epochs"]] == [1, 2, 3]
+    assert res["settings"]["min_updates"] == 2 * per_epoch + 1
+
+
 def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
     """Two runs of main() in this process and the command line's run in a fresh one
     (another str hash seed, no state left by earlier tests) give the same results."""
@@ -236,6 +260,8 @@ def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
      "--threads: expected a positive integer, got 0"),
     (["--loss", "crf", "--epochs", "1", "--batch-size", "0"],
      "--batch-size: expected a positive integer, got 0"),
+    (["--loss", "crf", "--epochs", "1", "--min-updates", "-1"],
+     "--min-updates: expected a non-negative integer, got -1"),
 ])
 def test_cli_rejects_bad_arguments(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
