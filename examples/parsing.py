@@ -340,7 +340,8 @@ def evaluate(model, encoded, loss, sparsity=True, threads=1):
 # -- the guard ----------------------------------------------------------------------
 # A run whose arc scores tie, or whose loss stops moving, learns nothing more: say so.
 TIE_SPREAD = 1e-2     # arc scores within a sentence spread less than this: tied
-STALL_CHANGE = 1e-3   # training loss moved less than this fraction in an epoch: stalled
+STALL_CHANGE = 1e-3   # training loss within this fraction of itself ...
+STALL_EPOCHS = 3      # ... over this many epochs in a row: stalled (two alike is chance)
 
 
 def score_spread(scores, lengths):
@@ -361,17 +362,22 @@ class Guard:
     * **Tied scores**: every training sentence of an epoch had arc scores spread
       (standard deviation) below ``TIE_SPREAD``, so the decoded trees are
       decided by round-off and every loss's gradient is nearly flat.
-    * **A stalled loss**: the training loss moved by less than ``STALL_CHANGE``
-      of its value from one epoch to the next while still above zero.
+    * **A stalled loss**: the training losses of the last ``STALL_EPOCHS``
+      epochs lie within ``STALL_CHANGE`` of the largest of them, which is above
+      zero. A window, not two epochs: in a run that trains normally two
+      consecutive epochs can end at nearly the same loss by chance (0.7837 and
+      0.7829, then 0.6861), while a collapsed run's loss stays frozen.
 
     Call :meth:`observe` with each batch's scores and :meth:`end_epoch` after
     each epoch; the latter returns the epoch's warnings (also kept in
     :attr:`warnings`, as dictionaries for ``results.json``).
     """
 
-    def __init__(self, tie_spread=TIE_SPREAD, stall_change=STALL_CHANGE):
+    def __init__(self, tie_spread=TIE_SPREAD, stall_change=STALL_CHANGE,
+                 stall_epochs=STALL_EPOCHS):
         self.tie_spread, self.stall_change = tie_spread, stall_change
-        self.warnings, self._spread, self._seen, self._last_loss = [], 0.0, False, None
+        self.stall_epochs = stall_epochs
+        self.warnings, self._spread, self._seen, self._losses = [], 0.0, False, []
 
     def observe(self, scores, lengths):
         """Record a batch's arc scores ``(B, N + 1, N + 1)`` of sentences of ``lengths``."""
@@ -386,12 +392,14 @@ class Guard:
             found.append({"epoch": epoch, "kind": "tied_scores", "message": (
                 f"epoch {epoch}: the arc scores tie (largest spread within a sentence "
                 f"{spread:.2g} < {self.tie_spread:g}): the model scores every arc the same")})
-        last, self._last_loss = self._last_loss, train_loss
-        if last is not None and train_loss > 0 and \
-                abs(train_loss - last) < self.stall_change * abs(last):
+        self._losses = (self._losses + [train_loss])[-self.stall_epochs:]
+        top, low = max(self._losses), min(self._losses)
+        if len(self._losses) == self.stall_epochs and top > 0 and \
+                top - low < self.stall_change * top:
             found.append({"epoch": epoch, "kind": "stalled_loss", "message": (
-                f"epoch {epoch}: the training loss stopped moving ({last:.6g} -> "
-                f"{train_loss:.6g}, less than {self.stall_change:.1%} of it)")})
+                f"epoch {epoch}: the training loss stopped moving (the last "
+                f"{self.stall_epochs} epochs' losses lie within {self.stall_change:.1%}: "
+                f"{', '.join(f'{x:.6g}' for x in self._losses)})")})
         self.warnings += found
         return spread, found
 
