@@ -510,7 +510,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory for results.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch and sparsemap threads")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=4e-3, help="Adam learning rate")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per update")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on the embeddings and bi-LSTM states")
