@@ -50,14 +50,12 @@ _spec.loader.exec_module(parsing)
 SCORERS = ("plain", "plain-ln", "plain-leaky", "normalized")
 
 
-def lstm_states(model, words, tags, lengths):
-    """The bi-LSTM states of ``model`` (either parser) over the padded batch, as its
-    forward pass computes them."""
-    x = torch.cat([model.word_emb(words), model.tag_emb(tags)], -1)
-    packed = parsing.pack_padded_sequence(x, lengths + 1, batch_first=True,
-                                          enforce_sorted=False)
-    h, _ = model.lstm(packed)
-    return parsing.pad_packed_sequence(h, batch_first=True, total_length=words.shape[1])[0]
+def parts(model, words, tags, lengths):
+    """``(bi-LSTM states, hidden units, scores)`` of ``model`` (either scorer) over the
+    padded batch, as its forward pass computes them."""
+    h = model.encode(words, tags, lengths)
+    z = model.hidden(h, lengths)
+    return h, z, model.out(z).squeeze(-1)
 
 
 class PlainParser(parsing.Parser):
@@ -71,6 +69,7 @@ class PlainParser(parsing.Parser):
         self.tag_emb = nn.Embedding(n_tags, tag_dim, padding_idx=parsing.PAD)
         self.lstm = nn.LSTM(word_dim + tag_dim, lstm_dim, 2, batch_first=True,
                             bidirectional=True)
+        self.drop = nn.Dropout(0.0)
         self.head = nn.Linear(2 * lstm_dim, mlp_dim, bias=False)
         self.mod = nn.Linear(2 * lstm_dim, mlp_dim)
         self.out = nn.Linear(mlp_dim, 1, bias=False)
@@ -81,26 +80,12 @@ class PlainParser(parsing.Parser):
         self.act = (lambda x: nn.functional.leaky_relu(x, 0.1)) if scorer == "plain-leaky" \
             else torch.tanh
 
-    def parts(self, words, tags, lengths):
-        """``(bi-LSTM states, hidden units, scores)``."""
-        h = lstm_states(self, words, tags, lengths)
-        if self.norm is not None:
-            h = self.norm(h)
-        z = self.act(self.head(h)[:, :, None, :] + self.mod(h)[:, None, :, :])
-        return h, z, self.out(z).squeeze(-1)
+    def encode(self, words, tags, lengths):
+        h = super().encode(words, tags, lengths)
+        return h if self.norm is None else self.norm(h)
 
-    def forward(self, words, tags, lengths):
-        return self.parts(words, tags, lengths)[2]
-
-
-class NormalizedParser(parsing.Parser):
-    """The example's parser, with its parts exposed as :class:`PlainParser`'s."""
-
-    def parts(self, words, tags, lengths):
-        h = lstm_states(self, words, tags, lengths)
-        A, M = parsing.normalize_over_arcs(self.head(h), self.mod(h), lengths)
-        z = torch.tanh(A[:, :, None, :] + M[:, None, :, :])
-        return h, z, self.out(z).squeeze(-1)
+    def hidden(self, h, lengths):
+        return self.act(self.head(h)[:, :, None, :] + self.mod(h)[:, None, :, :])
 
 
 def layer_of(name):
@@ -134,7 +119,7 @@ def main(argv=None):
     vocab = parsing.Vocab(train)
     train_enc, dev_enc = [vocab.encode(s) for s in train], [vocab.encode(s) for s in dev]
     sizes = (len(vocab.words) + 3, len(vocab.tags) + 3)
-    model = NormalizedParser(*sizes) if args.scorer == "normalized" else \
+    model = parsing.Parser(*sizes) if args.scorer == "normalized" else \
         PlainParser(*sizes, args.scorer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, args.beta2))
     named = list(model.named_parameters())
@@ -149,7 +134,7 @@ def main(argv=None):
         for k in range(0, len(order), args.batch_size):
             batch = [train_enc[i] for i in order[k:k + args.batch_size]]
             words, tags, heads, lengths = parsing.pad_batch(batch, 0.25, rng)
-            h, z, scores = model.parts(words, tags, lengths)
+            h, z, scores = parts(model, words, tags, lengths)
             loss = parsing.training_loss(args.loss, scores, heads, lengths)
             optimizer.zero_grad()
             loss.backward()

@@ -213,15 +213,23 @@ class Parser(nn.Module):
         nn.init.xavier_uniform_(self.mod.weight)
         nn.init.normal_(self.out.weight)
 
-    def forward(self, words, tags, lengths):
+    def encode(self, words, tags, lengths):
+        """The bi-LSTM states over ``[ROOT] + words``, ``(B, N + 1, 2 * lstm_dim)``."""
         N1 = words.shape[1]
         x = self.drop(torch.cat([self.word_emb(words), self.tag_emb(tags)], -1))
         packed = pack_padded_sequence(x, lengths + 1, batch_first=True, enforce_sorted=False)
         h, _ = self.lstm(packed)
         h, _ = pad_packed_sequence(h, batch_first=True, total_length=N1)
-        h = self.drop(h)
+        return self.drop(h)
+
+    def hidden(self, h, lengths):
+        """The arcs' hidden units ``tanh(norm(W_h x_h + W_m x_m))``, ``(B, N + 1, N + 1,
+        mlp_dim)``, from the states ``h`` of :meth:`encode`."""
         A, M = normalize_over_arcs(self.head(h), self.mod(h), lengths)
-        return self.out(torch.tanh(A[:, :, None, :] + M[:, None, :, :])).squeeze(-1)
+        return torch.tanh(A[:, :, None, :] + M[:, None, :, :])
+
+    def forward(self, words, tags, lengths):
+        return self.out(self.hidden(self.encode(words, tags, lengths), lengths)).squeeze(-1)
 
 
 # -- losses -------------------------------------------------------------------------
@@ -463,8 +471,9 @@ def train(args):
         start = time.perf_counter()
         dev_uas, mean_trees, mean_heads = evaluate(model, dev_enc, args.loss, args.sparsity,
                                                    threads=args.threads)
-        spread, alarms = guard.end_epoch(epoch, total / len(train_enc))
-        record = {"epoch": epoch, "dev_uas": dev_uas, "train_loss": total / len(train_enc),
+        train_loss = total / len(train_enc)
+        spread, alarms = guard.end_epoch(epoch, train_loss)
+        record = {"epoch": epoch, "dev_uas": dev_uas, "train_loss": train_loss,
                   "seconds": seconds, "cpu_seconds": cpu_seconds, "mean_trees": mean_trees,
                   "mean_heads_per_word": mean_heads, "score_spread": spread,
                   "eval_seconds": time.perf_counter() - start}

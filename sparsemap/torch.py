@@ -49,6 +49,7 @@ from sparsemap import Factor
 from sparsemap._factors._base import check_bool
 from sparsemap._solve import (_STATUS_NAMES, _backward_padded, _check_n_jobs, _helpers, _order,
                               _padded_info, _solve_batch, _solve_padded)
+from sparsemap._solve import _element as _batch_element
 from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
 __all__ = [
@@ -277,9 +278,8 @@ def _batch_error(exc, layout):
 def _element(layout, b):
     """``batch element i`` for flat problem index b; multi-dim batches get a tuple."""
     shape = layout.index_shape
-    if len(shape) <= 1:
-        return f"batch element {b}"
-    return f"batch element {tuple(int(i) for i in np.unravel_index(b, shape))}"
+    return _batch_element(b if len(shape) <= 1 else
+                          tuple(int(i) for i in np.unravel_index(b, shape)))
 
 
 def _where(layout, b):

@@ -233,14 +233,14 @@ def test_epochs_to_run(n, batch, epochs, min_updates, expected):
 
 
 def test_cli_trains_at_least_min_updates(tmp_path):
-    """--epochs 1 with --min-updates past one epoch's updates runs the epochs needed."""
-    n = len(parsing.read_conllu(f"{EXCERPT}-train.conllu"))
-    per_epoch = -(-n // 32)
-    argv = cli_args(tmp_path / "u", "crf", epochs=1, min_updates=2 * per_epoch + 1)
+    """--epochs 1 with a floor of 9 updates: the excerpt's 120 training sentences make 4
+    batches of 32 an epoch, so 3 epochs run."""
+    assert len(parsing.read_conllu(f"{EXCERPT}-train.conllu")) == 120
+    argv = cli_args(tmp_path / "u", "crf", epochs=1, min_updates=9)
     with torch_state_restored():
         res = parsing.main(argv + ["--no-sparsity"])
     assert [e["epoch"] for e in res["epochs"]] == [1, 2, 3]
-    assert res["settings"]["min_updates"] == 2 * per_epoch + 1
+    assert res["settings"]["min_updates"] == 9
 
 
 def test_cli_is_deterministic_given_the_seed(tmp_path, cli_run):
@@ -375,3 +375,24 @@ def test_cli_records_the_batch_size(cli_run):
     res, stdout = cli_run("svm")
     assert res["settings"]["batch_size"] == 32
     assert "batches of 32" in stdout
+
+
+def test_collapse_scorers_match_their_formulas():
+    """benchmarks/parsing_collapse.py's parts: the example's scorer gives the scores of
+    its forward pass, and the old scorer is w . tanh(W_h x_h + W_m x_m + b) on the
+    bi-LSTM states, computed here arc by arc."""
+    collapse = load_script("benchmarks/parsing_collapse.py", "parsing_collapse")
+    n_words, n_tags, batches = excerpt_batches()
+    words, tags, _, lengths = batches[0]
+    with torch_state_restored():
+        torch.manual_seed(0)
+        new, old = parsing.Parser(n_words, n_tags), collapse.PlainParser(n_words, n_tags,
+                                                                         "plain")
+    with torch.no_grad():
+        h, _, scores = collapse.parts(new, words, tags, lengths)
+        torch.testing.assert_close(scores, new(words, tags, lengths), rtol=0, atol=0)
+        h, _, scores = collapse.parts(old, words, tags, lengths)
+        w, Wh, Wm, b = (old.out.weight[0], old.head.weight, old.mod.weight, old.mod.bias)
+        for hd, m in [(0, 1), (2, 1), (1, 3)]:
+            want = w @ torch.tanh(Wh @ h[0, hd] + Wm @ h[0, m] + b)
+            torch.testing.assert_close(scores[0, hd, m], want)
