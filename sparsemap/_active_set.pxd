@@ -113,7 +113,7 @@ cdef class _Workspace:
     cdef object tie_keep       # the arrays behind rv and rc
     cdef double* pv            # untying: perturbed eta_v (n_v)
     cdef double* qv            # untying: eta_v perturbed again, to probe (n_v)
-    cdef int* log              # with log_on, every structure _run inserted (n_log x k):
+    cdef int* log              # with log_on, every structure _iterate inserted (n_log x k):
     cdef Py_ssize_t n_log, cap_log   # the first candidates of the face completion
     cdef bint log_on
     cdef int* snew
@@ -150,9 +150,9 @@ cdef class _Workspace:
 
 
 # Triangular solves with a row-major lower factor L (row stride lda):
-# x <- L^{-1} x and x <- L^{-T} x.
+# x <- L^{-1} x, and x <- L^{-T} x (with L transposed, hence _t).
 cdef void _trsv_lower(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
-cdef void _trsv_upper(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
+cdef void _trsv_lower_t(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil
 # A NumPy copy of n doubles.
 cdef object _copy_out(const double* p, Py_ssize_t n)
 # out = x + eps g (x NULL: out = eps g), g uniform in [-1, 1)^n from the generator state.
@@ -166,5 +166,12 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
 
 # The loop: runs until converged, stalled or max_iter; hist (or NULL) gets
 # 4 doubles per iteration. Returns the status code.
-cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
-              Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
+cdef int _iterate(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
+                  Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
+
+
+# The loop's former name, which sparsemap._factor_graph still cimports; remove it once
+# that module calls _iterate.
+cdef inline int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
+                     Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
+    return _iterate(ws, max_iter, tol, hist, n_iter_out, gap_out, obj_out)

@@ -113,7 +113,7 @@ cdef void _trsv_lower(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) 
         x[i] = acc / row[i]
 
 
-cdef void _trsv_upper(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil:
+cdef void _trsv_lower_t(const double* L, Py_ssize_t lda, Py_ssize_t n, double* x) noexcept nogil:
     """x <- L^{-T} x."""
     cdef Py_ssize_t i, j
     cdef double xi
@@ -312,7 +312,7 @@ cdef class _Workspace:
 
     cdef void _solve_upper(self, double* x) noexcept nogil:
         """x <- L^{-T} x."""
-        _trsv_upper(self.L, self.cap, self.nI, x)
+        _trsv_lower_t(self.L, self.cap, self.nI, x)
 
     cdef void _relaxed_kkt(self) noexcept nogil:
         """Solve eq. 12 on the active set for yhat, with one triangular solve.
@@ -607,7 +607,7 @@ cdef class _Workspace:
         depend on the columns only and are kept; the weights stay feasible.
         Points at the new scores (the caller keeps them alive; ``eta_v`` may be
         NULL when ``n_v == 0``) and recomputes ``|eta|``, the offset ``theta0``,
-        ``theta``, ``theta_abs`` and ``w1 = L^{-1} theta``. Then ``_run``.
+        ``theta``, ``theta_abs`` and ``w1 = L^{-1} theta``. Then ``_iterate``.
         """
         cdef Py_ssize_t t
         cdef double th
@@ -706,7 +706,7 @@ def decompose_point(Factor factor, u, Py_ssize_t max_iter=100_000):
         if factor.c_map(ws.eta_u, ws.eta_v, ws.snew, ws.work) == 0:
             ws._start(ws.snew, 1, NULL)
         if ws.nI > 0:
-            _run(ws, max_iter, 0.0, NULL, &n_iter, &gap, &obj)
+            _iterate(ws, max_iter, 0.0, NULL, &n_iter, &gap, &obj)
     S = np.empty((ws.nI, ws.k), dtype=np.intc)
     if ws.nI:
         S[...] = np.asarray(<int[:ws.nI * ws.k]> ws.S).reshape(ws.nI, ws.k)
@@ -741,7 +741,7 @@ def notify(callback, n_iter, objective, gap, support_size, seconds, u):
 
 
 cdef int _log(_Workspace ws, const int* s) except -1 nogil:
-    """Remember s (a structure _run inserts) as a candidate for the face completion."""
+    """Remember s (a structure _iterate inserts) as a candidate for the face completion."""
     cdef Py_ssize_t c
     cdef void* q
     if ws.n_log == ws.cap_log:
@@ -757,8 +757,8 @@ cdef int _log(_Workspace ws, const int* s) except -1 nogil:
     return 0
 
 
-cdef int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
-              Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
+cdef int _iterate(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
+                  Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
     """The active-set loop. hist (if not NULL) gets 4 doubles per iteration."""
     cdef Py_ssize_t it = 0, t, r, n_cycle = 0, n_ring = 0, n_nan = 0, n_pos
     cdef double last_gap = INFINITY, last_scale = 1.0   # of the last MAP call

@@ -42,6 +42,16 @@ cdef enum:
     SIDE_FACET = 1    # the tight constraints: facet (a FacetSolver's state); no rows
 
 
+# Why the facet side did not return a problem it was offered (_Sol.fallback). The
+# facet solvers report one status for every decline (FACET_DECLINED), so a decline
+# that used the whole iteration budget is told apart by its iteration count only.
+cdef enum:
+    FALLBACK_NONE = 0       # not offered to the facet side, or solved there
+    FALLBACK_DECLINED = 1   # the facet solver declined (FACET_DECLINED) within its budget
+    FALLBACK_BUDGET = 2     # it declined having spent its budget (max_iter iterations)
+    FALLBACK_GAP = 3        # it solved, but the duality gap at its answer missed tol
+
+
 cdef struct _Sol:
     # Outcome of one solve: n_support rows S with weights y, in the solver's order,
     # which the backward pass uses as it is; u and v are flat. The first n_pos rows are
@@ -69,6 +79,11 @@ cdef struct _Sol:
     int side
     FacetState facet
     PyObject* solver
+    # Why a problem offered to the facet side went to the vertex side (FALLBACK_*), with
+    # the facet solver's iterations and, for FALLBACK_GAP, the gap its answer had.
+    int fallback
+    Py_ssize_t fallback_iter
+    double fallback_gap
 
 
 # The records' owners: one solve's (NumPy copies on request) and a padded batch's

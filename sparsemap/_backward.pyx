@@ -26,7 +26,8 @@ from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport (CONVERGED, FACE_INCOMPLETE, INFEASIBLE, STALLED, _Workspace,
                                     _copy_out, _dot, _gap_scale, _hash_structure, _now,
-                                    _perturb, _point, _run, _trsv_lower, _trsv_upper)
+                                    _iterate, _perturb, _point, _trsv_lower,
+                                    _trsv_lower_t)
 from sparsemap._facet cimport (FACET_SOLVED, FacetSolver, FacetState, state_clear,
                                state_copy, state_resize)
 from sparsemap._factors._base cimport Factor
@@ -34,6 +35,9 @@ from sparsemap._factors._base cimport Factor
 from sparsemap._active_set import notify
 
 SIDE_NAMES = {SIDE_VERTEX: "vertex", SIDE_FACET: "facet"}
+# The codes of _Solution.fallback, as Python names them.
+FALLBACK_STATUS_NONE, FALLBACK_STATUS_DECLINED, FALLBACK_STATUS_BUDGET, FALLBACK_STATUS_GAP = (
+    FALLBACK_NONE, FALLBACK_DECLINED, FALLBACK_BUDGET, FALLBACK_GAP)
 
 
 # -- face completion --------------------------------------------------------------
@@ -332,7 +336,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
                         raise MemoryError()
             # w = m_t - M z, z = L^{-T} l (x1 still holds l = L^{-1} G_c[rows, t]): the
             # part of m_t orthogonal to the old rows' hull, so w . m_s is one constant
-            _trsv_upper(ws.L, ws.cap, n, ws.x1)
+            _trsv_lower_t(ws.L, ws.cap, n, ws.x1)
             memset(w, 0, n_u * sizeof(double))
             ws.f.c_add(ws.snew, 1.0, w, NULL)
             for t in range(n):
@@ -525,7 +529,7 @@ cdef int _untie_tries(_Workspace ws, const double* ev, const double* u0, Py_ssiz
             ws.pv[j] = ev[j] + delta * ws.rv[j]
         _drop_completion(ws)
         ws._rescore(ws.eta_u, ws.pv)
-        status = _run(ws, max_iter, tol, NULL, &n_iter, &gap, &obj)
+        status = _iterate(ws, max_iter, tol, NULL, &n_iter, &gap, &obj)
         if status != CONVERGED and status != STALLED:
             return FACE_UNRESOLVED
         status = _complete(ws, max_iter, gap, &fs2)
@@ -629,6 +633,13 @@ cdef class _Solution:
         return ints, reals
 
     @property
+    def fallback(self):
+        """Why the facet side did not return the problem (``FALLBACK_STATUS_*``; NONE
+        when it was not offered it or solved it), its iterations, and for
+        ``FALLBACK_STATUS_GAP`` the duality gap of its answer."""
+        return self.s.fallback, self.s.fallback_iter, self.s.fallback_gap
+
+    @property
     def n_support(self):
         """The support's size (weights > 0)."""
         return self.s.n_pos
@@ -714,7 +725,8 @@ cdef class _Solution:
                  self.s.n_map, self.s.status, self.s.gap, self.s.objective, self.history,
                  self.s.n_pos, self.s.face, self.s.b0, self.s.side,
                  self.facet_solver if self.s.side == SIDE_FACET else None,
-                 *(self.facet_state() if self.s.side == SIDE_FACET else (None, None))))
+                 *(self.facet_state() if self.s.side == SIDE_FACET else (None, None)),
+                 self.fallback))
 
 
 cdef class _Solutions:
@@ -774,13 +786,15 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
                          int status, double gap, double objective, history=None,
                          n_pos=None, int face=FACE_CERTIFIED, Py_ssize_t b0=0,
                          int side=SIDE_VERTEX, FacetSolver facet_solver=None,
-                         facet_ints=None, facet_reals=None):
+                         facet_ints=None, facet_reals=None, fallback=None):
     """A :class:`_Solution` from NumPy arrays (CG solvers, the backward support, unpickling).
 
     ``S`` and ``y`` are every row kept: the first ``n_pos`` (None: all) are the
     support, rows ``b0``.. the backward set, whose Cholesky factor is ``L``. A
     facet-side solution (``side=SIDE_FACET``) has no rows: its backward pass is
     ``facet_solver`` applied with the state ``(facet_ints, facet_reals)``.
+    ``fallback``: :attr:`_Solution.fallback`'s triple (None: the facet side was not
+    offered the problem).
     """
     cdef _Solution sol = _Solution.__new__(_Solution)
     cdef const int[:, ::1] Sv = np.ascontiguousarray(S, dtype=np.intc).reshape(
@@ -839,6 +853,8 @@ def solution_from_arrays(Factor factor, S, y, L, u, v, Py_ssize_t n_iter, Py_ssi
     sol.s.status = status
     sol.s.gap = gap
     sol.s.objective = objective
+    if fallback is not None:
+        sol.s.fallback, sol.s.fallback_iter, sol.s.fallback_gap = fallback
     sol.history = history
     return sol
 
@@ -953,6 +969,8 @@ cdef bint _facet_try(_Workspace ws, _Sol* sol, const double* eta_u, const double
     if (<FacetSolver> facet).c_solve(eta_u, eta_v, sol.u, sol.v, &sol.facet, max_iter,
                                      &n_iter, res) != FACET_SOLVED:
         state_clear(&sol.facet)
+        sol.fallback = FALLBACK_BUDGET if n_iter >= max_iter else FALLBACK_DECLINED
+        sol.fallback_iter = n_iter
         return False
     # gap = max_s <a_s - x, eta - [u; 0]> (Wolfe), independent of how x was found;
     # products skip the zeros of x (forbidden parts score -inf there)
@@ -968,14 +986,19 @@ cdef bint _facet_try(_Workspace ws, _Sol* sol, const double* eta_u, const double
             lin += x
             lin_abs += fabs(x)
     usq = _dot(sol.u, sol.u, ws.n_u)
+    sol.fallback_iter = n_iter
     if ws.f.c_map(ws.adj, eta_v, ws.snew, ws.work) != 0:
+        # no structure avoids the forbidden parts: the vertex side reports it
         state_clear(&sol.facet)
+        sol.fallback = FALLBACK_DECLINED
         return False
     ws.f.c_score(ws.snew, ws.adj, eta_v, &best)
     gap = best - (lin - usq)
     scale = _gap_scale(lin_abs, usq)
     if not (gap <= tol * scale or gap <= FACET_FLOOR * scale):
         state_clear(&sol.facet)
+        sol.fallback = FALLBACK_GAP
+        sol.fallback_gap = gap
         return False
     sol.side = SIDE_FACET
     sol.solver = facet
@@ -1011,6 +1034,9 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
     cdef Py_ssize_t n_iter = 0
     cdef double gap = 0, obj = 0, t0 = _now()
     cdef int status
+    sol.fallback = FALLBACK_NONE
+    sol.fallback_iter = 0
+    sol.fallback_gap = 0.0
     if facet != NULL and _facet_try(ws, sol, eta_u, eta_v, hist, max_iter, tol, facet, t0):
         return 0
     _point(ws, eta_u, eta_v)
@@ -1028,7 +1054,7 @@ cdef int _solve_one(_Workspace ws, _Sol* sol, const double* eta_u, const double*
             sol.n_map = ws.n_map
             sol.seconds = _now() - t0
             return 0
-    status = _run(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
+    status = _iterate(ws, max_iter, tol, hist, &n_iter, &gap, &obj)
     # max_iter bounds the loop's iterations and the completion's MAP calls together
     _finish(ws, sol, max_iter - n_iter, max_iter, tol, n_iter, status, gap, obj, backward)
     sol.seconds = _now() - t0
@@ -1101,7 +1127,7 @@ cdef void _jacobian_transform(const double* L, int n, double* x, double* w2) noe
     a = _dot(w2, x, n) / _dot(w2, w2, n)
     for t in range(n):
         x[t] -= a * w2[t]
-    _trsv_upper(L, n, n, x)
+    _trsv_lower_t(L, n, n, x)
 
 
 cdef int _jacobian_apply(const _Sol* sol, Factor f, const double* in_u, const double* in_v,

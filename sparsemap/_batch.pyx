@@ -246,7 +246,7 @@ cdef Py_ssize_t _check_padded(object arr, str name, Py_ssize_t n, object like=No
     return arr.itemsize
 
 
-cdef inline char* _base(object arr, Py_ssize_t* stride):
+cdef inline char* _data_pointer(object arr, Py_ssize_t* stride):
     """The data of a padded array (NULL for None) and, in stride, the bytes per slot."""
     if arr is None:
         stride[0] = 0
@@ -791,9 +791,9 @@ def prepare_solve(factors, etas_u, etas_v, inits,
         if b.v_in_padded:
             b.isz_in_v = _check_padded(etas_v, "etas_v", n)
         b._set_pads(etas_u, etas_v)
-        in_u = _base(etas_u, &st_u)
-        in_v = _base(etas_v, &st_v)
-        o_u = _base(out_u, &st_o)
+        in_u = _data_pointer(etas_u, &st_u)
+        in_v = _data_pointer(etas_v, &st_v)
+        o_u = _data_pointer(out_u, &st_o)
         sols = _Solutions(factors, n)
         sols.solvers = [fs for fs in solvers if fs is not None]
         b.outputs = sols
@@ -920,10 +920,10 @@ def prepare_backward(sols, ins_u, ins_v, bint transpose,
         if out_v is not None:
             b.isz_out_v = _check_padded(out_v, "out_v", n)
         b._set_pads(ins_u, out_v if transpose else ins_v)
-        in_u = _base(ins_u, &st_u)
-        in_v = _base(ins_v, &st_v)
-        o_u = _base(out_u, &st_ou)
-        o_v = _base(out_v, &st_ov)
+        in_u = _data_pointer(ins_u, &st_u)
+        in_v = _data_pointer(ins_v, &st_v)
+        o_u = _data_pointer(out_u, &st_ou)
+        o_v = _data_pointer(out_v, &st_ov)
     by_cost = _Order(n)
     if n_threads > 1:
         for i in range(n):
@@ -1047,7 +1047,7 @@ def prepare_loss(factors, etas_u, etas_v, targets, double margin, bint sparse,
     b.sparse = sparse
     if out_v is not None:
         b.isz_out_v = _check_padded(out_v, "out_v", n, etas_v)
-    o_v = _base(out_v, &st_ov)
+    o_v = _data_pointer(out_v, &st_ov)
     b.keep.extend((targets, out_v, values))
     for j in range(n):
         p = &b.P[j]

@@ -48,7 +48,7 @@ cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil:
     return 0
 
 
-_FAMILIES = None
+_SOLVER_CLASSES = None
 # The solvers of the factors solved last, by the factor's id (each entry holds its
 # factor, so an id is not reused while cached): sm.solve builds a solver per call,
 # which cost as much as a small problem's choice of side. Solvers hold no per-solve
@@ -73,8 +73,8 @@ def facet_solver(Factor factor, bint decline_peaked=True):
         side is the cheaper one (the automatic choice); False solves them too
         (``method="facet"``).
     """
-    global _FAMILIES
-    if _FAMILIES is None:
+    global _SOLVER_CLASSES
+    if _SOLVER_CLASSES is None:
         # the families' modules subclass this one: imported on first use
         from sparsemap._facet_matching import MatchingFacetSolver
         from sparsemap._facet_sequence import SequenceFacetSolver
@@ -82,13 +82,13 @@ def facet_solver(Factor factor, bint decline_peaked=True):
         from sparsemap._factors._matching import MatchingFactor
         from sparsemap._factors._sequence import SequenceFactor
         from sparsemap._factors._tree import TreeFactor
-        _FAMILIES = {TreeFactor: TreeFacetSolver, SequenceFactor: SequenceFacetSolver,
+        _SOLVER_CLASSES = {TreeFactor: TreeFacetSolver, SequenceFactor: SequenceFacetSolver,
                      MatchingFactor: MatchingFacetSolver}
     key = (id(factor), decline_peaked)
     hit = _RECENT.get(key)
     if hit is not None:
         return hit[1]
-    cls = _FAMILIES.get(type(factor))
+    cls = _SOLVER_CLASSES.get(type(factor))
     if cls is None or getattr(factor, "projective", False):
         return None
     solver = cls(factor, decline_peaked)

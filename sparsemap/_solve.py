@@ -21,7 +21,9 @@ import numpy as np
 from sparsemap import _batch
 from sparsemap._active_set import (STATUS_CONVERGED, STATUS_FACE_INCOMPLETE, STATUS_INFEASIBLE,
                                    STATUS_MAX_ITER, STATUS_STALLED, STATUS_STOPPED)
-from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED, _Solutions,
+from sparsemap._backward import (FACE_STATUS_BUDGET, FACE_STATUS_FIBERED,
+                                 FALLBACK_STATUS_BUDGET, FALLBACK_STATUS_DECLINED,
+                                 FALLBACK_STATUS_GAP, FALLBACK_STATUS_NONE, _Solutions,
                                  max_backward_rows, reduce_support, solution_from_arrays)
 from sparsemap._cg import conditional_gradient
 from sparsemap._exceptions import warn
@@ -30,10 +32,21 @@ from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _re
                                      check_real, scan_values)
 from sparsemap._factors._generic import OracleFactor
 
-METHODS = ("active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg")
-# The exact active-set solvers, and the side each runs on (docs/solvers.rst, "Two
-# representations"): the default chooses per problem; the others force one side.
-_SIDES = {"active_set": "auto", "vertex": "vertex", "facet": "facet"}
+METHODS = ("auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
+# The exact solvers, and the side each runs on (docs/solvers.rst, "Two
+# representations"): "auto" (the default) chooses per problem; the others force one
+# side. "active_set" names the paper's algorithm, the vertex side.
+_SIDES = {"auto": "auto", "vertex": "vertex", "facet": "facet", "active_set": "vertex"}
+# The exact methods, as error messages name them.
+_EXACT = "'auto', 'vertex', 'facet' or 'active_set'"
+# Until 0.1.0, method="active_set" was the default and chose the side per problem; it
+# now names the vertex side, so code that passed it explicitly runs another solver.
+# The warning says so for one release (it goes in 0.2.0), pointing at the caller.
+_ACTIVE_SET_CHANGED = (
+    "method='active_set' now runs the vertex side (the paper's active set, as "
+    "method='vertex'); before sparsemap 0.1.0 it chose the cheaper side per problem, which "
+    "is now method='auto', the default. Pass method='auto' for the old behaviour, or "
+    "method='vertex' to keep this one without this warning (it goes in 0.2.0).")
 DEFAULT_TOL = 1e-12
 DEFAULT_MAX_ITER = 10_000
 
@@ -54,8 +67,36 @@ _AT_CAP = ("u converged, but the backward set reached its cap of {} structures "
            "do not change this. The face is this large at nearly flat scores on long inputs "
            "(projective trees at scale 0.01 beyond the 120 words measured); scores of a "
            "larger spread, shorter inputs, or a factor with a facet "
-           "side, which has no cap (non-projective trees, sequences, matchings, with the "
-           "default method), avoid it (solvers page: 'Projective trees at flat scores')")
+           "side (non-projective trees, sequences, matchings, with method='auto'), "
+           "avoid it (solvers page: 'Projective trees at flat scores')")
+
+
+# Why a problem that method="facet" offered to the facet side was solved on the vertex
+# side, from the facet solver's status (_Solution.fallback). The solvers report every
+# decline with one status, so a decline is told apart only by whether it had spent
+# its iteration budget.
+_FALLBACK_NAMES = ("none", "declined", "budget", "gap")
+_FALLBACK_CODES = {FALLBACK_STATUS_NONE: 0, FALLBACK_STATUS_DECLINED: 1,
+                   FALLBACK_STATUS_BUDGET: 2, FALLBACK_STATUS_GAP: 3}
+_FALLBACK_MESSAGES = {
+    FALLBACK_STATUS_DECLINED: "the facet solver declined after {it} iterations (a limit "
+                              "of its own, such as pieces projected past max_iter, masks "
+                              "it cannot handle, or a failed check: see the solvers page, "
+                              "'When the facet side declines')",
+    FALLBACK_STATUS_BUDGET: "the facet solver spent its budget of {it} iterations "
+                            "(max_iter) and declined",
+    FALLBACK_STATUS_GAP: "the facet solver's answer missed the tolerance (duality gap "
+                         "{gap:.3g} after {it} iterations)",
+}
+
+
+def _fallback_message(sol):
+    """Why the facet side did not return sol's problem, or None where it was not offered
+    it or solved it."""
+    code, it, gap = sol.fallback
+    if code == FALLBACK_STATUS_NONE or sol.side == "facet":
+        return None
+    return _FALLBACK_MESSAGES[code].format(it=it, gap=gap) + ", so the vertex side solved it"
 
 
 def _face_message(sol):
@@ -94,7 +135,8 @@ class SparseMAPResult:
     side : str
         Which representation solved the problem: ``"vertex"`` (structures,
         the active set of the paper) or ``"facet"`` (the constraints tight at
-        ``u``); see the solvers page, "Two representations".
+        ``u``); see the solvers page, "Two representations". ``method`` says
+        what was asked, ``side`` what ran.
     n_iter : int
         Iterations run.
     n_map : int
@@ -113,18 +155,23 @@ class SparseMAPResult:
         With ``return_history=True``: per iteration ``"objective"``, ``"gap"``,
         ``"support_size"`` and ``"seconds"`` (elapsed since the start).
     method : str
+        The method asked for (``"auto"`` by default; see :func:`solve`).
     message : str
+        Why the solver stopped; with ``method="facet"``, also why the problem
+        went to the vertex side when it did.
     factor : Factor
 
     Notes
     -----
-    The backward pass (:meth:`jvp`, :meth:`vjp`) works on the support in the
+    The backward pass (:meth:`jvp`, :meth:`vjp`) runs on the side that
+    solved the problem. On the vertex side it works on the support in the
     solver's own order, completed with weight-0 structures until its affine
     hull spans the optimal face (every structure tied at ``eta - u``), with
     the Cholesky factor the solver kept; the order of ``structures`` does not
-    affect it. Where the face is larger than the support (flat scores),
-    ``structures`` and ``weights`` are one of many optimal distributions.
-    Results pickle (for process pools).
+    affect it. On the facet side it projects onto the null space of the
+    constraints tight at ``u``. Where the face is larger than the support
+    (flat scores), ``structures`` and ``weights`` are one of many optimal
+    distributions. Results pickle (for process pools).
 
     Examples
     --------
@@ -233,10 +280,15 @@ class SparseMAPResult:
 
     @property
     def message(self):
-        """Why the solver stopped."""
+        """Why the solver stopped; with ``method="facet"``, also why the vertex side
+        solved the problem when it did."""
         if self._sol.status == STATUS_FACE_INCOMPLETE:
-            return _face_message(self._sol)
-        return _MESSAGES[self._sol.status]
+            text = _face_message(self._sol)
+        else:
+            text = _MESSAGES[self._sol.status]
+        # with "auto", the vertex side is a choice, not a fallback: nothing to explain
+        why = _fallback_message(self._sol) if self.method == "facet" else None
+        return text if why is None else f"{text}; {why}"
 
     @property
     def history(self):
@@ -248,10 +300,10 @@ class SparseMAPResult:
         return self._history
 
     def __repr__(self):
-        support = (f"support={self._sol.n_support}" if self._sol.side == "vertex"
-                   else "side='facet'")
-        return (f"SparseMAPResult(method={self.method!r}, converged={self.converged}, "
-                f"n_iter={self.n_iter}, {support}, "
+        # the facet side holds no support until asked (a decomposition costs a solve)
+        support = f", support={self._sol.n_support}" if self._sol.side == "vertex" else ""
+        return (f"SparseMAPResult(method={self.method!r}, side={self.side!r}, "
+                f"converged={self.converged}, n_iter={self.n_iter}{support}, "
                 f"gap={self.gap:.3g}, objective={self.objective:.10g})")
 
     def _backward_solution(self):
@@ -292,10 +344,15 @@ class SparseMAPResult:
 
         Notes
         -----
-        Proposition 1: ``du = M_I D A_I^T d_eta`` with
+        The product runs on the side that solved the problem (:attr:`side`).
+        On the vertex side, Proposition 1: ``du = M_I D A_I^T d_eta`` with
         ``D = Z - Z 1 1^T Z / (1^T Z 1)`` and ``Z = (M_I^T M_I)^{-1}`` on the
         backward set ``I`` (the support, completed to span the optimal face),
-        from the kept Cholesky factor in ``O(|I| n + |I|^2)``. This is the
+        from the kept Cholesky factor in ``O(|I| n + |I|^2)``. On the facet
+        side (the default path for trees, sequences and matchings at flat
+        scores), the projection of ``d_eta`` onto the null space of the
+        constraints tight at ``u``, restricted to its positive coordinates,
+        from the factorisation the facet solver kept. Either is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
         kink, a one-sided derivative (an element of the generalized Jacobian,
         see the solvers page).
@@ -349,8 +406,10 @@ def _check_factor(factor, name="factor"):
 
 
 def _check_options(method, max_iter, tol):
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method == "active_set":
+        warn(_ACTIVE_SET_CHANGED, FutureWarning)
     if max_iter is None:
         max_iter = DEFAULT_MAX_ITER
     if type(max_iter) is not int:
@@ -404,7 +463,7 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     n = len(etas_u)
     if method in _SIDES:
         n_threads = max(1, min(n_threads, n))
-        return _run(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
+        return _run_batch(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
                                          return_history, n_threads, callback,
                                          side=_SIDES[method], backward=backward),
                     n_threads)
@@ -435,7 +494,7 @@ def _warn_not_converged(result, where):
          f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.")
 
 
-def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
+def solve(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=DEFAULT_TOL,
           init=None, return_history=False, callback=None, verbose=False):
     r"""Solve SparseMAP, :math:`\max_{y \in \triangle} \eta^\top A y - \tfrac12 \|M y\|^2` (eq. 6).
 
@@ -449,18 +508,23 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         support uses it, so ``u`` and the Jacobian are 0 there.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted); ``-inf`` forbids a part too.
-    method : {"active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg"}
-        The exact active-set solver (Cython), or a conditional-gradient
-        variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
-        blended pairwise (Tsuji, Tanaka and Pokutta, 2022). ``"active_set"``
-        (the default) chooses per problem between two representations of the
-        solution: the vertex side (structures, the active set of Appendix
-        A.2) and, for non-projective trees, sequences and matchings, the
-        facet side (the constraints tight at ``u``), which is far cheaper at
-        flat scores; both are exact and give the true derivative.
-        ``"vertex"`` and ``"facet"`` force one side, for comparison
-        (``"facet"`` raises for other factors, and takes the vertex side
-        where it cannot certify its answer: ``r.side`` says which ran).
+    method : {"auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
+        ``"auto"`` (the default) runs the exact solver on the cheaper of two
+        representations of the solution, per problem: the vertex side
+        (structures, the active set of Appendix A.2) or, for non-projective
+        trees, sequences and matchings, the facet side (the constraints tight
+        at ``u``), which is far cheaper at flat scores. Both are exact,
+        certified by the duality gap, and give the true derivative;
+        ``r.side`` says which ran. ``"vertex"`` and ``"facet"`` force one
+        side (``"facet"`` raises for other factors, and takes the vertex side
+        where the facet solver declines or cannot certify its answer:
+        ``r.side`` and ``r.message`` say so and why). ``"active_set"`` names
+        the paper's algorithm, the vertex side; until 0.1.0 it was the default
+        and meant ``"auto"``, so it warns (``FutureWarning``) for one release.
+        ``"cg"``, ``"away_cg"``, ``"pairwise_cg"`` and ``"bpcg"`` are
+        conditional-gradient variants (pure Python; Appendix A.1): vanilla,
+        away-step, pairwise, or blended pairwise (Tsuji, Tanaka and Pokutta,
+        2022).
     max_iter : int, optional
         Iteration limit (default 10000).
     tol : float, default 1e-12
@@ -476,8 +540,9 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         weights; repeated ones are skipped, as are ones that use a forbidden
         part, and one affinely dependent on those before it replaces one of
         them (as in the solver's own insertions). Any valid structures of the
-        factor will do. The active set only (``"active_set"``, ``"vertex"``): the
-        facet side needs no warm start, and ignores it.
+        factor will do. The exact methods only: with ``"auto"`` a warm-started
+        problem runs on the vertex side (a warm start is a support of
+        structures); ``"facet"`` needs none, and ignores it.
     return_history : bool, default False
         Record objective, gap, support size and seconds at every iteration
         (this costs one extra MAP call on iterations that make none).
@@ -557,11 +622,11 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
     >>> bool(np.allclose(r2.u, r.u, atol=1e-6))
     True
     """
-    return _solve(factor, eta_u, eta_v, method, max_iter, tol, init, return_history, callback,
-                  verbose)
+    return _solve_problem(factor, eta_u, eta_v, method, max_iter, tol, init, return_history,
+                          callback, verbose)
 
 
-def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
+def _solve_problem(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=DEFAULT_TOL,
            init=None, return_history=False, callback=None, verbose=False, backward=True):
     """:func:`solve`; ``backward=False`` skips the backward set's completion (for callers
     that need ``u`` and ``v`` only, as the losses do: the result's jvp / vjp are then not
@@ -571,7 +636,8 @@ def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DE
     eu, ev = factor.check_scores(eta_u, eta_v)
     S0 = _check_init(factor, init)
     if S0 is not None and method not in _SIDES:
-        raise ValueError("init: warm starts are supported by method='active_set' only")
+        raise ValueError(f"init: warm starts are supported by the exact methods ({_EXACT}) "
+                         f"only, got method={method!r}")
     _check_side(factor, method)
     if callback is not None and not callable(callback):
         raise ValueError(f"callback: expected a callable or None, got {callback!r}")
@@ -736,7 +802,7 @@ def _order(n, costs=None):
 SOLO_BUDGET = 50e-6
 
 
-def _run(batch, n_threads):
+def _run_batch(batch, n_threads):
     """Run a prepared ``_batch._Batch`` on n_threads threads, the caller's included.
 
     The caller starts alone, from the cheap end of the order; if problems
@@ -936,7 +1002,7 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
     unknown = set(solve_kw) - {"method", "max_iter", "tol", "init", "return_history"}
     if unknown:
         raise TypeError(f"solve_batch() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+    method, max_iter, tol = _check_options(solve_kw.get("method", "auto"),
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     return_history = bool(solve_kw.get("return_history", False))
@@ -954,7 +1020,8 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
         inits = [_check_init(factors if shared else factors[i], s, f"init[{i}]")
                  for i, s in enumerate(init)]
         if method not in _SIDES and any(s is not None for s in inits):
-            raise ValueError("init: warm starts are supported by method='active_set' only")
+            raise ValueError(f"init: warm starts are supported by the exact methods ({_EXACT}) "
+                             f"only, got method={method!r}")
     for i, f in enumerate([factors] if shared else factors):
         _check_side(f, method, "" if shared else f"factors[{i}]: ")
     if B == 0:
@@ -1020,7 +1087,7 @@ def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
         with ThreadPoolExecutor(n_threads) as pool:
             list(pool.map(SparseMAPResult._backward_solution, lazy))
     sols = [r._backward_solution() for r in rs]
-    return _run(_batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
+    return _run_batch(_batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads),
                 n_threads)
 
 
@@ -1158,7 +1225,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
     ValueError
         As :func:`solve_batch`, naming ``etas_u[i]`` or ``etas_v[i]``.
     """
-    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+    method, max_iter, tol = _check_options(solve_kw.get("method", "auto"),
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
@@ -1184,7 +1251,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
     batch = _batch.prepare_solve(factors, etas_u, etas_v, None, max_iter, tol,
                                  False, n_threads, None, out_u, etas_v is not None,
                                  _SIDES[method])
-    sols = _run(batch, n_threads)
+    sols = _run_batch(batch, n_threads)
     report = batch.report()
     if report:
         _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol, where)
@@ -1229,17 +1296,20 @@ _STATUS_CODES = {STATUS_CONVERGED: 0, STATUS_MAX_ITER: 1, STATUS_STALLED: 2,
 
 
 def _padded_info(handles):
-    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``), gaps
-    and sides (True: the facet side) of a padded batch's problems, from
-    :func:`_solve_padded`'s handles (no solve). A facet-side solution holds no
-    structures: its support size is -1 (a decomposition would cost a solve)."""
+    """Support sizes, iteration counts, status codes (into ``_STATUS_NAMES``), gaps,
+    sides (True: the facet side) and fallback codes (into ``_FALLBACK_NAMES``: why a
+    problem offered to the facet side went to the vertex side) of a padded batch's
+    problems, from :func:`_solve_padded`'s handles (no solve). A facet-side solution
+    holds no structures: its support size is -1 (a decomposition would cost a solve)."""
     sols = [handles.solution(i) for i in range(len(handles))] \
         if isinstance(handles, _Solutions) else [h._sol for h in handles]
     facet = np.array([s.side == "facet" for s in sols], dtype=bool)
     return (np.array([-1 if f else s.n_support for s, f in zip(sols, facet)], dtype=np.int64),
             np.array([s.n_iter for s in sols], dtype=np.int64),
             np.array([_STATUS_CODES[s.status] for s in sols], dtype=np.int64),
-            np.array([s.gap for s in sols], dtype=np.float64), facet)
+            np.array([s.gap for s in sols], dtype=np.float64), facet,
+            np.array([0 if f else _FALLBACK_CODES[s.fallback[0]] for s, f in zip(sols, facet)],
+                     dtype=np.int64))
 
 
 def _infeasible_error(f, i):
@@ -1280,7 +1350,7 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         [h._backward_solution() for h in handles]
     batch = _batch.prepare_backward(sols, ins_u, ins_v, transpose, n_threads,
                                          out_u, out_v)
-    _run(batch, n_threads)
+    _run_batch(batch, n_threads)
     report = batch.report()
     if report:
         i = report[0][0]

@@ -27,8 +27,8 @@ import numpy as np
 
 from sparsemap import _batch
 from sparsemap._factors._base import Factor, _first_invalid
-from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options, _run,
-                              _solve)
+from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options,
+                              _run_batch, _solve_problem)
 
 __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]
 
@@ -249,8 +249,8 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         eu = eu + margin * (1.0 - mt)
     # the gradient is u - m_t: no backward set is needed (a flat projective tree's would
     # cost more than the solve, and could warn about a Jacobian nobody asked for)
-    r = _solve(factor, eu.reshape(factor.shape_u), ev.reshape(factor.shape_v),
-               backward=False, **solve_kwargs)
+    r = _solve_problem(factor, eu.reshape(factor.shape_u), ev.reshape(factor.shape_v),
+                       backward=False, **solve_kwargs)
     u = r.u.reshape(-1)
     v = r.v.reshape(-1)
     gu = u - mt
@@ -499,7 +499,7 @@ def _loss_padded(factors, etas_u, etas_v, targets, margin, sparse, n_jobs, solve
     solve that did not converge): ``fallback(i)`` returns their ``(loss, g_u,
     g_v)`` through the NumPy loss, which raises or warns as it does.
     """
-    method, max_iter, tol = _check_options(solve_kw.get("method", "active_set"),
+    method, max_iter, tol = _check_options(solve_kw.get("method", "auto"),
                                            solve_kw.get("max_iter"),
                                            solve_kw.get("tol", DEFAULT_TOL))
     B = etas_u.shape[0]
@@ -507,7 +507,7 @@ def _loss_padded(factors, etas_u, etas_v, targets, margin, sparse, n_jobs, solve
     batch = _batch.prepare_loss(factors, etas_u, etas_v, targets, float(margin),
                                      bool(sparse), max_iter, tol, n_threads, out_u, out_v,
                                      values)
-    _run(batch, n_threads)
+    _run_batch(batch, n_threads)
     shared = isinstance(factors, Factor)
     for i, _ in batch.report():
         f = factors if shared else factors[i]

@@ -433,7 +433,7 @@ def _direction(d, name, shape):
 
 
 def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None, eps=1e-6,
-                          method="active_set", return_results=False, **solve_kwargs):
+                          method="auto", return_results=False, **solve_kwargs):
     """Central finite difference of ``u`` along a direction of the scores.
 
     ``(u(eta + eps d) - u(eta - eps d)) / (2 eps)``. On a region where the
@@ -449,7 +449,7 @@ def finite_difference_jvp(factor, eta_u, eta_v=None, d_eta_u=None, d_eta_v=None,
         The direction (None means zeros).
     eps : float, default 1e-6
         The absolute step.
-    method : str, default "active_set"
+    method : str, default "auto"
         Passed to :func:`sparsemap.solve`, with ``solve_kwargs``.
     return_results : bool, default False
         Also return the two results (to compare their supports).
@@ -547,7 +547,7 @@ class JacobianReport:
 
 
 def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_directions=3,
-                   rng=None, method="active_set", min_checked=1, **solve_kwargs):
+                   rng=None, method="auto", min_checked=1, **solve_kwargs):
     """Check ``result.jvp`` and ``result.vjp`` of a factor at given scores.
 
     For each of ``n_directions`` random directions ``d = (d_eta_u, d_eta_v)``
@@ -583,7 +583,7 @@ def check_jacobian(factor, eta_u, eta_v=None, eps=1e-6, rtol=1e-5, atol=1e-6, n_
     n_directions : int, default 3
     rng : None, int or numpy.random.Generator
         Source of the random directions.
-    method : str, default "active_set"
+    method : str, default "auto"
         Passed to :func:`sparsemap.solve`, with ``solve_kwargs``.
     min_checked : int, default 1
         Fewest directions that must be checked against finite differences:

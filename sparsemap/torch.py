@@ -47,8 +47,8 @@ import torch
 import sparsemap as sm
 from sparsemap import Factor
 from sparsemap._factors._base import check_bool
-from sparsemap._solve import (_STATUS_NAMES, _backward_padded, _check_n_jobs, _helpers, _order,
-                              _padded_info, _solve_batch, _solve_padded)
+from sparsemap._solve import (_FALLBACK_NAMES, _STATUS_NAMES, _backward_padded, _check_n_jobs,
+                              _helpers, _order, _padded_info, _solve_batch, _solve_padded)
 from sparsemap._solve import _element as _batch_element
 from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
@@ -302,7 +302,7 @@ def _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw):
     return _finish(out, layout.batch_shape + layout.pad_u, like), handles
 
 
-def _solve(layout, eta_u, eta_v, n_jobs, solve_kw):
+def _solve_results(layout, eta_u, eta_v, n_jobs, solve_kw):
     """One SparseMAPResult per problem (for the distribution)."""
     if layout.B == 0:
         return []
@@ -351,7 +351,18 @@ class SolveInfo(NamedTuple):
         Whether the facet side solved the problem (``SparseMAPResult.side ==
         "facet"``; the solvers page, "Two representations"), else the vertex
         side. Only trees, sequences and matchings have a facet side, chosen
-        per problem by the default ``method="active_set"``.
+        per problem by the default ``method="auto"``.
+
+    fallback : int64 Tensor
+        Why a problem offered to the facet side was solved on the vertex side,
+        an index into :attr:`FALLBACKS`: 0 ``"none"`` (not offered, or solved
+        there), 1 ``"declined"`` (the facet solver declined: a limit of its
+        own, masks it cannot handle, a failed check, or with the default
+        ``method="auto"`` peaked scores, where the vertex side is the cheaper
+        one), 2 ``"budget"`` (it declined having spent ``max_iter``
+        iterations), 3 ``"gap"`` (its answer missed the tolerance). With
+        ``method="facet"`` a nonzero code is the reason the forced side fell
+        back; ``SparseMAPResult.message`` says the same in words.
 
     Examples
     --------
@@ -367,6 +378,8 @@ class SolveInfo(NamedTuple):
     tensor(True)
     >>> [info.STATUSES[k] for k in info.status]
     ['converged', 'converged']
+    >>> [info.FALLBACKS[k] for k in info.fallback]   # 0: peaked
+    ['declined', 'none']
     """
 
     support_size: torch.Tensor
@@ -374,9 +387,12 @@ class SolveInfo(NamedTuple):
     status: torch.Tensor
     gap: torch.Tensor
     facet: torch.Tensor
+    fallback: torch.Tensor
 
     #: The meaning of each code of :attr:`status`.
     STATUSES = _STATUS_NAMES
+    #: The meaning of each code of :attr:`fallback`.
+    FALLBACKS = _FALLBACK_NAMES
 
     @property
     def converged(self):
@@ -612,7 +628,7 @@ def _support_parts(factor, result):
         L = np.linalg.cholesky(Gc)
     except np.linalg.LinAlgError:
         raise ValueError("the support is affinely dependent, so y* is not unique; use "
-                         "method='active_set', whose support is always independent")
+                         "method='vertex', whose support is always independent")
     Z = np.linalg.solve(L.T, np.linalg.solve(L, np.eye(len(G))))
     z1 = Z.sum(axis=1)
     return Mi, Ni, Z - np.outer(z1, z1) / z1.sum()
@@ -634,7 +650,7 @@ def _pad_structures(results, batch_shape, K):
 class _DistributionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
-        results = _solve(layout, eta_u, eta_v, n_jobs, solve_kw)
+        results = _solve_results(layout, eta_u, eta_v, n_jobs, solve_kw)
         K = max((len(r.weights) for r in results), default=0)
         w = np.zeros((layout.B, K))
         for b, r in enumerate(results):
@@ -712,8 +728,9 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.5000, -0.5000])
     """
     layout = _Layout(factor, eta_u, eta_v)
-    if solve_kw.get("method", "active_set") == "active_set":
-        # the distribution is the active set's support (the facet side has none)
+    if solve_kw.get("method", "auto") in ("auto", "active_set"):
+        # the distribution is the vertex side's support (the facet side has none); here
+        # "active_set" has always meant the vertex side, so it does not warn
         solve_kw = dict(solve_kw, method="vertex")
     return _DistributionFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
 
@@ -1131,7 +1148,7 @@ def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
 
     sparse, margin = _PADDED_LOSSES[numpy_loss]
     solve_kw = {k: v for k, v in kw.items() if k != "margin"}
-    if not dense and layout.B and kw.get("method", "active_set") == "active_set" and \
+    if not dense and layout.B and kw.get("method", "auto") == "auto" and \
             set(solve_kw) <= {"method", "max_iter", "tol"}:
         g_u, g_v, losses = _padded_losses(layout, factors, eta_u, eta_v, targets,
                                           kw.get("margin", margin), sparse, n_jobs, solve_kw,

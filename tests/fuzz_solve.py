@@ -48,7 +48,7 @@ def main(seed=0, seconds=60.0):
         if rng.integers(3) == 0:
             eu = np.round(eu / scale) * scale
         ev = scale * rng.standard_normal(f.shape_v) if f.n_v else None
-        method = ("active_set", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg")[rng.integers(6)]
+        method = ("auto", "vertex", "cg", "away_cg", "pairwise_cg", "bpcg")[rng.integers(6)]
         r = sm.solve(f, eu, ev, method=method, max_iter=int(rng.integers(1, 300)),
                      tol=(1e-12, 0.0, 1e-6)[rng.integers(3)],
                      return_history=bool(rng.integers(2)))

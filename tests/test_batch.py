@@ -523,7 +523,7 @@ def test_padded_general_path_and_convergence_warning():
                                                               "batch element 1"]
 
 
-@pytest.mark.parametrize("method, max_iter", [("active_set", None), ("pairwise_cg", None),
+@pytest.mark.parametrize("method, max_iter", [("auto", None), ("pairwise_cg", None),
                                               ("cg", 200)])
 def test_stacked_ignored_entries_per_problem_factors(method, max_iter):
     # nan in entries a tree ignores (its diagonal): a stacked array with one factor per

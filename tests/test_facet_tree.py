@@ -150,7 +150,7 @@ def test_vertex_side(single_root, n, scale):
     eta = scale * rng.standard_normal((n + 1, n + 1))
     sol = TreeFacetSolver(f, decline_peaked=False).solve(eta)
     assert sol.status == 0
-    r = sm.solve(f, eta, method="active_set")
+    r = sm.solve(f, eta, method="vertex")
     np.testing.assert_allclose(sol.u, r.u, atol=1e-9)
     check_kkt(f, eta, sol.u, brute_min_cut if n <= 10 else solver_min_cut)
 

@@ -29,7 +29,7 @@ from _reference import (and_out_projection, box_sum_projection, budget_viterbi,
 from _reference import (logic_allowed as allowed, logic_columns as columns,
                         logic_configurations as configurations, logic_extra as extra)
 
-METHODS = ("active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
+METHODS = ("auto", "cg", "away_cg", "pairwise_cg", "bpcg")
 LINEAR_CG = ("away_cg", "pairwise_cg", "bpcg")
 
 

@@ -239,7 +239,7 @@ def test_infeasible_masks_raise(case):
     msg = "every structure of .* uses a forbidden part"
     with pytest.raises(ValueError, match=msg):
         factor.map(eu, ev)
-    for method in ("active_set", "pairwise_cg"):
+    for method in ("auto", "pairwise_cg"):
         with pytest.raises(ValueError, match="eta_u.*" + msg):
             sm.solve(factor, eu, ev, method=method)
     etas_v = None if ev is None else [None, ev]

@@ -33,7 +33,7 @@ def hard_tree(seed=0, n=12, B=None):
 
 def test_solve():
     f, eta = hard_tree()
-    for method in ("active_set", "cg"):
+    for method in ("auto", "cg"):
         with pytest.warns(sm.ConvergenceWarning) as record:
             line = next_line()
             sm.solve(f, eta, method=method, max_iter=1)
