@@ -72,7 +72,7 @@ TREEBANKS = ("UD_Vietnamese-VTB", "UD_Hungarian-Szeged")
 
 
 # -- timing -----------------------------------------------------------------------------
-def solve_vjp(f, eta_u, eta_v, g, method="active_set"):
+def solve_vjp(f, eta_u, eta_v, g, method="auto"):
     """A timer of ``sm.solve`` + ``r.vjp(g)``; its result is (r, number of warnings)."""
     def run():
         with warnings.catch_warnings(record=True) as caught:
