@@ -34,6 +34,14 @@ Jacobian of Proposition 1 in both directions and a zero second derivative. The
 losses are differentiable once (their backward raises on double backward):
 their Hessian would need the Jacobian of ``v``, which the solver does not
 expose.
+
+``torch.func``. The autograd Functions take no ``ctx`` in their forward pass and
+keep what the backward pass needs in ``setup_context``, so ``torch.func.jvp``,
+``grad`` and ``vjp`` work on every layer and loss; ``torch.vmap`` on the layers of
+one shared factor (and on their Jacobian products: ``jacrev``, ``jacfwd``). The
+forward passes call NumPy, which reads only plain tensors: the transforms hand
+them over unwrapped, and backward and jvp products go through :class:`_Linear`,
+an autograd Function too.
 """
 import functools
 import math
@@ -72,6 +80,45 @@ def _check_tensor(x, name):
 
 def _has_v(factor):
     return factor.shape_v != (0,)
+
+
+def _expand_transitions(factor, eta_u, eta_v, length=None):
+    """``eta_v`` with a transition matrix shared by the positions expanded to one per
+    position, as a view (autograd then sums its gradient over the positions).
+
+    For factors whose ``shape_v`` is ``(L, a, b)``, one ``(a, b)`` block per position
+    of a chain (sequences, budgeted sequences): ``eta_v`` of shape ``(a, b)``, or with
+    leading dims that broadcast to the batch dims but no position axis, is shared; a
+    tensor with the position axis (``(*batch, L, a, b)``) is returned as it is, and
+    every other shape too (the layout's checks name what is wrong). ``length``: the
+    position axis's size (default: the factor's ``L``, the largest for a list).
+    """
+    if eta_v is None or isinstance(factor, (str, bytes)):
+        return eta_v
+    _check_tensor(eta_v, "eta_v")
+    fs = [factor] if isinstance(factor, Factor) else factor
+    try:
+        shapes = {f.shape_v for f in fs}
+    except (TypeError, AttributeError):
+        return eta_v                   # not factors: the layout raises
+    blocks = {sv[1:] for sv in shapes}
+    if not shapes or len(blocks) != 1 or any(len(sv) != 3 for sv in shapes):
+        return eta_v
+    block = blocks.pop()
+    n_batch = (eta_u.dim() - len(fs[0].shape_u)) if isinstance(factor, Factor) else 1
+    if eta_v.dim() >= n_batch + 3:
+        return eta_v                   # one block per position already
+    if eta_v.dim() < 2 or tuple(eta_v.shape[-2:]) != block:
+        raise ValueError(f"eta_v: expected transitions of shape (..., {_fmt(block)}) "
+                         f"shared by the positions, or one per position, "
+                         f"(*batch, L, {_fmt(block)}); got {tuple(eta_v.shape)}")
+    batch_shape = tuple(eta_u.shape[:max(n_batch, 0)])
+    L = max(sv[0] for sv in shapes) if length is None else length
+    try:
+        return eta_v.unsqueeze(-3).expand(batch_shape + (L,) + block)
+    except RuntimeError:
+        raise ValueError(f"eta_v: shape {tuple(eta_v.shape[:-2])} does not broadcast "
+                         f"to the batch shape {batch_shape}") from None
 
 
 # Host-side conversions go through NumPy where it has the dtype: torch would run them as
@@ -430,15 +477,35 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, op, transpose, *xs):
-        ctx.op, ctx.transpose = op, transpose
-        ctx.n_in = len(xs)
+    def forward(op, transpose, *xs):
         return tuple(op.apply(xs, transpose))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.op, ctx.transpose = inputs[0], inputs[1]
+        ctx.n_in = len(inputs) - 2
 
     @staticmethod
     def backward(ctx, *gs):
         gx = _Linear.apply(ctx.op, not ctx.transpose, *gs)
         return (None, None) + tuple(gx[:ctx.n_in])
+
+    @staticmethod
+    def jvp(ctx, _op, _transpose, *dxs):
+        # linear: the tangent goes through the same map
+        return _product(ctx.op, dxs, ctx.transpose)
+
+    @staticmethod
+    def vmap(info, in_dims, op, transpose, *xs):
+        # torch.vmap over the vectors (jacrev, jacfwd, a batch of directions): the map is
+        # fixed, so it is applied to each vector in turn
+        xs = [None if x is None else (x.movedim(d, 0) if d is not None else
+                                      x.expand((info.batch_size,) + x.shape))
+              for x, d in zip(xs, in_dims[2:])]
+        outs = [_Linear.apply(op, transpose, *[None if x is None else x[i] for x in xs])
+                for i in range(info.batch_size)]
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        return stacked, (0,) * len(stacked)
 
 
 class _LayerJacobian:
@@ -471,17 +538,64 @@ class _LayerJacobian:
         return g_u, _finish(out_v, lay.batch_shape + lay.pad_v, self.like_v)
 
 
+def _wrapped(xs):
+    """Whether a ``torch.func`` transform wraps any of the tensors ``xs``: then they hold
+    no storage for NumPy to read, and products must go through :class:`_Linear`, whose
+    forward receives them unwrapped."""
+    return any(x is not None and _is_wrapped(x) for x in xs)
+
+
+_is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                      lambda x: False)
+
+
+def _numpy_of(t):
+    """A NumPy array of a tensor's values that no transform differentiates (targets,
+    sizes): inside a ``torch.func`` transform every torch operation's result is wrapped
+    and holds no storage, so the copy is made with the transforms' dispatch off."""
+    while _is_wrapped(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    with torch._C._DisableFuncTorch():
+        return t.detach().cpu().numpy()
+
+
+def _product(jac, xs, transpose):
+    """``J xs`` (or ``J^T xs``) for a Jacobian ``jac``: through :class:`_Linear` when the
+    product is itself differentiated or transformed, else directly (an autograd
+    Function's dispatch costs more than a small batch's product)."""
+    if torch.is_grad_enabled() or _wrapped(xs):
+        return _Linear.apply(jac, transpose, *xs)
+    return tuple(jac.apply(tuple(xs), transpose))
+
+
 def _vjp(jac, g):
-    """``J^T g`` for a Jacobian ``jac`` (one tensor per score input): through
-    :class:`_Linear` only when the backward pass is itself differentiated."""
-    return _Linear.apply(jac, True, g) if torch.is_grad_enabled() else jac.apply((g,), True)
+    """``J^T g`` for a Jacobian ``jac`` (one tensor per score input)."""
+    return _product(jac, (g,), True)
+
+
+def _apply(fn, layout, *args):
+    """``fn.apply(*args)`` for a Function whose forward leaves its Jacobian on ``layout``
+    for ``setup_context`` (which may run once per transform level): taken off after, as
+    the Jacobian refers to the layout (no reference cycle to keep buffers alive)."""
+    try:
+        return fn.apply(*args)
+    finally:
+        layout.jac = None
 
 
 class _JacobianFunction(torch.autograd.Function):
-    """A layer ``forward(ctx, layout, n_jobs, solve_kw, *scores)`` that solves and keeps in
-    ``ctx.jac`` the Jacobian of its output ``u`` with respect to the score tensors (an
+    """A layer ``forward(layout, n_jobs, solve_kw, *scores)`` that solves and leaves in
+    ``layout.jac`` the Jacobian of its output ``u`` with respect to the score tensors (an
     ``apply(xs, transpose)`` as :class:`_Linear` reads it): backward applies ``J^T``, jvp
-    ``J``. A score input that is None gets no gradient."""
+    ``J``. A score input that is None gets no gradient.
+
+    The forward pass takes no ``ctx`` and ``setup_context`` keeps the Jacobian (the form
+    ``torch.func`` transforms need): the layout object, made per call, carries it from
+    one to the other."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.jac = inputs[0].jac
 
     @staticmethod
     def backward(ctx, gu):
@@ -491,16 +605,32 @@ class _JacobianFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _layout, _n_jobs, _solve_kw, *d_scores):
-        return ctx.jac.apply(d_scores, False)[0]
+        return _product(ctx.jac, d_scores, False)[0]
 
 
 class _SparseMAPFunction(_JacobianFunction):
     @staticmethod
-    def forward(ctx, layout, n_jobs, solve_kw, eta_u, eta_v):
+    def forward(layout, n_jobs, solve_kw, eta_u, eta_v):
         u, handles = _layer_solve(layout, eta_u, eta_v, n_jobs, solve_kw)
-        ctx.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
+        layout.jac = _LayerJacobian(layout, handles, n_jobs, eta_u, eta_v)
         layout.handles = handles
         return u
+
+    @staticmethod
+    def vmap(info, in_dims, layout, n_jobs, solve_kw, eta_u, eta_v):
+        # torch.vmap: the mapped dimension becomes one more leading batch dimension of a
+        # shared factor's layer (a list of factors already fixes its one batch dimension)
+        if layout.ragged:
+            raise ValueError("torch.vmap: a layer over a list of factors (a ragged batch) "
+                             "cannot be mapped; pass the mapped problems as batch "
+                             "elements instead")
+
+        def lead(x, d):
+            return x.movedim(d, 0) if d is not None else x.expand((info.batch_size,) + x.shape)
+        eu = lead(eta_u, in_dims[3])
+        ev = None if eta_v is None else lead(eta_v, in_dims[4])
+        mapped = _Layout(layout.factor, eu, ev)
+        return _apply(_SparseMAPFunction, mapped, mapped, n_jobs, solve_kw, eu, ev), 0
 
 
 def _with_info(u, layout, return_info, batch_shape):
@@ -568,8 +698,10 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, return_info=False, **so
     tensor([ 0.5000, -0.5000])
     """
     return_info = check_bool(return_info, "return_info")
+    _check_tensor(eta_u, "eta_u")
+    eta_v = _expand_transitions(factor, eta_u, eta_v)
     layout = _Layout(factor, eta_u, eta_v)
-    u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, eta_u, eta_v)
+    u = _apply(_SparseMAPFunction, layout, layout, n_jobs, solve_kw, eta_u, eta_v)
     return _with_info(u, layout, return_info, layout.batch_shape)
 
 
@@ -595,13 +727,13 @@ class _SupportJacobian:
 
     def apply(self, xs, transpose):
         lay, K = self.layout, self.K
-        if not transpose:    # (d_eta_u, d_eta_v) -> dy
-            du = lay.split_u(_to_host(xs[0]))
+        if not transpose:    # (d_eta_u, d_eta_v) -> dy (None: zeros)
+            du = None if xs[0] is None else lay.split_u(_to_host(xs[0]))
             dv = xs[1] if len(xs) > 1 else None
             dv = None if dv is None or self.like_v is None else lay.split_v(_to_host(dv))
             out = np.zeros((lay.B, K))
             for b, (Mi, Ni, D) in enumerate(self.parts()):
-                theta = Mi @ np.ravel(du[b])
+                theta = np.zeros(len(D)) if du is None else Mi @ np.ravel(du[b])
                 if dv is not None and dv[b] is not None and Ni.shape[1]:
                     theta += Ni @ np.ravel(dv[b])
                 out[b, :len(D)] = D @ theta
@@ -649,7 +781,7 @@ def _pad_structures(results, batch_shape, K):
 
 class _DistributionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, eta_u, eta_v, layout, n_jobs, solve_kw):
+    def forward(eta_u, eta_v, layout, n_jobs, solve_kw):
         results = _solve_results(layout, eta_u, eta_v, n_jobs, solve_kw)
         K = max((len(r.weights) for r in results), default=0)
         w = np.zeros((layout.B, K))
@@ -657,9 +789,18 @@ class _DistributionFunction(torch.autograd.Function):
             w[b, :len(r.weights)] = r.weights
         structures = torch.from_numpy(_pad_structures(results, layout.batch_shape, K))
         structures = structures.to(eta_u.device)
-        ctx.jac = _SupportJacobian(layout, results, K, eta_u, eta_v)
-        ctx.mark_non_differentiable(structures)
+        layout.jac = _SupportJacobian(layout, results, K, eta_u, eta_v)
         return _like(w.reshape(layout.batch_shape + (K,)), _spec(eta_u)), structures
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.jac = inputs[2].jac
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def jvp(ctx, d_eta_u, d_eta_v, *_):
+        # the structures are not differentiable: no tangent
+        return _product(ctx.jac, (d_eta_u, d_eta_v), False)[0], None
 
     @staticmethod
     def backward(ctx, gw, _):
@@ -727,12 +868,14 @@ def distribution(factor, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     >>> eta.grad[1]
     tensor([ 0.5000, -0.5000])
     """
+    _check_tensor(eta_u, "eta_u")
+    eta_v = _expand_transitions(factor, eta_u, eta_v)
     layout = _Layout(factor, eta_u, eta_v)
     if solve_kw.get("method", "auto") in ("auto", "active_set"):
         # the distribution is the vertex side's support (the facet side has none); here
         # "active_set" has always meant the vertex side, so it does not warn
         solve_kw = dict(solve_kw, method="vertex")
-    return _DistributionFunction.apply(eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
+    return _apply(_DistributionFunction, layout, eta_u, eta_v, layout, n_jobs, solve_kw)[::-1]
 
 
 # -- family wrappers ----------------------------------------------------------------
@@ -745,7 +888,7 @@ def _cached_factor(cls, *args):
 def _sizes(values, name, batch_shape, upper):
     """Validate per-element sizes: ints of shape ``batch_shape`` in ``[1, upper]``."""
     if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
+        values = _numpy_of(values)
     arr = np.asarray(values)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
@@ -770,7 +913,7 @@ def _family(factors, eta_u, eta_v, batch_shape, n_jobs, return_info, solve_kw):
     flat_v = None if eta_v is None else eta_v.reshape((-1,) + tuple(eta_v.shape[nb:]))
     layout = _Layout(factors, flat_u, flat_v, trusted=True)
     layout.index_shape = batch_shape   # messages name the caller's batch element
-    u = _SparseMAPFunction.apply(layout, n_jobs, solve_kw, flat_u, flat_v)
+    u = _apply(_SparseMAPFunction, layout, layout, n_jobs, solve_kw, flat_u, flat_v)
     return _with_info(u.reshape(eta_u.shape), layout, return_info, batch_shape)
 
 
@@ -901,20 +1044,12 @@ def sequence(eta_u, eta_v=None, lengths=None, *, n_jobs=None, return_info=False,
     _check_scores_tensor(eta_u, "eta_u", 2, "(*batch, N, m)")
     n, m = eta_u.shape[-2], eta_u.shape[-1]
     batch_shape = tuple(eta_u.shape[:-2])
-    if eta_v is not None:
-        _check_tensor(eta_v, "eta_v")
-        if eta_v.dim() <= eta_u.dim():   # a transition matrix shared by the positions
-            if tuple(eta_v.shape[-2:]) != (m, m):
-                raise ValueError(f"eta_v: expected transitions of shape (..., {m}, {m}), "
-                                 f"got {tuple(eta_v.shape)}")
-            try:
-                eta_v = eta_v.unsqueeze(-3).expand(batch_shape + (n - 1, m, m))
-            except RuntimeError:
-                raise ValueError(f"eta_v: shape {tuple(eta_v.shape[:-2])} does not broadcast "
-                                 f"to the batch shape {batch_shape}")
     sizes = [n] * math.prod(batch_shape) if lengths is None else \
         _sizes(lengths, "lengths", batch_shape, n)
     factors = _ragged_factors(sm.SequenceFactor, [(s,) for s in sizes], (n,), (m,))
+    if eta_v is not None and eta_v.dim() <= eta_u.dim():
+        # a transition matrix shared by the positions (and maybe the batch)
+        eta_v = _expand_transitions(_cached_factor(sm.SequenceFactor, n, m), eta_u, eta_v)
     return _family(factors, eta_u, eta_v, batch_shape, n_jobs, return_info, solve_kw)
 
 
@@ -1071,8 +1206,9 @@ def _targets(target, layout):
     (``dense=True``; the loss converts them with :meth:`Factor.from_vertex`, as the NumPy
     losses cannot always tell the two forms apart by shape)."""
     if isinstance(target, torch.Tensor):
-        arr = target.detach().cpu()
-        arr = (arr.double() if arr.is_floating_point() else arr).numpy()
+        arr = _numpy_of(target)
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float64)
     else:
         try:
             arr = np.asarray(target)
@@ -1096,23 +1232,27 @@ def _targets(target, layout):
 
 
 class _LossFunction(torch.autograd.Function):
+    """The per-element losses of a batch, computed by ``run(eta_u, eta_v)`` (a
+    :class:`_LossRun`) inside the forward pass, where ``torch.func`` transforms hand the
+    score tensors over unwrapped; the gradients it finds are the backward pass's."""
+
     @staticmethod
-    def forward(ctx, eta_u, eta_v, losses, g_u, g_v):
-        ctx.grads = g_u, g_v
-        ctx.specs = _spec(eta_u), _spec(eta_v)
+    def forward(run, eta_u, eta_v):
+        losses, g_u, g_v = run(eta_u, eta_v)
+        run.grads = _like(g_u, _spec(eta_u)), None if g_v is None else _like(g_v, _spec(eta_v))
         return _like(losses, _spec(eta_u))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.grads = inputs[0].grads
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        out = []
-        gh = _to_host(g)
-        for G, spec in zip(ctx.grads, ctx.specs):
-            if spec is None:
-                out.append(None)
-                continue
-            out.append(_like(G * gh.reshape(gh.shape + (1,) * (G.ndim - gh.ndim)), spec))
-        return out[0], out[1], None, None, None
+        # torch operations only, so that the backward pass runs under torch.func too
+        out = [None if G is None else G * g.reshape(g.shape + (1,) * (G.dim() - g.dim()))
+               for G in ctx.grads]
+        return None, out[0], out[1]
 
 
 # The losses the batch runner computes itself (a 0/1 target, the active set): whether
@@ -1121,47 +1261,67 @@ _PADDED_LOSSES = {sm.sparsemap_loss: (True, 0.0), sm.structured_svm_loss: (False
                   sm.perceptron_loss: (False, 0.0)}
 
 
+class _LossRun:
+    """One loss call's computation, ``(losses, g_u, g_v)`` as host arrays from the score
+    tensors: through the batch runner where it computes the loss itself, else through
+    the NumPy loss per element in threads. ``grads`` carries the gradients from the
+    forward pass to ``setup_context``."""
+
+    def __init__(self, numpy_loss, layout, targets, dense, n_jobs, kw):
+        self.numpy_loss, self.layout, self.targets, self.dense = numpy_loss, layout, targets, dense
+        self.n_jobs, self.kw = n_jobs, kw
+        self.grads = None
+
+    def __call__(self, eta_u, eta_v):
+        layout, targets, kw = self.layout, self.targets, self.kw
+        factors = layout.factors if layout.ragged else layout.factor
+        host = {}
+
+        def one(b):
+            """Element b's loss through the NumPy loss, ``(loss, g_u, g_v)``."""
+            if not host:
+                host["u"] = layout.split_u(_to_host(eta_u))
+                host["v"] = None if eta_v is None else layout.split_v(_to_host(eta_v))
+            f = layout.factor_of(b)
+            try:
+                if self.dense:
+                    t = f.from_vertex(targets[b], names=("target", "target"))
+                else:
+                    t = int(targets[b]) if targets.ndim == 1 else targets[b, :f.struct_size]
+                return self.numpy_loss(f, host["u"][b], t,
+                                       None if host["v"] is None else host["v"][b], **kw)
+            except ValueError as exc:
+                if not layout.batch_shape:
+                    raise
+                raise ValueError(f"{exc}{_where(layout, b)}") from None
+
+        sparse, margin = _PADDED_LOSSES[self.numpy_loss]
+        solve_kw = {k: v for k, v in kw.items() if k != "margin"}
+        if not self.dense and layout.B and kw.get("method", "auto") == "auto" and \
+                set(solve_kw) <= {"method", "max_iter", "tol"}:
+            g_u, g_v, losses = _padded_losses(layout, factors, eta_u, eta_v, targets,
+                                              kw.get("margin", margin), sparse, self.n_jobs,
+                                              solve_kw, one)
+        else:
+            costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
+            out = _parallel(one, layout.B, costs, self.n_jobs, factors)
+            losses = np.array([o[0] for o in out], dtype=np.float64)
+            g_u = layout.join([o[1] for o in out], "u")
+            g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
+        return losses.reshape(layout.batch_shape), g_u, g_v
+
+
 def _loss(numpy_loss, factor, eta_u, target, eta_v, reduction, n_jobs, kw):
     _check_reduction(reduction)
+    _check_tensor(eta_u, "eta_u")
+    eta_v = _expand_transitions(factor, eta_u, eta_v)
     layout = _Layout(factor, eta_u, eta_v)
     targets, dense = _targets(target, layout)
-    factors = layout.factors if layout.ragged else layout.factor
-    host = {}
-
-    def one(b):
-        """Element b's loss through the NumPy loss, ``(loss, g_u, g_v)``."""
-        if not host:
-            host["u"] = layout.split_u(_to_host(eta_u))
-            host["v"] = None if eta_v is None else layout.split_v(_to_host(eta_v))
-        f = layout.factor_of(b)
-        try:
-            if dense:
-                t = f.from_vertex(targets[b], names=("target", "target"))
-            else:
-                t = int(targets[b]) if targets.ndim == 1 else targets[b, :f.struct_size]
-            return numpy_loss(f, host["u"][b], t, None if host["v"] is None else host["v"][b],
-                              **kw)
-        except ValueError as exc:
-            if not layout.batch_shape:
-                raise
-            raise ValueError(f"{exc}{_where(layout, b)}") from None
-
-    sparse, margin = _PADDED_LOSSES[numpy_loss]
-    solve_kw = {k: v for k, v in kw.items() if k != "margin"}
-    if not dense and layout.B and kw.get("method", "auto") == "auto" and \
-            set(solve_kw) <= {"method", "max_iter", "tol"}:
-        g_u, g_v, losses = _padded_losses(layout, factors, eta_u, eta_v, targets,
-                                          kw.get("margin", margin), sparse, n_jobs, solve_kw,
-                                          one)
-    else:
-        costs = [f.n_u + f.n_v for f in layout.factors] if layout.ragged else None
-        out = _parallel(one, layout.B, costs, n_jobs,
-                        layout.factors if layout.ragged else layout.factor)
-        losses = np.array([o[0] for o in out], dtype=np.float64)
-        g_u = layout.join([o[1] for o in out], "u")
-        g_v = None if eta_v is None else layout.join([o[2] for o in out], "v")
-    losses = losses.reshape(layout.batch_shape)
-    per = _LossFunction.apply(eta_u, eta_v, losses, g_u, g_v)
+    run = _LossRun(numpy_loss, layout, targets, dense, n_jobs, kw)
+    try:
+        per = _LossFunction.apply(run, eta_u, eta_v)
+    finally:
+        run.grads = None    # the backward pass holds them (ctx), not the run
     if reduction == "none":
         return per
     return per.mean() if reduction == "mean" else per.sum()
@@ -1653,12 +1813,12 @@ class _GraphJacobian:
 
 class _FactorGraphFunction(_JacobianFunction):
     @staticmethod
-    def forward(ctx, layout, n_jobs, solve_kw, eta_u, *tensors):
+    def forward(layout, n_jobs, solve_kw, eta_u, *tensors):
         report = solve_kw.pop("_report", None)
         results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
         if report is not None:      # sparsemap.lpsmap's verbose reads how the solves went
             report.extend(results)
-        ctx.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
+        layout.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
         return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
 
 
@@ -1744,4 +1904,5 @@ def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
             raise ValueError(f"{k}: not an option of FactorGraph.solve (expected one of "
                              f"{', '.join(_GRAPH_SOLVE_KW)})")
     layout = _GraphLayout(graph, eta_u, eta_v)
-    return _FactorGraphFunction.apply(layout, n_jobs, solve_kw, eta_u, *layout.tensors)
+    return _apply(_FactorGraphFunction, layout, layout, n_jobs, solve_kw, eta_u,
+                  *layout.tensors)
