@@ -18,6 +18,11 @@ The loop never builds a dense column: Gram entries come from the factor's
 ``c_overlap``, scores from ``c_score`` and ``u`` from ``c_add``. It holds no
 Python objects and runs without the GIL; the workspace grows geometrically.
 
+Result types: none of its own. The loop leaves its state in the workspace,
+which ``sparsemap._backward`` copies into a solution record (``_Sol``), and
+``_Workspace._export`` gives NumPy arrays (the factor graph's solver and
+``reduce_support``).
+
 Built on this module, each behind its own ``.pxd``: ``sparsemap._backward``
 (the backward set of a solve: face completion, untying ties in ``eta_v``; the
 solution record; Jacobian products) and ``sparsemap._batch`` (the batch runner,

@@ -16,6 +16,13 @@ for. ``_jacobian_apply`` applies a solution's Jacobian, or its transpose, to a
 vector. The batch runner (:mod:`sparsemap._batch`) calls both without the GIL.
 ``reduce_support`` gives a support from another solver (conditional gradient)
 its backward set.
+
+Result types. The record is the C struct ``_Sol`` (no Python object, so that
+threads fill it without the GIL). Two owners hold records: ``_Solution``, one
+solve's (what :class:`sparsemap.SparseMAPResult` wraps), and ``_Solutions``, a
+padded batch's C array of records (the torch layer's path, with no Python
+object per problem). The facet side's own ``FacetSolution``
+(:mod:`sparsemap._facet`) serves its tests; here its state lives in the record.
 """
 import numpy as np
 

@@ -2,7 +2,9 @@
 
 ``prepare_solve``, ``prepare_backward`` and ``prepare_loss`` make every Python
 object and take every pointer with the GIL, then threads call ``_Batch.run``
-and claim problems from an atomic counter without it, largest first. One
+and claim problems from an atomic counter without it (in ``_Order``'s order:
+largest first with several threads and problems of different sizes, else
+input order; the caller may start from the cheap end, ``from_back``). One
 problem is one active-set solve with its backward set (``_solve_one``), one
 Jacobian product (``_jacobian_apply``) or one loss (``_Batch._loss``); each
 outcome stays in C buffers (a ``_Sol``, owned by a ``_Solution``; both from
@@ -282,8 +284,9 @@ cdef class _Batch:
     Built by :func:`prepare_solve` or :func:`prepare_backward`, which make
     every Python object the run needs (solutions, outputs) and take every
     pointer in one pass. Each thread calls :meth:`run` with its own number;
-    threads claim problems one at a time from an atomic counter, largest
-    first, so they balance problems of unequal cost and touch the GIL only
+    threads claim problems one at a time from an atomic counter, in the
+    order the prepare function set (largest first where sizes differ and
+    several threads run), so they balance problems of unequal cost and touch the GIL only
     to create a workspace the first time they meet a factor. A thread that
     joins late finds nothing left and returns.
 
@@ -483,17 +486,15 @@ cdef class _Batch:
         scores ``eu`` (a scratch copy, cost-augmented in place) and ``ev``; 0, or the
         flag _MAP_INFEASIBLE or _TARGET_FORBIDDEN (outputs unset).
 
-        As :mod:`sparsemap.losses` computes them for a 0/1 target ``t`` (the same
-        operations, so the same bits, except for the value's sums): with
+        As :mod:`sparsemap.losses` computes them for a 0/1 target ``t``: with
         ``eu' = eu + margin (1 - m_t)``, SparseMAP (``sparse``) or MAP at
-        ``(eu', ev)`` gives ``(u, v)``; the gradient is ``(u - m_t, v - n_t)`` and
-        the value ``1/2 |g_u|^2 + eu'.g_u + ev.g_v - u.g_u`` (for a vertex ``u``:
-        ``a_s . eta' - a_t . eta'``), products skipping the parts where the gradient
-        is 0 (forbidden parts are -inf there), clipped at 0.
+        ``(eu', ev)`` gives ``(u, v)``; the gradient is ``(u - m_t, v - n_t)``, the
+        same elementwise operations as the NumPy losses', and the value is
+        :func:`_loss_value`'s, which the NumPy losses call too (:func:`loss_value`):
+        one kernel, so the same bits.
         """
         cdef Py_ssize_t n_u = ws.f.n_u, n_v = ws.f.n_v, j
         cdef double[1] score
-        cdef double value = 0.0, g
         cdef const double* u = NULL
         ws.f.c_score(p.target, eu, ev, score)
         if score[0] == -INFINITY:
@@ -524,24 +525,14 @@ cdef class _Batch:
             for j in range(n_v):
                 gv[j] = -gv[j]
             ws.f.c_add(ws.snew, 1.0, gu, gv if n_v else NULL)   # m_s - m_t, n_s - n_t
-        for j in range(n_u):
-            g = gu[j]
-            if g != 0:
-                value += eu[j] * g
-                if u != NULL:
-                    value += 0.5 * g * g - u[j] * g
-        if ev != NULL:
-            for j in range(n_v):
-                if gv[j] != 0:
-                    value += ev[j] * gv[j]
-        p.value[0] = value if value > 0 else 0.0
+        p.value[0] = _loss_value(eu, ev, u, gu, gv, n_u, n_v)
         return 0
 
     def run(self, Py_ssize_t t, bint from_back=False, double budget=-1.0):
         """Work as thread number t (0 <= t < n_threads) until no problem is left.
 
-        Problems are claimed from the front of the order (the largest first),
-        or from its back with ``from_back``; with ``budget > 0``, return once
+        Problems are claimed from the front of the order (the largest first,
+        when the order is by size), or from its back with ``from_back``; with ``budget > 0``, return once
         that many seconds have passed (checked between problems).
         """
         cdef Py_ssize_t j = -1
@@ -992,6 +983,50 @@ def _time_map(Factor factor, double[:, ::1] etas_u, double[:, ::1] etas_v, Py_ss
                          ws.snew, ws.work)
             times[i] = _now() - t0
     return float(np.median(times))
+
+cdef double _loss_value(const double* eu, const double* ev, const double* u, const double* gu,
+                        const double* gv, Py_ssize_t n_u, Py_ssize_t n_v) noexcept nogil:
+    """A loss's value from its gradient ``(gu, gv)`` at the (cost-augmented) scores
+    ``(eu, ev)``: ``1/2 |g_u|^2 + eu.g_u + ev.g_v - u.g_u`` for SparseMAP's loss (u
+    its solution), ``eu.g_u + ev.g_v`` for MAP's (u NULL: ``a_s . eta - a_t . eta``),
+    clipped at 0 (round-off of the solver). The products skip the parts where the
+    gradient is 0, where forbidden parts score -inf (-inf * 0 would be nan); ev may
+    be NULL (no additional scores)."""
+    cdef Py_ssize_t j
+    cdef double value = 0.0, g
+    for j in range(n_u):
+        g = gu[j]
+        if g != 0:
+            value += eu[j] * g
+            if u != NULL:
+                value += 0.5 * g * g - u[j] * g
+    if ev != NULL:
+        for j in range(n_v):
+            if gv[j] != 0:
+                value += ev[j] * gv[j]
+    return value if value > 0 else 0.0
+
+
+def loss_value(const double[::1] eta_u, const double[::1] eta_v, u, const double[::1] g_u,
+               const double[::1] g_v):
+    """:func:`_loss_value` for the NumPy losses (flat float64 arrays; ``u`` None for
+    the MAP losses), so that a single example's loss and a batch's are one kernel."""
+    cdef Py_ssize_t n_u = g_u.shape[0], n_v = g_v.shape[0]
+    cdef const double[::1] uu
+    cdef const double* up = NULL
+    if eta_u.shape[0] != n_u or eta_v.shape[0] != n_v:
+        raise ValueError(f"eta_u, eta_v: expected {n_u} and {n_v} entries (the gradient's), "
+                         f"got {eta_u.shape[0]} and {eta_v.shape[0]}")
+    if u is not None:
+        uu = u
+        if uu.shape[0] != n_u:
+            raise ValueError(f"u: expected {n_u} entries, got {uu.shape[0]}")
+        if n_u:
+            up = &uu[0]
+    return _loss_value(&eta_u[0] if n_u else NULL, &eta_v[0] if n_v else NULL,
+                       up if u is not None else NULL, &g_u[0] if n_u else NULL,
+                       &g_v[0] if n_v else NULL, n_u, n_v)
+
 
 def prepare_loss(factors, etas_u, etas_v, targets, double margin, bint sparse,
                  Py_ssize_t max_iter, double tol, Py_ssize_t n_threads, out_u, out_v, values):

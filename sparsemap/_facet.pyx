@@ -7,6 +7,12 @@ coordinates). The families (non-projective trees, sequences, matchings) subclass
 in modules of their own and implement ``c_solve`` and ``c_apply`` at C level,
 without the GIL; the Python methods here wrap them for tests and for the solvers'
 layer.
+
+Result types. :meth:`FacetSolver.solve` returns a :class:`FacetSolution` (``u``,
+``v``, status, iterations and the backward state), for tests and direct use. The
+solvers' layer does not: it calls ``c_solve`` into the solution record of
+:mod:`sparsemap._backward` (``_Sol``), so that a facet-side solution and a
+vertex-side one travel as one type through batches and the torch layer.
 """
 import numpy as np
 

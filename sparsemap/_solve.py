@@ -3,11 +3,20 @@
 Both run through one path: validated scores go to
 ``_batch.prepare_solve``, which takes every pointer and makes every
 Python object of a batch in one pass; threads (the caller's included) then
-claim problems from an atomic counter, largest first, and solve them without
-the GIL, leaving each outcome in C buffers (a ``_Solution``).
-:class:`SparseMAPResult` converts its fields to NumPy on first access.
-``vjp_batch`` and ``jvp_batch`` run ``_batch.prepare_backward`` the same
-way.
+claim problems from an atomic counter (largest first when several threads
+share a batch of factors of different sizes; the caller starts alone, from
+the cheap end, see ``_run_batch``) and solve them without the GIL, leaving
+each outcome in C buffers. ``vjp_batch`` and ``jvp_batch`` run
+``_batch.prepare_backward`` the same way.
+
+Result types. This module produces :class:`SparseMAPResult`, the one users
+see: it wraps a ``_backward._Solution`` (one solve's C record, ``_Sol``, with
+its owner) and converts fields to NumPy on first access. The padded path of
+the torch layer (``_solve_padded``) returns a ``_backward._Solutions`` instead:
+one C array of records for the whole batch, with no Python object per
+problem, which is why the two exist. The facet solvers' own
+``_facet.FacetSolution`` is for their tests; solves here keep the facet state
+inside the record.
 """
 import math
 import numbers

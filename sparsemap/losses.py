@@ -146,12 +146,9 @@ def _setup(factor, eta_u, eta_v, target):
     return eu, ev, mt, nt
 
 
-def _dot(eta, g):
-    """``eta . g`` over the parts where ``g`` is nonzero: a part forbidden by -inf
-    scores has ``g == 0`` in every loss (neither the solution nor the target uses
-    it), and contributes 0, not ``-inf * 0 = nan``."""
-    nz = g != 0
-    return float(eta[nz].dot(g[nz]))
+def _flat(x):
+    """A flat C-contiguous float64 view (or copy) of ``x``, as the kernels read it."""
+    return np.ascontiguousarray(x, dtype=np.float64).reshape(-1)
 
 
 def _map_columns(factor, eu, ev):
@@ -255,8 +252,9 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
     v = r.v.reshape(-1)
     gu = u - mt
     gv = v - nt
-    loss = 0.5 * gu.dot(gu) + ((_dot(eu, gu) + _dot(ev, gv)) - u.dot(gu))
-    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+    # the batch runner's kernel for the value: a batch's losses are these bits
+    loss = _batch.loss_value(_flat(eu), _flat(ev), u, gu, gv)
+    return loss, gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
 def perceptron_loss(factor, eta_u, target, eta_v=None):
@@ -364,8 +362,9 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
     eu_aug = eu + margin * (1.0 - mt) if margin > 0 else eu
     ms, ns = _map_columns(factor, eu_aug, ev)
     gu, gv = ms - mt, ns - nt
-    loss = _dot(eu_aug, gu) + _dot(ev, gv)
-    return max(float(loss), 0.0), gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+    # the batch runner's kernel for the value (u None: MAP's), as in sparsemap_loss
+    loss = _batch.loss_value(_flat(eu_aug), _flat(ev), None, _flat(gu), _flat(gv))
+    return loss, gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
 
 
 # -- batches ----------------------------------------------------------------------

@@ -1390,11 +1390,11 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, reduction="mea
     Per element, :func:`sparsemap.sparsemap_loss`: the Fenchel-Young loss of
     SparseMAP, cost-augmented by ``margin`` times the Hamming cost. Its gradient
     is Proposition 2's ``(u* - m_t, v* - n_t)``, kept from the forward solve (the
-    backward pass solves nothing). With compact targets and the active set, the
+    backward pass solves nothing). With compact targets and the default method, the
     losses run as the layer does: the batch runner's threads read each element's
     block of the scores and its target, add the cost, solve, and write the value
     and the gradient, with no Python object per element (the same solves and
-    gradients as the NumPy loss, bit for bit; the value to round-off).
+    gradients and values as the NumPy loss, bit for bit: one kernel).
 
     Parameters
     ----------

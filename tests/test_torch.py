@@ -579,8 +579,8 @@ def test_losses_equal_numpy_losses(kind, margin, name):
         evb = None if ev is None or f.shape_v == (0,) else block(ev[b], f.shape_v).detach().numpy()
         want, gu, gv = numpy_loss(kind, f, block(eu[b], f.shape_u).detach().numpy(), gold[b],
                                   evb, margin)
-        # the same solve and gradient bitwise; the value's sums in another order
-        assert per[b].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
+        # one kernel: the same solve, gradient and value, bit for bit
+        assert per[b].item() == want
         np.testing.assert_array_equal(block(g[0][b], f.shape_u).numpy(), gu)
         if evb is not None:
             np.testing.assert_array_equal(block(g[1][b], f.shape_v).numpy(), gv)
