@@ -27,6 +27,7 @@ import numbers
 import numpy as np
 
 import sparsemap as sm
+from sparsemap._checks import check_float_tensor
 
 __all__ = ["FactorGraph", "TorchFactorGraph", "Xor", "Or", "AtMostOne", "Imply", "XorOut",
            "OrOut", "AndOut", "Budget", "Pair", "Sequence", "SequenceBudget", "DepTree"]
@@ -1494,12 +1495,7 @@ class TorchFactorGraph(FactorGraph):
         return torch.zeros(shape)     # float32, as lp-sparsemap
 
     def _check_scores(self, scores):
-        import torch
-        if not isinstance(scores, torch.Tensor):
-            raise ValueError(f"scores: expected a torch.Tensor, got {type(scores).__name__}")
-        if not scores.is_floating_point():
-            raise ValueError(f"scores: expected a floating-point tensor, got {scores.dtype}")
-        return scores
+        return check_float_tensor(scores, "scores")   # the torch layers' check and message
 
     def _ops(self):
         import torch

@@ -54,6 +54,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
+from sparsemap._checks import check_float_tensor, check_per_factor
 from sparsemap._factors._base import check_bool
 from sparsemap._solve import (_FALLBACK_NAMES, _STATUS_NAMES, _backward_padded, _check_n_jobs,
                               _helpers, _order, _padded_info, _solve_batch, _solve_padded)
@@ -70,12 +71,8 @@ __all__ = [
 
 
 # -- validation and layout ------------------------------------------------------------
-def _check_tensor(x, name):
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
-    return x
+# the check the NumPy and drop-in paths share (one message for one mistake)
+_check_tensor = check_float_tensor
 
 
 def _has_v(factor):
@@ -1620,13 +1617,7 @@ def _graph_eta_v(entries, factors, name, batch_shape):
     """``[(f, tensor)]`` for the non-None entries of one graph's ``eta_v`` list; a
     shared graph's tensors get the batch dims (a tensor of ``factor.shape_v`` alone is
     expanded: autograd then sums its gradient over the batch)."""
-    F = len(factors)
-    if isinstance(entries, torch.Tensor) or not isinstance(entries, (list, tuple)):
-        raise ValueError(f"{name}: expected a list with one entry per factor of the graph "
-                         f"({F}), each a tensor or None; got {type(entries).__name__}")
-    if len(entries) != F:
-        raise ValueError(f"{name}: expected a list with one entry per factor of the graph "
-                         f"({F}), got length {len(entries)}")
+    entries = check_per_factor(entries, len(factors), name)
     out = []
     for f, (factor, e) in enumerate(zip(factors, entries)):
         if e is None:
