@@ -40,8 +40,8 @@ keep what the backward pass needs in ``setup_context``, so ``torch.func.jvp``,
 ``grad`` and ``vjp`` work on every layer and loss; ``torch.vmap`` on the layers of
 one shared factor (and on their Jacobian products: ``jacrev``, ``jacfwd``). The
 forward passes call NumPy, which reads only plain tensors: the transforms hand
-them over unwrapped, and backward and jvp products go through :class:`_Linear`,
-an autograd Function too.
+them over unwrapped, and backward and jvp products go through ``_Linear``, an
+autograd Function too.
 """
 import functools
 import math
