@@ -1,12 +1,14 @@
 """PyTorch layers and losses on top of SparseMAP (optional; imports torch).
 
 Everything here is a thin autograd wrapper around the NumPy package. The layer
-hands the batch's padded scores to the active set's batch runner as one host
+hands the batch's padded scores to the solvers' batch runner as one host
 array (a float32 or float64 CPU tensor's own memory, else a float64 copy), and
 threads (the batch layer's helpers and the caller) solve the problems without
 the GIL, each copying its block out in float64, checking it, and writing its
-``u`` into one output tensor; the backward pass, the exact Jacobian product of
-Proposition 1, runs the same way. Results are those of :func:`sparsemap.solve`
+``u`` into one output tensor, on the side each problem's method chose (the
+default ``method="auto"``: the cheaper of the vertex and facet sides); the
+backward pass, the exact Jacobian product of that side (Proposition 1 on the
+vertex side), runs the same way. Results are those of :func:`sparsemap.solve`
 on each element (bitwise in float64) and come back on the device and in the
 dtype of the input.
 
@@ -674,10 +676,13 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, return_info=False, **so
 
     Notes
     -----
-    The backward pass is the exact product with the Jacobian of Proposition 1,
-    ``du/d eta = M_I D A_I^T``, for ``eta_u`` and ``eta_v``; it is exact to
-    round-off, needs no new solve, and runs in the thread pool. Double
-    backward and forward-mode AD are supported (see the module notes).
+    The backward pass is the exact product with the Jacobian of ``u``, for
+    ``eta_u`` and ``eta_v``, on the side that solved each problem
+    (:attr:`SolveInfo.facet`): Proposition 1's ``M_I D A_I^T`` on the vertex
+    side, the projection onto the null space of the tight constraints on the
+    facet side. It is exact to round-off, needs no new solve, and runs in the
+    thread pool. Double backward, forward-mode AD and the ``torch.func``
+    transforms are supported (see the module notes).
 
     Examples
     --------
@@ -1252,7 +1257,7 @@ class _LossFunction(torch.autograd.Function):
         return None, out[0], out[1]
 
 
-# The losses the batch runner computes itself (a 0/1 target, the active set): whether
+# The losses the batch runner computes itself (a 0/1 target, method "auto"): whether
 # each solves SparseMAP (else MAP), and its margin when not given
 _PADDED_LOSSES = {sm.sparsemap_loss: (True, 0.0), sm.structured_svm_loss: (False, 1.0),
                   sm.perceptron_loss: (False, 0.0)}
