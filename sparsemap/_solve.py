@@ -29,6 +29,7 @@ from sparsemap._facet import facet_solver
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
 from sparsemap._factors._generic import OracleFactor
+from sparsemap._factors._sequence import SequenceFactor
 
 METHODS = ("active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg")
 # The exact active-set solvers, and the side each runs on (docs/solvers.rst, "Two
@@ -134,10 +135,13 @@ class SparseMAPResult:
     ([1, 2], array([0.75, 0.25]))
     """
 
-    def __init__(self, factor, solution, method, eta=None):
+    def __init__(self, factor, solution, method, eta=None, per_position=False):
         self.factor = factor
         self.method = method
         self._sol = solution
+        # solved without eta_v (a sequence): the eta_u part of the Jacobian is per-position
+        # sparsemax's (see _per_position)
+        self._per_position = bool(per_position)
         # CG keeps no Cholesky factor, and a face where n is not affine in m is
         # untied when first differentiated: the backward pass then reduces the
         # support once, which needs the scores.
@@ -298,7 +302,13 @@ class SparseMAPResult:
         from the kept Cholesky factor in ``O(|I| n + |I|^2)``. This is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
         kink, a one-sided derivative (an element of the generalized Jacobian,
-        see the solvers page).
+        see the solvers page). At transition scores that tie (a sequence's
+        ``eta_v`` passed as zeros) it is the limit of the Jacobians at
+        ``eta_v + t r`` as ``t`` decreases to 0, ``r =``
+        :func:`sparsemap.testing.tie_direction`. A :class:`SequenceFactor`
+        solved with ``eta_v=None`` is per-position sparsemax: the ``eta_u``
+        part is then sparsemax's Jacobian, position by position, and the
+        ``d_eta_v`` part that one-sided limit.
 
         Examples
         --------
@@ -324,6 +334,13 @@ class SparseMAPResult:
         -------
         g_eta_u : ndarray, shape ``factor.shape_u``
         g_eta_v : ndarray, shape ``factor.shape_v``
+
+        Notes
+        -----
+        The transpose of :meth:`jvp`'s matrix, with the same choices at ties:
+        for a :class:`SequenceFactor` solved with ``eta_v=None``, ``g_eta_u``
+        is per-position sparsemax's Jacobian applied to ``du``, and ``g_eta_v``
+        the one-sided limit along :func:`sparsemap.testing.tie_direction`.
         """
         g = self.factor._check_array(du, "du", False, False)
         return _backward_batch([self], [g], None, True, 1)[0]
@@ -581,7 +598,8 @@ def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DE
                           tol, bool(return_history), callback=callback, backward=backward)[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
-    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter))
+    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter),
+                             _per_position(factor, eta_v is None))
     if verbose:
         callback.summary(result)
     if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
@@ -978,7 +996,8 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
         if sol.status == STATUS_INFEASIBLE:
             raise _infeasible_error(fs[i], i)
     # the scores are kept for the backward passes that need them (CG's, a fibered face's)
-    results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter))
+    results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter),
+                               _per_position(f, evs is None or evs[i] is None))
                for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
@@ -1012,7 +1031,57 @@ def _check_results(results):
     return rs
 
 
+def _per_position(factor, no_eta_v):
+    """Whether a solve of ``factor`` is per-position sparsemax: a :class:`SequenceFactor`
+    (exactly: a subclass may restrict the sequences) solved without ``eta_v``.
+
+    There ``u(eta_u, 0)`` is sparsemax of each position's scores, differentiable in
+    ``eta_u`` wherever sparsemax is, so the ``eta_u`` part of the Jacobian is that of
+    per-position sparsemax, not the one of the piece along the tie direction (which
+    couples positions). The ``eta_v`` part stays the one-sided limit along
+    ``tie_direction``: ``u`` has a kink in ``eta_v`` at 0 whatever was passed."""
+    return no_eta_v and type(factor) is SequenceFactor and factor.n_v > 0
+
+
+def _centre(on, d):
+    """Per-position sparsemax's Jacobian (symmetric) applied to ``d``: on each position
+    (last axis), ``d`` minus its mean over the support ``on``, and 0 off it."""
+    d = np.where(on, d, 0.0)
+    count = np.maximum(on.sum(-1, keepdims=True), 1)
+    return np.where(on, d - d.sum(-1, keepdims=True) / count, 0.0)
+
+
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
+    pp = [i for i, r in enumerate(rs) if getattr(r, "_per_position", False)]
+    if not pp:
+        return _backward_core(rs, ins_u, ins_v, transpose, n_jobs)
+    # solved without eta_v: the eta_u part in closed form (_per_position); the backward
+    # set runs only for the eta_v part (a jvp without d_eta_v needs none: no untying)
+    B = len(rs)
+    in_pp = set(pp)
+    shape = [r.factor.shape_u for r in rs]
+    if transpose:
+        out = _backward_core(rs, ins_u, None, True, n_jobs)
+        for i in pp:
+            out[i] = (_centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i])), out[i][1])
+        return out
+    has_v = [ins_v is not None and ins_v[i] is not None for i in range(B)]
+    need = [i for i in range(B) if i not in in_pp or has_v[i]]
+    part = dict(zip(need, _backward_core(
+        [rs[i] for i in need],
+        [np.zeros_like(ins_u[i]) if i in in_pp else ins_u[i] for i in need],
+        None if ins_v is None else [ins_v[i] for i in need], False, n_jobs))) if need else {}
+    out = []
+    for i in range(B):
+        if i in in_pp:
+            du = _centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i]))
+            out.append(du + part[i] if i in part else du)
+        else:
+            out.append(part[i])
+    return out
+
+
+def _backward_core(rs, ins_u, ins_v, transpose, n_jobs):
     n_threads = max(1, min(n_jobs, len(rs)))
     lazy = [r for r in rs if r._backward is None]
     if len(lazy) > 1 and n_threads > 1:
@@ -1175,7 +1244,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
         out_u[...] = 0.0
         for b, r in zip(_blocks(factors, out_u, False), results):
             b[...] = r.u
-        return results
+        return _mark_per_position(results, factors, etas_v, out_u)
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     # the layer's backward pass has no scores to untie a fibered face with: untie it now
     # where eta_v is differentiated (without eta_v, the eta_u part is exact as it is)
@@ -1188,7 +1257,28 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
     report = batch.report()
     if report:
         _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol, where)
-    return sols
+    return _mark_per_position(sols, factors, etas_v, out_u)
+
+
+def _mark_per_position(handles, factors, etas_v, out_u):
+    """The handles of a padded batch, wrapped (:class:`_PerPosition`) when it was solved
+    without ``eta_v`` and holds sequences (:func:`_per_position`)."""
+    if etas_v is not None:
+        return handles
+    pp = np.array([_per_position(f, True) for f in
+                   ([factors] * len(out_u) if isinstance(factors, Factor) else factors)],
+                  dtype=bool)
+    return _PerPosition(handles, pp, out_u) if pp.any() else handles
+
+
+class _PerPosition:
+    """The handles of a padded batch solved without ``eta_v`` where some problems are
+    per-position sparsemax (:func:`_per_position`): which ones, and the supports of
+    their ``u`` (the eta_u part of their Jacobian, :func:`_centre`)."""
+
+    def __init__(self, handles, pp, u):
+        self.handles, self.pp = handles, pp
+        self.on = u[pp] > 0
 
 
 def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, where=_element):
@@ -1233,6 +1323,8 @@ def _padded_info(handles):
     and sides (True: the facet side) of a padded batch's problems, from
     :func:`_solve_padded`'s handles (no solve). A facet-side solution holds no
     structures: its support size is -1 (a decomposition would cost a solve)."""
+    if isinstance(handles, _PerPosition):
+        handles = handles.handles
     sols = [handles.solution(i) for i in range(len(handles))] \
         if isinstance(handles, _Solutions) else [h._sol for h in handles]
     facet = np.array([s.side == "facet" for s in sols], dtype=bool)
@@ -1272,6 +1364,23 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         A non-finite value in a block read, naming ``dus[i]`` (vjp) or
         ``d_etas_u[i]`` / ``d_etas_v[i]`` (jvp).
     """
+    if isinstance(handles, _PerPosition):
+        # solved without eta_v: per-position sparsemax's Jacobian for the eta_u part of
+        # those problems (_per_position); the backward sets give the eta_v part
+        pp = handles.pp
+        bad = ~np.isfinite(np.where(handles.on, ins_u[pp], 0.0)).reshape(pp.sum(), -1).all(1)
+        if bad.any():
+            i = int(np.flatnonzero(pp)[bad][0])
+            raise ValueError(f"{'dus' if transpose else 'd_etas_u'}[{i}]: contains non-finite "
+                             f"values (nan or inf)")
+        inner = ins_u
+        if not transpose:
+            inner = ins_u.copy()
+            inner[pp] = 0.0
+        _backward_padded(handles.handles, inner, ins_v, transpose, n_jobs, out_u, out_v)
+        du = _centre(handles.on, ins_u[pp])
+        out_u[pp] = du if transpose else out_u[pp] + du
+        return None
     B = ins_u.shape[0]
     # a _Solutions holds no oracle (_solve_padded sends them down the general path)
     n_threads = max(1, min(_check_n_jobs(
