@@ -135,10 +135,14 @@ class SparseMAPResult:
     ([1, 2], array([0.75, 0.25]))
     """
 
-    def __init__(self, factor, solution, method, eta=None, per_position=False):
+    def __init__(self, factor, solution, method, eta=None, per_position=False,
+                 shared_v=False):
         self.factor = factor
         self.method = method
         self._sol = solution
+        # eta_v was one (S, S) transition matrix shared by the positions: g_eta_v of vjp
+        # is its gradient (summed over the positions), and jvp takes an (S, S) d_eta_v
+        self._shared_v = bool(shared_v)
         # solved without eta_v (a sequence): the eta_u part of the Jacobian is per-position
         # sparsemax's (see _per_position)
         self._per_position = bool(per_position)
@@ -319,6 +323,8 @@ class SparseMAPResult:
         >>> r.jvp([0.0, 1.0, 0.0])
         array([ 0. ,  0.5, -0.5])
         """
+        if getattr(self, "_shared_v", False) and d_eta_v is not None:
+            d_eta_v = _broadcast_shared(self.factor, d_eta_v, "d_eta_v")
         du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
         return _backward_batch([self], [du], None if dv is None else [dv], False, 1)[0]
 
@@ -348,7 +354,10 @@ class SparseMAPResult:
 
 _UNTIE_FAILED = ("ties in eta_v could not be broken (no solve at eta_v + delta r was "
                  "certified to follow one piece); the eta_v part of jvp/vjp may not be a "
-                 "derivative. Raise max_iter.")
+                 "derivative (u and the eta_u part are exact). A larger max_iter helps only "
+                 "where those solves ran out of iterations (near-flat scores need many); "
+                 "for a SequenceFactor the default method's facet side breaks these ties "
+                 "exactly, with no such search.")
 
 
 def _check_directions(factor, d_u, d_v, name_u, name_v):
@@ -466,6 +475,9 @@ def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEF
         support uses it, so ``u`` and the Jacobian are 0 there.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted); ``-inf`` forbids a part too.
+        For a :class:`SequenceFactor`, an ``(S, S)`` matrix is one transition
+        matrix shared by the positions (as in a CRF): ``vjp`` then returns its
+        ``(S, S)`` gradient and ``jvp`` takes an ``(S, S)`` ``d_eta_v``.
     method : {"active_set", "vertex", "facet", "cg", "away_cg", "pairwise_cg", "bpcg"}
         The exact active-set solver (Cython), or a conditional-gradient
         variant (pure Python; Appendix A.1): vanilla, away-step, pairwise, or
@@ -585,7 +597,9 @@ def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DE
     the Jacobian's, so it must not leave the caller)."""
     _check_factor(factor)
     method, max_iter, tol = _check_options(method, max_iter, tol)
-    eu, ev = factor.check_scores(eta_u, eta_v)
+    shared = _is_shared(factor, eta_v)
+    eu, ev = factor.check_scores(
+        eta_u, _broadcast_shared(factor, eta_v, "eta_v") if shared else eta_v)
     S0 = _check_init(factor, init)
     if S0 is not None and method not in _SIDES:
         raise ValueError("init: warm starts are supported by method='active_set' only")
@@ -599,7 +613,7 @@ def _solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DE
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
     result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter),
-                             _per_position(factor, eta_v is None))
+                             _per_position(factor, eta_v is None), shared)
     if verbose:
         callback.summary(result)
     if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
@@ -1031,6 +1045,23 @@ def _check_results(results):
     return rs
 
 
+def _is_shared(factor, eta_v):
+    """Whether ``eta_v`` is one (S, S) transition matrix shared by the positions of a
+    :class:`SequenceFactor` (its per-position form is (n - 1, S, S))."""
+    return (eta_v is not None and type(factor) is SequenceFactor
+            and np.ndim(eta_v) == 2 and factor.n_v > 0)
+
+
+def _broadcast_shared(factor, x, name):
+    """A shared (S, S) matrix repeated at every transition (validated as ``name``)."""
+    arr = _real_array(x, name)
+    S = factor.n_states
+    if arr.shape != (S, S):
+        raise ValueError(f"{name}: expected shape {factor.shape_v} (per transition) or "
+                         f"{(S, S)} (shared by the positions), got {arr.shape}")
+    return np.broadcast_to(arr, factor.shape_v)
+
+
 def _per_position(factor, no_eta_v):
     """Whether a solve of ``factor`` is per-position sparsemax: a :class:`SequenceFactor`
     (exactly: a subclass may restrict the sequences) solved without ``eta_v``.
@@ -1054,7 +1085,11 @@ def _centre(on, d):
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     pp = [i for i, r in enumerate(rs) if getattr(r, "_per_position", False)]
     if not pp:
-        return _backward_core(rs, ins_u, ins_v, transpose, n_jobs)
+        out = _backward_core(rs, ins_u, ins_v, transpose, n_jobs)
+        if transpose and any(getattr(r, "_shared_v", False) for r in rs):
+            out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
+                   for r, (g_u, g_v) in zip(rs, out)]
+        return out
     # solved without eta_v: the eta_u part in closed form (_per_position); the backward
     # set runs only for the eta_v part (a jvp without d_eta_v needs none: no untying)
     B = len(rs)
@@ -1062,6 +1097,8 @@ def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     shape = [r.factor.shape_u for r in rs]
     if transpose:
         out = _backward_core(rs, ins_u, None, True, n_jobs)
+        out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
+               for r, (g_u, g_v) in zip(rs, out)]
         for i in pp:
             out[i] = (_centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i])), out[i][1])
         return out
@@ -1368,6 +1405,11 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         # solved without eta_v: per-position sparsemax's Jacobian for the eta_u part of
         # those problems (_per_position); the backward sets give the eta_v part
         pp = handles.pp
+        if pp.all() and (out_v is None if transpose else ins_v is None):
+            # nothing asks for an eta_v part: no backward set (no untying) at all
+            out_u[...] = 0.0
+            out_u[pp] = _centre(handles.on, np.where(handles.on, ins_u[pp], 0.0))
+            return None
         bad = ~np.isfinite(np.where(handles.on, ins_u[pp], 0.0)).reshape(pp.sum(), -1).all(1)
         if bad.any():
             i = int(np.flatnonzero(pp)[bad][0])
