@@ -35,10 +35,21 @@ structure ``u`` is affine in ``t``; the structure changes at events:
   Viterbi-like pass over the nodes outside the supports and Newton's method on
   the piecewise-linear convex maximum of the paths' affine scores in ``t``.
 
+A degenerate start (a transport basis with a zero flow: positions whose
+sparsemax marginals tie, as at ``eta_u = 0``) puts the path's first events all at
+``t = 0``, where pivoting on ties can cycle. The path then runs from
+``eta_u + delta rho`` instead (``rho`` a fixed pseudo-random direction, ``delta``
+1e-6, then 1e-9, of the scores' largest magnitude), and its last structure is kept
+if it is optimal at ``eta_u`` itself (the piece's ``u``, flows, reduced costs and
+paths are recomputed and checked there); otherwise the path from ``eta_u`` runs as
+before.
+
 Where the result ties (zero flows, tight arcs or paths that neither enter nor
 leave), the structure is then moved along ``eta_v + s r`` for ``s -> 0+`` (the
 events at ``s = 0`` only), so that the Jacobian is the one of the piece ``u``
-follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)``.
+follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)`` (one
+matrix repeated at every transition, so that a shared transition matrix breaks its
+ties along a shared direction).
 
 Masks: ``-inf`` in ``eta_u`` keeps a tag out of its support for good; ``-inf`` in
 ``eta_v`` (a forbidden transition) keeps the arc out of every forest, which needs

@@ -457,8 +457,14 @@ def _warn_not_converged(result, where):
     if result._sol.status == STATUS_FACE_INCOMPLETE:
         warn(f"{where}SparseMAP ({result.method}), gap {result.gap:.3g}: {result.message}.")
         return
+    hint = ""
+    if result.method == "vertex" and facet_solver(result.factor) is not None:
+        # the active set can need far more iterations at near-flat scores (a near-zero
+        # sequence: 100,000 left a gap of 1e-8 at 30 x 8), where the facet side is exact
+        hint = (" (or let the default method solve it: at near-flat scores this factor's "
+                "facet side converges where the active set may need many more iterations)")
     warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
-         f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.")
+         f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol{hint}.")
 
 
 def solve(factor, eta_u, eta_v=None, method="active_set", max_iter=None, tol=DEFAULT_TOL,
@@ -1048,7 +1054,7 @@ def _check_results(results):
 def _is_shared(factor, eta_v):
     """Whether ``eta_v`` is one (S, S) transition matrix shared by the positions of a
     :class:`SequenceFactor` (its per-position form is (n - 1, S, S))."""
-    return (eta_v is not None and type(factor) is SequenceFactor
+    return (type(factor) is SequenceFactor and eta_v is not None
             and np.ndim(eta_v) == 2 and factor.n_v > 0)
 
 
@@ -1300,7 +1306,8 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
 def _mark_per_position(handles, factors, etas_v, out_u):
     """The handles of a padded batch, wrapped (:class:`_PerPosition`) when it was solved
     without ``eta_v`` and holds sequences (:func:`_per_position`)."""
-    if etas_v is not None:
+    if etas_v is not None or (isinstance(factors, Factor)
+                              and type(factors) is not SequenceFactor):
         return handles
     pp = np.array([_per_position(f, True) for f in
                    ([factors] * len(out_u) if isinstance(factors, Factor) else factors)],

@@ -7,6 +7,8 @@ enumerated, the brute-force QP (its reference at tiny scores extrapolates along 
 test_facet_sequence.brute_force). Jacobians are checked against central differences of
 certified solves where u is differentiable (tied rows of eta_u with random transitions).
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,19 @@ def test_degenerate_start_jacobian_against_finite_differences(seed, su, sv):
     g_u, g_v = sol.vjp(g)
     assert np.isclose((g * sol.jvp(d_u, d_v)).sum(), (g_u * d_u).sum() + (g_v * d_v).sum(),
                       rtol=1e-9, atol=1e-12)
+
+
+def test_vertex_side_warning_names_what_works():
+    """The active set alone stalls on a near-zero sequence (at 30 x 8, 100,000 iterations
+    left a gap of 1e-8): its warning names the default method, which converges there."""
+    eu, ev = near_zero(30, 8, 0.0, 1e-9)
+    f = sm.SequenceFactor(30, 8)
+    with pytest.warns(sm.ConvergenceWarning, match="facet side converges") as rec:
+        r = sm.solve(f, eu, ev, method="vertex", max_iter=300)
+    assert not r.converged and len(rec) == 1
+    r = sm.solve(f, eu, ev)
+    assert r.converged and r.gap <= 1e-10
+    # a converged vertex-side solve says nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sm.solve(f, eu, 0.3 * ev / 1e-9, method="vertex")
