@@ -18,7 +18,7 @@ batches of 16 dev sentences (the BiLSTM's cost is the same for both):
 
 Both get the scores as leaf tensors in float64 (the layer solves in float64 anyway).
 The ratio is SparseMAP's CPU time over the CRF's, per batch; the table gives the median
-and the worst batch (issue bar: median <= 2, worst <= 5 at every initialisation and
+and the worst batch (the bar: median <= 2, worst <= 5 at every initialisation and
 phase). CPU time of the process (``time.process_time``), the median of ``--repeats``
 runs per batch; torch and the layer on one thread (``n_jobs=1``,
 ``torch.set_num_threads(1)``, ``OPENBLAS_NUM_THREADS=1``).

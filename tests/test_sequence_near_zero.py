@@ -28,7 +28,7 @@ def near_zero(n, S, su, sv, seed=0, tied_rows=False):
 
 @pytest.mark.parametrize("n, S", [(30, 8), (100, 17)])
 @pytest.mark.parametrize("sv", [1e-9, 1e-6, 0.1])
-def test_issue_cases_converge_certified(n, S, sv):
+def test_near_zero_cases_converge_certified(n, S, sv):
     """eta_u = 0, eta_v = sv randn (seed 0): solved on the facet side, on the default and
     the "facet" methods, with gap <= 1e-10 (checked here by an independent Viterbi)."""
     eu, ev = near_zero(n, S, 0.0, sv)

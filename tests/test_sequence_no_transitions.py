@@ -41,7 +41,7 @@ def central_differences(eta_u, h=1e-7):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_issue_example(method):
+def test_identical_rows_example(method):
     f = sm.SequenceFactor(2, 3)
     eu = np.array([[0, .1, .2], [0, .1, .2]])
     d = np.zeros((2, 3))
@@ -59,7 +59,7 @@ def test_issue_example(method):
 def scores(kind, n, S, rng):
     if kind == "randn":
         return rng.standard_normal((n, S))
-    if kind == "repeated_rows":          # identical positions: the issue's failure
+    if kind == "repeated_rows":          # identical positions: where the tie direction's piece couples them
         return np.tile(0.3 * rng.standard_normal(S), (n, 1))
     if kind == "integers":               # ties inside a position
         return rng.integers(-2, 3, (n, S)).astype(float)
