@@ -200,10 +200,29 @@ cdef object _tie_array(unsigned long long seed, Py_ssize_t n):
     return a
 
 
+cdef object _tie_for(Factor factor):
+    """The tie direction of ``factor``, read-only (cached): draws from TIE_SEED; for a
+    SequenceFactor one (S, S) draw repeated at every transition, so that a transition
+    matrix shared by the positions breaks its ties along a shared direction too (the
+    next step of training moves every position's transitions alike)."""
+    from sparsemap._factors._sequence import SequenceFactor
+    cdef Py_ssize_t n_v = factor.n_v
+    if n_v and type(factor) is SequenceFactor:
+        S = factor.n_states
+        key = (TIE_SEED, "shared", n_v, S)
+        a = _TIE_ARRAYS.get(key)
+        if a is None:
+            a = np.tile(_tie_array(TIE_SEED, S * S)[:S * S], n_v // (S * S))
+            a.flags.writeable = False
+            _TIE_ARRAYS[key] = a
+        return a
+    return _tie_array(TIE_SEED, n_v)
+
+
 def tie_direction(Factor factor):
     """The direction ``r`` that breaks ties in ``eta_v``, flat (see ``_untie`` in
     ``sparsemap._backward``)."""
-    return np.array(_tie_array(TIE_SEED, factor.n_v)[:factor.n_v])
+    return np.array(_tie_for(factor)[:factor.n_v])
 
 
 cdef class _Workspace:
@@ -241,7 +260,7 @@ cdef class _Workspace:
         self.qv = self.pv + self.n_v
         self.rv = self.rc = NULL
         if self.n_v:
-            self.tie_keep = (_tie_array(TIE_SEED, self.n_v),
+            self.tie_keep = (_tie_for(f),
                              _tie_array(TIE_CHECK_SEED, self.n_v))
             self.rv = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[0])
             self.rc = <const double*> cnp.PyArray_DATA(<cnp.ndarray> self.tie_keep[1])

@@ -35,10 +35,21 @@ structure ``u`` is affine in ``t``; the structure changes at events:
   Viterbi-like pass over the nodes outside the supports and Newton's method on
   the piecewise-linear convex maximum of the paths' affine scores in ``t``.
 
+A degenerate start (a transport basis with a zero flow: positions whose
+sparsemax marginals tie, as at ``eta_u = 0``) puts the path's first events all at
+``t = 0``, where pivoting on ties can cycle. The path then runs from
+``eta_u + delta rho`` instead (``rho`` a fixed pseudo-random direction, ``delta``
+1e-6, then 1e-9, of the scores' largest magnitude), and its last structure is kept
+if it is optimal at ``eta_u`` itself (the piece's ``u``, flows, reduced costs and
+paths are recomputed and checked there); otherwise the path from ``eta_u`` runs as
+before.
+
 Where the result ties (zero flows, tight arcs or paths that neither enter nor
 leave), the structure is then moved along ``eta_v + s r`` for ``s -> 0+`` (the
 events at ``s = 0`` only), so that the Jacobian is the one of the piece ``u``
-follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)``.
+follows along ``(0, r)``, ``r = sparsemap.testing.tie_direction(factor)`` (one
+matrix repeated at every transition, so that a shared transition matrix breaks its
+ties along a shared direction).
 
 Masks: ``-inf`` in ``eta_u`` keeps a tag out of its support for good; ``-inf`` in
 ``eta_v`` (a forbidden transition) keeps the arc out of every forest, which needs
@@ -80,6 +91,21 @@ cdef double LOOSE = 1e-9      # consistency checks (a state this far off is decl
 # Projected declines: after EARLY pieces past the start, decline when the pieces
 # projected for t = 1 (at the rate so far) exceed twice the budget.
 cdef Py_ssize_t EARLY = 12
+# ... counting from the last piece that ended before t = START_ROUNDOFF / max |eta_v|
+# (or 1e-9): the start's degenerate events, at t = 0 but for round-off, which sits at
+# t ~ 1e-16 / max |eta_v| (flows of scale 1 against slopes of the scale of eta_v).
+# Measured: at eta_u = 0, eta_v = 1e-9 randn (30 x 8) the start's ~700 events reach
+# t ~ 1e-7, and the projection from them declined a solve that needs no more pieces.
+cdef double START_ROUNDOFF = 1e-12
+# ... and only from t = PROJECT_FROM: where eta_u's spread is far below eta_v's, the
+# pieces crowd at small t, and a projection from there declined (eta_u = 1e-12 randn,
+# eta_v = 1e-9 randn, 30 x 8: declined after 54 pieces; solved in 254).
+cdef double PROJECT_FROM = 1e-2
+# A degenerate start is moved to eta_u + delta rho, delta = SHIFT_FIRST times the
+# scores' largest magnitude, then SHIFT_NEXT (the end's structure must be the one at
+# eta_u: far enough from round-off to break the start's ties, close enough to keep it).
+cdef double SHIFT_FIRST = 1e-6
+cdef double SHIFT_NEXT = 1e-9
 # Before anything, decline when the pieces estimated from the scores exceed twice the
 # budget. Measured (n x 17 tags, n = 20, 60, 100, randn scores): the pieces grow like
 # n S min(1, rho), rho = std(eta_v) / std(eta_u) (each centred per transition and per
@@ -223,6 +249,9 @@ cdef struct _W:
     char* work         # the factor's MAP scratch
     # scales
     double tol_d, stol_x, stol_d
+    # pieces that end before t_start are the start's: its degenerate events, at t = 0 up
+    # to round-off (a flow's round-off over its slope, which scales with eta_v)
+    double t_start
 
 
 cdef inline double _cost(const double* C0, const double* D, Py_ssize_t k, double t) noexcept nogil:
@@ -1011,9 +1040,9 @@ cdef int _run(_W* w, const double* eta_u, const double* C0, const double* D, dou
             kind = EV_NONE
         if kind == EV_NONE:
             return RUN_OK
-        if t <= 1e-9:
+        if t <= w.t_start:
             p0 = pieces     # pieces of the start (zero-length where it is degenerate)
-        elif (not zero_only and pieces - p0 >= EARLY
+        elif (not zero_only and pieces - p0 >= EARLY and ev_t >= PROJECT_FROM
                 and p0 + <double> (pieces - p0) / ev_t > EST_FACTOR * budget):
             return RUN_DECLINE
         t = ev_t
@@ -1098,6 +1127,66 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
             u[a] = 0.0
             inP[a] = 0
     return 0
+
+
+cdef int _start(_W* w, const double* eta_u, const double* eta_v, const double* r,
+                double scale_v) noexcept nogil:
+    """The path's start into a fresh workspace: u_i = sparsemax(eta_u[i]), the optimal
+    transport bases for eta_v (ties broken by r). 0, or 1 (the solver declines)."""
+    cdef int i
+    for i in range(w.n):
+        if _sparsemax(eta_u + i * w.S, w.S, w.uA + i * w.S, w.inP + i * w.S, w.pot):
+            return 1      # no allowed tag at a position
+    for i in range(w.T):
+        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v):
+            return 1
+    return 0
+
+
+cdef bint _degenerate(_W* w) noexcept nogil:
+    """Whether a start's transport bases hold an arc of zero flow (flows as _transport
+    leaves them)."""
+    cdef int i, k
+    for i in range(w.T):
+        for k in range(w.na[i]):
+            if w.flA[i * w.cap + k] <= TOL_X:
+                return True
+    return False
+
+
+cdef bint _phase1(_W* w, const double* eta_u, const double* eta_v, double scale_v,
+                  Py_ssize_t budget, Py_ssize_t* n_iter, int* stack) noexcept nogil:
+    """Follow u along t eta_v from the start to t = 1: True when it got there."""
+    w.stol_x = TOL_S * scale_v
+    w.stol_d = TOL_S * scale_v
+    w.t_start = max(1e-9, START_ROUNDOFF / scale_v)
+    return _run(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) == RUN_OK
+
+
+cdef bint _violated(_W* w, const double* eta_u, const double* C0, const double* D,
+                    double t) noexcept nogil:
+    """Whether the piece's structure is not optimal at t (beyond the tie tolerances): a
+    negative u or flow, an arc outside the forest with a negative reduced cost, or a
+    path outside the supports with a positive score."""
+    cdef int S = w.S, i, k, a, b, ei, ex, eb
+    cdef Py_ssize_t q
+    for q in range(w.n * S):
+        if w.inP[q] and w.uA[q] + t * w.uB[q] < -TOL_X:
+            return True
+    for i in range(w.T):
+        for k in range(w.na[i]):
+            if w.flA[i * w.cap + k] + t * w.flB[i * w.cap + k] < -TOL_X:
+                return True
+        for a in range(S):
+            if not w.inP[i * S + a]:
+                continue
+            for b in range(S):
+                q = (i * S + a) * S + b
+                if w.inP[(i + 1) * S + b] and not w.inF[q] and D[q] > -INFINITY:
+                    if (w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
+                            + t * (w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q])) < -w.tol_d:
+                        return True
+    return _path_max(w, eta_u, C0, D, t, &ei, &ex, &eb) > w.tol_d
 
 
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
@@ -1552,20 +1641,52 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef int n = self.n, S = self.S, T = n - 1, i, a, b, k
         cdef Py_ssize_t j
         cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
-        cdef bint phase2 = False
+        cdef bint phase2 = False, solved = False
+        cdef int attempt
+        cdef double* shifted = NULL
         w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
-        # the start: u_i = sparsemax(eta_u[i]), the optimal transport bases for eta_v
-        for i in range(n):
-            if _sparsemax(eta_u + i * S, S, w.uA + i * S, w.inP + i * S, w.pot):
-                return FACET_DECLINED      # no allowed tag at a position
-        for i in range(T):
-            if _transport(w, i, w.uA, eta_v, self.r, 1e-12 * scale_v):
-                return FACET_DECLINED
+        if _start(w, eta_u, eta_v, self.r, scale_v):
+            return FACET_DECLINED
         # phase 1: eta_v(t) = t eta_v
         if scale_v > 0.0:
-            w.stol_x = TOL_S * scale_v
-            w.stol_d = TOL_S * scale_v
-            if _run(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) != RUN_OK:
+            if _degenerate(w):
+                # a degenerate start (tied marginals: rows of eta_u that tie, eta_u = 0)
+                # puts the path's first events all at t = 0, where pivots on ties can
+                # cycle (measured: eta_u = 0, 100 x 17, at every scale of eta_v). The
+                # path then runs from eta_u + delta rho (rho: the tie direction's first
+                # n S entries), whose start is not degenerate, and its last structure is
+                # taken at eta_u if it is optimal there (u and v follow from the
+                # structure and the scores; ties are resolved below as at any end).
+                shifted = <double*> malloc(n * S * sizeof(double))
+                if shifted == NULL:
+                    with gil:
+                        raise MemoryError()
+                try:
+                    for attempt in range(2):
+                        x = (SHIFT_FIRST if attempt == 0 else SHIFT_NEXT) * max(scale_u, scale_v)
+                        for j in range(n * S):
+                            shifted[j] = eta_u[j] + x * self.r[j]
+                        _free(w)
+                        _alloc(w, n, S, self.factor.work_bytes)
+                        w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+                        if _start(w, shifted, eta_v, self.r, scale_v):
+                            break
+                        if not _phase1(w, shifted, eta_v, scale_v, budget, n_iter, stack):
+                            continue
+                        if (_update(w, eta_u, NULL, eta_v, True) == 0
+                                and not _violated(w, eta_u, NULL, eta_v, 1.0)):
+                            solved = True
+                            break
+                finally:
+                    free(shifted)
+                if not solved:
+                    # the path from eta_u itself
+                    _free(w)
+                    _alloc(w, n, S, self.factor.work_bytes)
+                    w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+                    if _start(w, eta_u, eta_v, self.r, scale_v):
+                        return FACET_DECLINED
+            if not solved and not _phase1(w, eta_u, eta_v, scale_v, budget, n_iter, stack):
                 return FACET_DECLINED
             phase2 = _has_ties(w, eta_u, NULL, eta_v, 1.0)
         else:

@@ -40,6 +40,7 @@ from sparsemap._facet import facet_solver
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
 from sparsemap._factors._generic import OracleFactor
+from sparsemap._factors._sequence import SequenceFactor
 
 METHODS = ("auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
 # The exact solvers, and the side each runs on (docs/solvers.rst, "Two
@@ -190,10 +191,17 @@ class SparseMAPResult:
     ([1, 2], array([0.75, 0.25]))
     """
 
-    def __init__(self, factor, solution, method, eta=None):
+    def __init__(self, factor, solution, method, eta=None, per_position=False,
+                 shared_v=False):
         self.factor = factor
         self.method = method
         self._sol = solution
+        # eta_v was one (S, S) transition matrix shared by the positions: g_eta_v of vjp
+        # is its gradient (summed over the positions), and jvp takes an (S, S) d_eta_v
+        self._shared_v = bool(shared_v)
+        # solved without eta_v (a sequence): the eta_u part of the Jacobian is per-position
+        # sparsemax's (see _per_position)
+        self._per_position = bool(per_position)
         # CG keeps no Cholesky factor, and a face where n is not affine in m is
         # untied when first differentiated: the backward pass then reduces the
         # support once, which needs the scores.
@@ -364,7 +372,13 @@ class SparseMAPResult:
         from the factorisation the facet solver kept. Either is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
         kink, a one-sided derivative (an element of the generalized Jacobian,
-        see the solvers page).
+        see the solvers page). At transition scores that tie (a sequence's
+        ``eta_v`` passed as zeros) it is the limit of the Jacobians at
+        ``eta_v + t r`` as ``t`` decreases to 0, ``r =``
+        :func:`sparsemap.testing.tie_direction`. A :class:`SequenceFactor`
+        solved with ``eta_v=None`` is per-position sparsemax: the ``eta_u``
+        part is then sparsemax's Jacobian, position by position, and the
+        ``d_eta_v`` part that one-sided limit.
 
         Examples
         --------
@@ -375,6 +389,8 @@ class SparseMAPResult:
         >>> r.jvp([0.0, 1.0, 0.0])
         array([ 0. ,  0.5, -0.5])
         """
+        if getattr(self, "_shared_v", False) and d_eta_v is not None:
+            d_eta_v = _broadcast_shared(self.factor, d_eta_v, "d_eta_v")
         du, dv = _check_directions(self.factor, d_eta_u, d_eta_v, "d_eta_u", "d_eta_v")
         return _backward_batch([self], [du], None if dv is None else [dv], False, 1)[0]
 
@@ -390,6 +406,13 @@ class SparseMAPResult:
         -------
         g_eta_u : ndarray, shape ``factor.shape_u``
         g_eta_v : ndarray, shape ``factor.shape_v``
+
+        Notes
+        -----
+        The transpose of :meth:`jvp`'s matrix, with the same choices at ties:
+        for a :class:`SequenceFactor` solved with ``eta_v=None``, ``g_eta_u``
+        is per-position sparsemax's Jacobian applied to ``du``, and ``g_eta_v``
+        the one-sided limit along :func:`sparsemap.testing.tie_direction`.
         """
         g = self.factor._check_array(du, "du", False, False)
         return _backward_batch([self], [g], None, True, 1)[0]
@@ -397,7 +420,10 @@ class SparseMAPResult:
 
 _UNTIE_FAILED = ("ties in eta_v could not be broken (no solve at eta_v + delta r was "
                  "certified to follow one piece); the eta_v part of jvp/vjp may not be a "
-                 "derivative. Raise max_iter.")
+                 "derivative (u and the eta_u part are exact). A larger max_iter helps only "
+                 "where those solves ran out of iterations (near-flat scores need many); "
+                 "for a SequenceFactor the default method's facet side breaks these ties "
+                 "exactly, with no such search.")
 
 
 def _check_directions(factor, d_u, d_v, name_u, name_v):
@@ -499,8 +525,14 @@ def _warn_not_converged(result, where):
     if result._sol.status == STATUS_FACE_INCOMPLETE:
         warn(f"{where}SparseMAP ({result.method}), gap {result.gap:.3g}: {result.message}.")
         return
+    hint = ""
+    if _SIDES.get(result.method) == "vertex" and facet_solver(result.factor) is not None:
+        # the active set can need far more iterations at near-flat scores (a near-zero
+        # sequence: 100,000 left a gap of 1e-8 at 30 x 8), where the facet side is exact
+        hint = (" (or let the default method solve it: at near-flat scores this factor's "
+                "facet side converges where the active set may need many more iterations)")
     warn(f"{where}SparseMAP ({result.method}) stopped after {result.n_iter} iterations "
-         f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol.")
+         f"with gap {result.gap:.3g} ({result.message}); raise max_iter or tol{hint}.")
 
 
 def solve(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=DEFAULT_TOL,
@@ -517,6 +549,9 @@ def solve(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=DEFAULT_T
         support uses it, so ``u`` and the Jacobian are 0 there.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted); ``-inf`` forbids a part too.
+        For a :class:`SequenceFactor`, an ``(S, S)`` matrix is one transition
+        matrix shared by the positions (as in a CRF): ``vjp`` then returns its
+        ``(S, S)`` gradient and ``jvp`` takes an ``(S, S)`` ``d_eta_v``.
     method : {"auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
         ``"auto"`` (the default) runs the exact solver on the cheaper of two
         representations of the solution, per problem: the vertex side
@@ -642,7 +677,9 @@ def _solve_problem(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=
     the Jacobian's, so it must not leave the caller)."""
     _check_factor(factor)
     method, max_iter, tol = _check_options(method, max_iter, tol)
-    eu, ev = factor.check_scores(eta_u, eta_v)
+    shared = _is_shared(factor, eta_v)
+    eu, ev = factor.check_scores(
+        eta_u, _broadcast_shared(factor, eta_v, "eta_v") if shared else eta_v)
     S0 = _check_init(factor, init)
     if S0 is not None and method not in _SIDES:
         raise ValueError(f"init: warm starts are supported by the exact methods ({_EXACT}) "
@@ -656,7 +693,8 @@ def _solve_problem(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=
                           tol, bool(return_history), callback=callback, backward=backward)[0]
     if sol.status == STATUS_INFEASIBLE:
         raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
-    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter))
+    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter),
+                             _per_position(factor, eta_v is None), shared)
     if verbose:
         callback.summary(result)
     if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
@@ -1054,7 +1092,8 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
         if sol.status == STATUS_INFEASIBLE:
             raise _infeasible_error(fs[i], i)
     # the scores are kept for the backward passes that need them (CG's, a fibered face's)
-    results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter))
+    results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter),
+                               _per_position(f, evs is None or evs[i] is None))
                for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
@@ -1088,7 +1127,80 @@ def _check_results(results):
     return rs
 
 
+def _is_shared(factor, eta_v):
+    """Whether ``eta_v`` is one (S, S) transition matrix shared by the positions of a
+    :class:`SequenceFactor` (its per-position form is (n - 1, S, S))."""
+    return (type(factor) is SequenceFactor and eta_v is not None
+            and np.ndim(eta_v) == 2 and factor.n_v > 0)
+
+
+def _broadcast_shared(factor, x, name):
+    """A shared (S, S) matrix repeated at every transition (validated as ``name``)."""
+    arr = _real_array(x, name)
+    S = factor.n_states
+    if arr.shape != (S, S):
+        raise ValueError(f"{name}: expected shape {factor.shape_v} (per transition) or "
+                         f"{(S, S)} (shared by the positions), got {arr.shape}")
+    return np.broadcast_to(arr, factor.shape_v)
+
+
+def _per_position(factor, no_eta_v):
+    """Whether a solve of ``factor`` is per-position sparsemax: a :class:`SequenceFactor`
+    (exactly: a subclass may restrict the sequences) solved without ``eta_v``.
+
+    There ``u(eta_u, 0)`` is sparsemax of each position's scores, differentiable in
+    ``eta_u`` wherever sparsemax is, so the ``eta_u`` part of the Jacobian is that of
+    per-position sparsemax, not the one of the piece along the tie direction (which
+    couples positions). The ``eta_v`` part stays the one-sided limit along
+    ``tie_direction``: ``u`` has a kink in ``eta_v`` at 0 whatever was passed."""
+    return no_eta_v and type(factor) is SequenceFactor and factor.n_v > 0
+
+
+def _centre(on, d):
+    """Per-position sparsemax's Jacobian (symmetric) applied to ``d``: on each position
+    (last axis), ``d`` minus its mean over the support ``on``, and 0 off it."""
+    d = np.where(on, d, 0.0)
+    count = np.maximum(on.sum(-1, keepdims=True), 1)
+    return np.where(on, d - d.sum(-1, keepdims=True) / count, 0.0)
+
+
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
+    pp = [i for i, r in enumerate(rs) if getattr(r, "_per_position", False)]
+    if not pp:
+        out = _backward_core(rs, ins_u, ins_v, transpose, n_jobs)
+        if transpose and any(getattr(r, "_shared_v", False) for r in rs):
+            out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
+                   for r, (g_u, g_v) in zip(rs, out)]
+        return out
+    # solved without eta_v: the eta_u part in closed form (_per_position); the backward
+    # set runs only for the eta_v part (a jvp without d_eta_v needs none: no untying)
+    B = len(rs)
+    in_pp = set(pp)
+    shape = [r.factor.shape_u for r in rs]
+    if transpose:
+        out = _backward_core(rs, ins_u, None, True, n_jobs)
+        out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
+               for r, (g_u, g_v) in zip(rs, out)]
+        for i in pp:
+            out[i] = (_centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i])), out[i][1])
+        return out
+    has_v = [ins_v is not None and ins_v[i] is not None for i in range(B)]
+    need = [i for i in range(B) if i not in in_pp or has_v[i]]
+    part = dict(zip(need, _backward_core(
+        [rs[i] for i in need],
+        [np.zeros_like(ins_u[i]) if i in in_pp else ins_u[i] for i in need],
+        None if ins_v is None else [ins_v[i] for i in need], False, n_jobs))) if need else {}
+    out = []
+    for i in range(B):
+        if i in in_pp:
+            du = _centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i]))
+            out.append(du + part[i] if i in part else du)
+        else:
+            out.append(part[i])
+    return out
+
+
+def _backward_core(rs, ins_u, ins_v, transpose, n_jobs):
     n_threads = max(1, min(n_jobs, len(rs)))
     lazy = [r for r in rs if r._backward is None]
     if len(lazy) > 1 and n_threads > 1:
@@ -1251,7 +1363,7 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
         out_u[...] = 0.0
         for b, r in zip(_blocks(factors, out_u, False), results):
             b[...] = r.u
-        return results
+        return _mark_per_position(results, factors, etas_v, out_u)
     n_threads = max(1, min(_check_n_jobs(n_jobs), B))
     # the layer's backward pass has no scores to untie a fibered face with: untie it now
     # where eta_v is differentiated (without eta_v, the eta_u part is exact as it is)
@@ -1264,7 +1376,29 @@ def _solve_padded(factors, etas_u, etas_v, out_u, n_jobs, solve_kw, where=_eleme
     report = batch.report()
     if report:
         _settle(factors, etas_u, etas_v, out_u, sols, report, method, max_iter, tol, where)
-    return sols
+    return _mark_per_position(sols, factors, etas_v, out_u)
+
+
+def _mark_per_position(handles, factors, etas_v, out_u):
+    """The handles of a padded batch, wrapped (:class:`_PerPosition`) when it was solved
+    without ``eta_v`` and holds sequences (:func:`_per_position`)."""
+    if etas_v is not None or (isinstance(factors, Factor)
+                              and type(factors) is not SequenceFactor):
+        return handles
+    pp = np.array([_per_position(f, True) for f in
+                   ([factors] * len(out_u) if isinstance(factors, Factor) else factors)],
+                  dtype=bool)
+    return _PerPosition(handles, pp, out_u) if pp.any() else handles
+
+
+class _PerPosition:
+    """The handles of a padded batch solved without ``eta_v`` where some problems are
+    per-position sparsemax (:func:`_per_position`): which ones, and the supports of
+    their ``u`` (the eta_u part of their Jacobian, :func:`_centre`)."""
+
+    def __init__(self, handles, pp, u):
+        self.handles, self.pp = handles, pp
+        self.on = u[pp] > 0
 
 
 def _settle(factors, etas_u, etas_v, u, sols, report, method, max_iter, tol, where=_element):
@@ -1310,6 +1444,8 @@ def _padded_info(handles):
     problem offered to the facet side went to the vertex side) of a padded batch's
     problems, from :func:`_solve_padded`'s handles (no solve). A facet-side solution
     holds no structures: its support size is -1 (a decomposition would cost a solve)."""
+    if isinstance(handles, _PerPosition):
+        handles = handles.handles
     sols = [handles.solution(i) for i in range(len(handles))] \
         if isinstance(handles, _Solutions) else [h._sol for h in handles]
     facet = np.array([s.side == "facet" for s in sols], dtype=bool)
@@ -1351,6 +1487,28 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         A non-finite value in a block read, naming ``dus[i]`` (vjp) or
         ``d_etas_u[i]`` / ``d_etas_v[i]`` (jvp).
     """
+    if isinstance(handles, _PerPosition):
+        # solved without eta_v: per-position sparsemax's Jacobian for the eta_u part of
+        # those problems (_per_position); the backward sets give the eta_v part
+        pp = handles.pp
+        if pp.all() and (out_v is None if transpose else ins_v is None):
+            # nothing asks for an eta_v part: no backward set (no untying) at all
+            out_u[...] = 0.0
+            out_u[pp] = _centre(handles.on, np.where(handles.on, ins_u[pp], 0.0))
+            return None
+        bad = ~np.isfinite(np.where(handles.on, ins_u[pp], 0.0)).reshape(pp.sum(), -1).all(1)
+        if bad.any():
+            i = int(np.flatnonzero(pp)[bad][0])
+            raise ValueError(f"{'dus' if transpose else 'd_etas_u'}[{i}]: contains non-finite "
+                             f"values (nan or inf)")
+        inner = ins_u
+        if not transpose:
+            inner = ins_u.copy()
+            inner[pp] = 0.0
+        _backward_padded(handles.handles, inner, ins_v, transpose, n_jobs, out_u, out_v)
+        du = _centre(handles.on, ins_u[pp])
+        out_u[pp] = du if transpose else out_u[pp] + du
+        return None
     B = ins_u.shape[0]
     # a _Solutions holds no oracle (_solve_padded sends them down the general path)
     n_threads = max(1, min(_check_n_jobs(

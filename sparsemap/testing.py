@@ -15,6 +15,8 @@ SparseMAP QP (eq. 6), so they are usable for a factor you wrote yourself:
 - :func:`tie_direction` is the direction along which the backward pass
   breaks exact ties in ``eta_v`` (where ``u`` has a kink in ``eta_v``, its
   ``jvp`` and ``vjp`` are the derivative along it), to check that against;
+  for a :class:`~sparsemap.SequenceFactor` it is one matrix repeated at every
+  transition, :func:`shared_tie_direction`;
 - :func:`factors`, :func:`scores` and :func:`problems` are
   `hypothesis <https://hypothesis.readthedocs.io>`_ strategies drawing small
   factors of every built-in family and scores at many scales.
@@ -45,7 +47,7 @@ from sparsemap._factors._logic import _BinaryFactor
 
 __all__ = ["enumerate_structures", "dense_columns", "support_key", "check_kkt",
            "KKTReport", "finite_difference_jvp", "check_jacobian", "JacobianReport",
-           "tie_direction",
+           "tie_direction", "shared_tie_direction",
            "factors", "scores", "problems", "FAMILIES"]
 
 #: Family names understood by :func:`factors`.
@@ -423,6 +425,51 @@ def tie_direction(factor):
     if not isinstance(factor, sparsemap.Factor):
         raise ValueError(f"factor: expected a sparsemap Factor, got {type(factor).__name__}")
     return sparsemap._active_set.tie_direction(factor).reshape(factor.shape_v)
+
+
+def shared_tie_direction(factor):
+    """The tie direction of a sequence, as the one (S, S) matrix ``R0`` it repeats.
+
+    :func:`tie_direction` of a :class:`~sparsemap.SequenceFactor` is ``R0`` at
+    every transition, so that a transition matrix ``T`` shared by the positions
+    (an ``(S, S)`` ``eta_v``: :func:`sparsemap.solve`, or a broadcast one in
+    :mod:`sparsemap.torch`) breaks its ties along a shared direction too: at
+    exact ties (``T = 0``, a zero-initialised matrix) the gradient is the
+    limit of the gradients at ``T = t R0`` as ``t`` decreases to 0, the
+    derivative one step of training meets (it moves every position's
+    transitions alike), and ``<g, R0>`` is the one-sided derivative along
+    ``R0``. ``R0`` depends on ``S`` only.
+
+    Parameters
+    ----------
+    factor : SequenceFactor
+
+    Returns
+    -------
+    R0 : ndarray, shape ``(S, S)``
+        Entries uniform in ``[-1, 1)``.
+
+    Examples
+    --------
+    >>> import numpy as np, sparsemap as sm
+    >>> from sparsemap.testing import shared_tie_direction, tie_direction
+    >>> f = sm.SequenceFactor(6, 3)
+    >>> R0 = shared_tie_direction(f)
+    >>> bool(np.all(tie_direction(f) == R0))   # at every transition
+    True
+    >>> eta_u = np.array([[0.3, 0.2, 0.0]] * 6)
+    >>> res = sm.solve(f, eta_u, np.zeros((3, 3)))    # one shared matrix, at 0
+    >>> du = np.eye(6, 3)
+    >>> g = res.vjp(du)[1]                             # its gradient, (3, 3)
+    >>> t = 1e-7
+    >>> diff = (sm.solve(f, eta_u, t * R0).u - res.u) / t
+    >>> bool(np.isclose((g * R0).sum(), (du * diff).sum(), atol=1e-6))
+    True
+    """
+    if type(factor) is not sparsemap.SequenceFactor:
+        raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
+    S = factor.n_states
+    return sparsemap._active_set.tie_direction(sparsemap.SequenceFactor(2, S)).reshape(S, S)
 
 
 def _direction(d, name, shape):

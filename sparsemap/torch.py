@@ -705,6 +705,12 @@ def sparsemap(factor, eta_u, eta_v=None, *, n_jobs=None, return_info=False, **so
     facet side. It is exact to round-off, needs no new solve, and runs in the
     thread pool. Double backward, forward-mode AD and the ``torch.func``
     transforms are supported (see the module notes).
+    At transition scores that tie (a sequence's ``eta_v`` passed as zeros)
+    it is the limit of the Jacobians at ``eta_v + t r``, ``t -> 0+``, ``r =``
+    :func:`sparsemap.testing.tie_direction`; a sequence called without
+    ``eta_v`` is per-position sparsemax, and its ``eta_u`` gradient is
+    sparsemax's, position by position (the solvers page, "Sequences without
+    transitions").
 
     Examples
     --------

@@ -1,0 +1,105 @@
+"""A transition matrix shared by the positions (an (S, S) eta_v; a broadcast in torch).
+
+At exact ties (T = 0) the derivative is the one-sided limit along the shared tie
+direction R0 (sparsemap.testing.shared_tie_direction): checked here against solves at
+T = t R0, t > 0 small, where u is differentiable, and against one-sided differences of
+u along R0 (u is affine on [0, t R0]: the gradient's <g, R0> is that difference).
+"""
+import numpy as np
+import pytest
+
+import sparsemap as sm
+from sparsemap.testing import shared_tie_direction, tie_direction
+
+
+def problem(n, S=17, seed=0, scale=0.1):
+    rng = np.random.default_rng([n, S, seed])
+    return sm.SequenceFactor(n, S), scale * rng.standard_normal((n, S)), rng
+
+
+def test_tie_direction_is_shared():
+    for n, S in [(2, 3), (7, 4), (30, 17)]:
+        f = sm.SequenceFactor(n, S)
+        R0 = shared_tie_direction(f)
+        assert R0.shape == (S, S) and np.all(np.abs(R0) < 1) and np.std(R0) > 0.3
+        assert np.all(tie_direction(f) == R0)
+    # R0 depends on the number of tags only
+    assert np.all(shared_tie_direction(sm.SequenceFactor(1, 5))
+                  == shared_tie_direction(sm.SequenceFactor(9, 5)))
+    with pytest.raises(ValueError, match="SequenceFactor"):
+        shared_tie_direction(sm.TreeFactor(3))
+
+
+def test_shared_matrix_equals_its_broadcast():
+    f, eu, rng = problem(6, 4, scale=0.5)
+    T = 0.3 * rng.standard_normal((4, 4))
+    r = sm.solve(f, eu, T)
+    rb = sm.solve(f, eu, np.broadcast_to(T, f.shape_v).copy())
+    np.testing.assert_array_equal(r.u, rb.u)
+    g = rng.standard_normal(f.shape_u)
+    np.testing.assert_allclose(r.vjp(g)[1], rb.vjp(g)[1].sum(0), atol=1e-13)
+    D = rng.standard_normal((4, 4))
+    np.testing.assert_allclose(r.jvp(np.zeros(f.shape_u), D),
+                               rb.jvp(np.zeros(f.shape_u), np.broadcast_to(D, f.shape_v)),
+                               atol=1e-13)
+    with pytest.raises(ValueError, match=r"\(4, 4\) \(shared"):
+        sm.solve(f, eu, np.zeros((3, 4)))
+
+
+@pytest.mark.parametrize("n", [20, 80])
+@pytest.mark.parametrize("method", ["auto", "facet"])
+def test_gradient_at_zero_is_the_limit_along_R0(n, method):
+    f, eu, rng = problem(n)
+    R0 = shared_tie_direction(f)
+    du = rng.standard_normal(f.shape_u)
+    r0 = sm.solve(f, eu, np.zeros((17, 17)), method=method)
+    g_u, g_v = r0.vjp(du)
+    assert g_v.shape == (17, 17)
+    t = 1e-6
+    rt = sm.solve(f, eu, t * R0, method=method)
+    h_u, h_v = rt.vjp(du)
+    np.testing.assert_allclose(g_v, h_v, rtol=1e-6, atol=1e-6 * np.abs(h_v).max())
+    np.testing.assert_allclose(g_u, h_u, rtol=1e-6, atol=1e-6 * np.abs(h_u).max())
+    # <g, R0> is the one-sided derivative of <du, u> along R0
+    one_sided = (du * (rt.u - r0.u)).sum() / t
+    assert np.isclose((g_v * R0).sum(), one_sided, rtol=1e-6, atol=1e-9)
+    # and jvp along R0 is the one-sided difference itself
+    np.testing.assert_allclose(r0.jvp(np.zeros(f.shape_u), R0), (rt.u - r0.u) / t, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [20, 80])
+def test_torch_layer_and_loss_with_a_broadcast_matrix(n):
+    torch = pytest.importorskip("torch")
+    import sparsemap.torch as smt
+    f, eu, rng = problem(n)
+    S = 17
+    R0 = torch.tensor(shared_tie_direction(f))
+    du = torch.tensor(rng.standard_normal((2, n, S)))
+    x = torch.tensor(np.stack([eu, eu[::-1].copy()]))
+    target = torch.tensor(rng.integers(0, S, (2, n)))
+
+    def grads(T0):
+        T = T0.clone().requires_grad_()
+        (smt.sequence(x, T) * du).sum().backward()                      # the layer
+        T2 = T0.clone().requires_grad_()
+        smt.sparsemap_loss(f, x, target, T2.expand(2, n - 1, S, S)).backward()   # the loss
+        return T.grad, T2.grad
+
+    zero = torch.zeros(S, S, dtype=torch.float64)
+    g_layer, g_loss = grads(zero)
+    t = 1e-6
+    h_layer = grads(t * R0)[0]
+    # the loss's gradient is v - n_target, and v moves by O(t) along R0: a smaller t
+    h_loss = grads(1e-11 * R0)[1]
+    np.testing.assert_allclose(g_layer.numpy(), h_layer.numpy(), rtol=1e-6,
+                               atol=1e-6 * h_layer.abs().max().item())
+    np.testing.assert_allclose(g_loss.numpy(), h_loss.numpy(), rtol=1e-6,
+                               atol=1e-6 * h_loss.abs().max().item())
+    # (the loss at 0 is not the loss at any other shared matrix's limit: v is the
+    # limit along R0, one of many optimal couplings at T = 0)
+    g_other = grads(1e-11 * torch.tensor(np.random.default_rng(5).uniform(-1, 1, (S, S))))[1]
+    assert np.abs(g_other.numpy() - g_loss.numpy()).max() > 1e-3
+    # <g, R0> against the one-sided difference of the layer's output along R0
+    with torch.no_grad():
+        diff = ((smt.sequence(x, t * R0) - smt.sequence(x, zero)) * du).sum().item() / t
+    assert np.isclose((g_layer * R0).sum().item(), diff, rtol=1e-6, atol=1e-9)
