@@ -42,10 +42,13 @@ from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _Workspace, _dot, _maxabs, _run
 from sparsemap._active_set import STATUS_CONVERGED, tie_direction
+from sparsemap._backward cimport _complete, FACE_CERTIFIED
 from sparsemap._backward import FACE_STATUS_FIBERED, reduce_support
 from sparsemap import _variables
-from sparsemap._factors._logic import (AtMostOneFactor, BudgetFactor, OrFactor,
-                                       SequenceBudgetFactor, XorFactor)
+from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor,
+                                       ImplyFactor, KnapsackFactor, OrFactor, OrOutFactor,
+                                       PairFactor, SequenceBudgetFactor, XorFactor,
+                                       XorOutFactor)
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
@@ -1027,6 +1030,57 @@ cdef class _Engine:
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
+    def complete_face(self, Py_ssize_t f, const double[::1] du, const double[::1] dv,
+                      Py_ssize_t budget):
+        """Append weight-0 rows to factor f's support until they span the optimal face at
+        the certified multipliers plus (du, dv) (the exposing direction of
+        _face_exposure, in the engine's units). Returns (rows appended, face status).
+
+        The support alone spans only the part of the face that its weights use: a point
+        on a diagonal of a factor's square face has a support of two corners, and a
+        backward pass on those alone keeps the other diagonal fixed, which the scores
+        do not (a wrong Jacobian with a right u). The rows are for the backward pass:
+        the weights are untouched, and the workspace goes back to the engine's scores.
+        Polished engines only (the multipliers must be certified)."""
+        cdef _Workspace ws = self.workspaces[f]
+        cdef Py_ssize_t j, a = self.uoff[f], n0 = ws.nI
+        cdef int status
+        cdef double big = 1.0
+        cdef double[::1] eu = np.zeros(max(ws.n_u, 1))
+        cdef double[::1] ev = np.zeros(max(ws.n_v, 1))
+        if ws.nI == 0 or ws.n_u == 0:
+            return 0, FACE_CERTIFIED
+        with nogil:
+            # the normals at the multipliers' scale: a structure off the smallest face
+            # then loses at least about that much (one unit of a 0/1 part), far beyond
+            # the completion's tie tolerance
+            for j in range(a, self.uoff[f + 1]):
+                if self.var[j] >= 0 and fabs(self.cmu[j]) < INFINITY:
+                    big = max(big, fabs(self.cmu[j]))
+            if ws.n_v:
+                big = max(big, _maxabs(self.ev + self.voff[f], ws.n_v))
+            ws._compute_u(ws.y, False)
+            for j in range(ws.n_u):
+                # optimal face at (cmu + du, ev + dv) <=> adjusted scores eta_u - u
+                eu[j] = self.cmu[a + j] + big * du[j] + ws.u[j] if self.var[a + j] >= 0 \
+                    else big * du[j] + ws.u[j]
+            for j in range(ws.n_v):
+                ev[j] = self.ev[self.voff[f] + j] + big * dv[j]
+            ws._rescore(&eu[0], &ev[0] if ws.n_v else NULL)
+            status = _complete(ws, budget, 0.0, NULL, NULL)
+            # back to the engine's scores (theta of the new rows included)
+            ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
+        return ws.nI - n0, status
+
+    def face_rows(self, Py_ssize_t f):
+        return (<_Workspace> self.workspaces[f]).nI
+
+    def truncate_face(self, Py_ssize_t f, Py_ssize_t n):
+        """Drop factor f's rows from the n-th on (weight-0 rows of complete_face)."""
+        cdef _Workspace ws = self.workspaces[f]
+        while ws.nI > n:
+            ws._remove(ws.nI - 1)
+
     def u_raw(self):
         """The engine's own u (not clipped)."""
         return np.array(self._arrays["u"][:self.V])
@@ -1540,13 +1594,25 @@ class FactorGraph:
         else:
             hard = np.isneginf(eu)
             soft = _mask_candidates(eu, ev, hard)
+            border = np.zeros(self.n_variables, bool)
             if soft.any():
-                eu, soft = _cancel_forced(self._structure(), eu, soft)
-            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft)
+                st = self._structure()
+                pad = soft | hard
+                eu, soft, done = _cancel_forced(st, eu, soft)
+                border = _padding_border(st, pad, done)
+            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft | border)
+            if border.any() and engine.status == INFEASIBLE:
+                apart = self._engine(eu, flat, max_iter, tol, rho, polish, hard | soft)
+                if apart.status != INFEASIBLE:
+                    # the padding needs the real part's room: solve (P) with the fill
+                    # cancelled, as documented, and say that the real block moves
+                    warn(_padding_message(self, engine, border), UserWarning)
+                    engine, border = apart, np.zeros(self.n_variables, bool)
         if soft is not None and soft.any() and (engine.status == INFEASIBLE
                                                 or not _masks_hold(engine, eu, soft)):
             # a huge negative score that cannot be read as a mask: solve (P) as it is
-            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard)
+            # (the padding kept apart from the real part)
+            engine = self._engine(eu, flat, max_iter, tol, rho, polish, hard | border)
         result = FactorGraphResult(self, engine, eu, ev)
         result._tol = tol
         result._solve_args = (max_iter, tol, rho, polish)
@@ -1776,6 +1842,105 @@ def _constant_sums(factor):
     return []
 
 
+# A part within FACE_INTEGRAL of 0 or 1 (the polish leaves round-off) is at its bound,
+# and a linear constraint within FACE_INTEGRAL (times its size) of its bound is tight.
+FACE_INTEGRAL = 1e-9
+# MAP calls per factor that a face completion may spend (the backward pass's, once).
+FACE_BUDGET_CALLS = 2000
+# Two candidate Jacobians that differ by more than this (relative) on a random direction
+# are told apart by central differences (FactorGraphResult._check_faces).
+FACE_CHECK_TOL = 1e-9
+
+
+def _linear_rows(factor):
+    """The factor's polytope's inequalities beyond the box: [(idx, coef, lo, hi)] over
+    the concatenated parts (unary, then additional: index n_u + k), and whether they,
+    with 0 <= x <= 1 and the family's equalities, describe the polytope completely.
+    None for a family whose description this does not know (then only the box)."""
+    n = factor.n_u
+    ix = np.arange(n)
+    one = np.ones(n)
+    if isinstance(factor, (XorFactor, XorOutFactor)):
+        return [], True                      # an equality: tight everywhere
+    if isinstance(factor, AtMostOneFactor):
+        return [(ix, one, -np.inf, 1.0)], True
+    if isinstance(factor, OrFactor):
+        return [(ix, one, 1.0, np.inf)], True
+    if isinstance(factor, BudgetFactor):
+        return ([] if factor.exact else [(ix, one, -np.inf, float(factor.budget))]), True
+    if isinstance(factor, ImplyFactor):
+        # OR of the negated first n - 1 and the last: -sum_{i<n} x_i + x_n >= 2 - n
+        c = -one
+        c[n - 1] = 1.0
+        return [(ix, c, 2.0 - n, np.inf)], True
+    if isinstance(factor, OrOutFactor):
+        rows = [(np.array([i, n - 1]), np.array([1.0, -1.0]), -np.inf, 0.0)
+                for i in range(n - 1)]
+        c = -one
+        c[n - 1] = 1.0
+        return rows + [(ix, c, -np.inf, 0.0)], True
+    if isinstance(factor, AndOutFactor):
+        rows = [(np.array([i, n - 1]), np.array([-1.0, 1.0]), -np.inf, 0.0)
+                for i in range(n - 1)]
+        c = one.copy()
+        c[n - 1] = -1.0
+        return rows + [(ix, c, -np.inf, n - 2.0)], True
+    if isinstance(factor, PairFactor):
+        # v = y0 y1: max(0, y0 + y1 - 1) <= v <= min(y0, y1)
+        return [(np.array([0, 1, 2]), np.array([-1.0, -1.0, 1.0]), -1.0, np.inf),
+                (np.array([0, 2]), np.array([-1.0, 1.0]), -np.inf, 0.0),
+                (np.array([1, 2]), np.array([-1.0, 1.0]), -np.inf, 0.0)], True
+    if isinstance(factor, KnapsackFactor):
+        return [(ix, np.asarray(factor.costs, dtype=np.float64).reshape(-1), -np.inf,
+                 float(factor.budget))], True
+    if isinstance(factor, SequenceFactor):
+        return [], True                      # the chain's local polytope: equalities, x >= 0
+    if isinstance(factor, MatchingFactor):
+        g = np.arange(n).reshape(factor.shape_u)
+        if factor.n_rows == factor.n_cols:
+            return [], True
+        longer = g.T if factor.n_rows < factor.n_cols else g   # the side matched at most once
+        return [(r, np.ones(r.size), -np.inf, 1.0) for r in longer], True
+    return [], False
+
+
+def _face_exposure(factor, pu, pv):
+    """(du, dv, complete): the sum of the normals of the constraints of the factor's
+    polytope that are tight at the point (pu, pv), unary and additional parts.
+
+    Added (scaled) to certified multipliers, it exposes the smallest face that holds
+    the point, which is the face the Jacobian keeps the factor on: wherever u is
+    differentiable it is the projector onto the directions that keep every
+    constraint tight at u tight, those with a zero multiplier included (multipliers
+    of a factor graph are not unique, so a certified set of them can leave a tight
+    constraint at zero). ``complete`` says that the family's description is
+    complete, so that the exposed face is that smallest face; otherwise (trees,
+    generic and user factors) only the box is used and the face may be larger."""
+    nu, nv = factor.n_u, factor.n_v
+    x = np.concatenate([pu, pv]) if nv else np.asarray(pu, dtype=np.float64)
+    d = np.zeros(nu + nv)
+    binary = np.ones(nu + nv, bool)
+    nb = factor._non_binary_parts()
+    if nb is not None and len(nb):
+        binary[np.asarray(nb, dtype=np.intp)] = False
+    rows, complete = _linear_rows(factor)
+    if not isinstance(factor, SequenceFactor):
+        binary[nu:] = False     # additional parts: a sequence's transitions are 0/1 (a
+                                # pair's v has the rows above; others are not known)
+    lo = binary & (x <= FACE_INTEGRAL)
+    hi = binary & (x >= 1.0 - FACE_INTEGRAL)
+    d[lo] -= 1.0
+    d[hi] += 1.0
+    for idx, c, a, b in rows:
+        val = float(c @ x[idx])
+        size = FACE_INTEGRAL * max(1.0, float(np.abs(c).sum()))
+        if np.isfinite(b) and val >= b - size:
+            d[idx] += c
+        if np.isfinite(a) and val <= a + size:
+            d[idx] -= c
+    return d[:nu], d[nu:], complete
+
+
 def _cancel_forced(st, eu, soft):
     """Scores with the huge negative scores of forced groups taken off.
 
@@ -1788,8 +1953,9 @@ def _cancel_forced(st, eu, soft):
     rest of the problem at its own scale. Groups that share a variable are taken one
     at a time (a variable is shifted once per round)."""
     if st.n_groups == 0:
-        return eu, soft
+        return eu, soft, np.zeros(0, bool)
     eu = eu.copy()
+    done = np.zeros(st.n_groups, bool)
     links = np.flatnonzero(st.group >= 0)
     g, v = st.group[links], st.var[links]
     while True:
@@ -1809,8 +1975,32 @@ def _cancel_forced(st, eu, soft):
         top = np.full(st.n_groups, -np.inf)
         np.maximum.at(top, g[take[g]], eu[v[take[g]]])
         np.add.at(eu, v[take[g]], -top[g[take[g]]])
+        done |= take
         soft = soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
-    return eu, soft
+    return eu, soft, done
+
+
+def _padding_border(st, padding, done):
+    """The variables of the forced groups _cancel_forced took the fill off (``done``)
+    that another factor shares with real variables (not ``padding``): a padded row's
+    variables in a real column. Held at 0, they keep the padding apart from the real
+    part, whose answer is then the unpadded one (with them free, the padded rows,
+    forced on with tied scores, would take mass from the real columns' slack)."""
+    border = np.zeros(st.V, bool)
+    if not done.any():
+        return border
+    L = st.L
+    var, tied = st.var[:L], st.tied[:L]
+    real = np.zeros(st.F, bool)
+    links = np.flatnonzero(tied)
+    real[np.unique(st.factor_of[links[~padding[var[links]]]])] = True
+    own = np.zeros(L, bool)
+    own[st.group >= 0] = done[st.group[st.group >= 0]]
+    mine = np.zeros(st.V, bool)
+    mine[var[own]] = True                  # variables of the cancelled groups
+    cand = tied & ~own & real[st.factor_of] & mine[np.maximum(var, 0)]
+    border[var[cand]] = True
+    return border
 
 
 def _masks_hold(engine, eu, soft):
@@ -1884,6 +2074,20 @@ def _conflict_message(graph, engine, where):
                f"constraints would score below zero)")
     return (f"{where}FactorGraph.solve: infeasible: no assignment of the variables satisfies "
             f"every factor{how}; {why}")
+
+
+def _padding_message(graph, engine, border):
+    """Why the padding could not be kept apart from the real part (engine: the solve
+    with the border held at 0, infeasible)."""
+    return (f"FactorGraph.solve: the padding could not be solved apart from the real "
+            f"scores: factors whose variables all carry a padding fill (scores below -1e6 "
+            f"times the others) force some of them on, and with the padded variables that "
+            f"they share with factors over real scores (variables "
+            f"{_short_list(np.flatnonzero(border))}) held at 0, no point satisfies factors "
+            f"{_factor_groups(graph, _conflicting(engine))}. The padding uses those "
+            f"variables, so the answer on the real scores is not the unpadded one. Pad so "
+            f"that the padding can satisfy its own factors (a padded Xor row needs a padded "
+            f"column it can use), or leave the padded factors out of the graph")
 
 
 def _short_list(xs, k=8):
@@ -2036,6 +2240,7 @@ class FactorGraphResult:
             v, structures, weights = [], [], []
             for f, factor in enumerate(self.factors):
                 vf, S, y = self._engine.factor_result(f)
+                S, y = S[y > 0], y[y > 0]     # not the backward pass's weight-0 rows
                 v.append(vf.reshape(factor.shape_v))
                 structures.append([factor._to_public(x) for x in S])
                 weights.append(y)
@@ -2075,10 +2280,72 @@ class FactorGraphResult:
         Jacobian of the piece u follows from eta along (0, r). Polished results only:
         the check needs certified multipliers."""
         if self._bengine is None:
-            self._bengine = self._engine
+            engine = self._engine
             if self.polished and self._solve_args is not None and self._fibered():
-                self._bengine = self._untie()
+                engine = self._untie()
+            if engine.polished:
+                self._check_faces(engine)
+            self._bengine = engine
         return self._bengine
+
+    def _check_faces(self, engine):
+        """Complete the faces (_complete_faces); where a factor's family does not say
+        which face is the smallest, check the backward pass against central differences
+        along one random direction, and keep the supports as they were if those agree
+        better with them. Warns when neither agrees."""
+        rows = [engine.face_rows(f) for f in range(len(self.factors))]
+        probe = np.random.default_rng(0).standard_normal(self.n_variables)
+        before = engine.project(probe)[0] if self._solve_args is not None else None
+        unsure = self._complete_faces(engine)
+        if not unsure or before is None:
+            return
+        after = engine.project(probe)[0]
+        atol = FACE_CHECK_TOL * max(1.0, float(np.abs(after).max()), float(np.abs(before).max()))
+        if np.abs(after - before).max() <= atol:
+            return
+        eu, ev = self._eta
+        max_iter, tol, rho, polish = self._solve_args
+        scale = max([1.0, float(np.abs(eu[np.isfinite(eu)]).max(initial=0.0))]
+                    + [float(np.abs(e).max(initial=0.0)) for e in ev])
+        evs = [None if not f.n_v else e.reshape(f.shape_v) for f, e in zip(self.factors, ev)]
+        for h in (1e-5 * scale, 1e-7 * scale):
+            try:
+                up = self._graph._solve_quiet(eu + h * probe, evs, max_iter, tol, rho, polish)
+                dn = self._graph._solve_quiet(eu - h * probe, evs, max_iter, tol, rho, polish)
+            except ValueError:
+                break
+            if not (up.polished and dn.polished):
+                continue
+            fd = (up._engine.u_raw() - dn._engine.u_raw()) / (2 * h)
+            deg = np.asarray(engine._arrays["deg"][:self.n_variables]) > 0
+            if np.abs(after - fd)[deg].max(initial=0.0) <= 1e3 * atol:
+                return
+            if np.abs(before - fd)[deg].max(initial=0.0) <= 1e3 * atol:
+                for f in unsure:
+                    engine.truncate_face(f, rows[f])
+                return
+        warn("FactorGraphResult: the backward pass could not be checked at this point: "
+             f"factors {_short_list(unsure)} lie on a degenerate face of their polytopes "
+             f"whose smallest face their family does not describe, and central differences "
+             f"agree with neither candidate Jacobian; jvp/vjp may not be the derivative")
+
+    def _complete_faces(self, engine):
+        """Complete every factor's support on engine to span the smallest face of its
+        polytope that holds the factor's point (see _face_exposure): the faces the
+        Jacobian keeps. Returns the factors whose family's description is not known
+        completely and whose completion added rows (their face may be larger than the
+        smallest one: the backward pass checks itself there)."""
+        unsure = []
+        for f, factor in enumerate(self.factors):
+            pu = engine.factor_u(f)
+            pv = engine.factor_result(f)[0] if factor.n_v else np.zeros(0)
+            du, dv, complete = _face_exposure(factor, pu, pv)
+            added, status = engine.complete_face(f, np.ascontiguousarray(du),
+                                                 np.ascontiguousarray(dv) if dv.size
+                                                 else np.zeros(1), FACE_BUDGET_CALLS)
+            if status != FACE_CERTIFIED or (added and not complete):
+                unsure.append(f)
+        return unsure
 
     def _fibered(self):
         """Whether some factor's final face is fibered: its face completed and checked as

@@ -1128,9 +1128,25 @@ def _describe_vars(v, names):
     return f"{label}[{', '.join(axes)}]"
 
 
-def _common_prefix(factors, names):
+def _leading(factor):
+    """{(id of base variable, index along its first axis)} that the factor's variables use,
+    or None when one of them is a vector (no batch axis)."""
+    out = set()
+    vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
+    for v in vs:
+        base = _base(v)
+        if len(base.shape) < 2:
+            return None
+        lead = np.unique(np.unravel_index(v._ix.reshape(-1), base.shape)[0])
+        out.update((id(base), int(x)) for x in lead)
+    return out
+
+
+def _common_prefix(factors, names, graph_factors=None):
     """' (all on variable 0[2]: batch element 2)' when every factor's variables lie in one
-    slice along the first axis of one variable (a batch); '' otherwise."""
+    slice along the first axis of one variable, and that axis is a batch: every factor of
+    the graph on that variable (``graph_factors``) lies in one such slice, so the slices
+    are separate problems. '' otherwise (a row of one alignment is no batch element)."""
     first = set()
     for f in factors:
         vs = f._variables if isinstance(f._variables, tuple) else (f._variables,)
@@ -1143,6 +1159,13 @@ def _common_prefix(factors, names):
     if len(first) != 1:
         return ""
     (b, i), = first
+    for f in graph_factors or ():
+        lead = _leading(f)
+        if lead is None:
+            continue
+        mine = {x for x in lead if x[0] == b}
+        if len(mine) > 1:
+            return ""            # a factor across slices: the first axis is no batch
     return f" (all on variable {names.get(b, '?')}[{i}]: batch element {i})"
 
 
@@ -1371,7 +1394,7 @@ class FactorGraph:
         shown = [f"{k}: {_describe_factor(self.factors[k], names)}" for k in mine[:6]]
         more = f", ... ({len(mine)} factors in all)" if len(mine) > 6 else ""
         masked = " (with the variables whose score is -inf fixed at 0)" if exc.masked else ""
-        where = _common_prefix([self.factors[k] for k in mine], names)
+        where = _common_prefix([self.factors[k] for k in mine], names, self.factors)
         return (f"FactorGraph.solve: infeasible: no assignment of the variables satisfies "
                 f"these factors together{masked}: {'; '.join(shown)}{more}{where}. "
                 f"lp-sparsemap returns a point that breaks them instead (see the migration "
