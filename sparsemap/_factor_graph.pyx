@@ -125,6 +125,11 @@ cdef Py_ssize_t FARKAS_EVERY = 4
 cdef double FARKAS_MIN_RESIDUAL = 1e-6
 cdef double FARKAS_TOL = 1e-9
 
+# Face completion for the backward pass (_Engine.complete_faces): a part within
+# FACE_INTEGRAL of 0 or 1 (the polish leaves round-off) is at its bound, and a linear
+# constraint within FACE_INTEGRAL (times its size) of its bound is tight.
+cdef double FACE_INTEGRAL = 1e-9
+
 cdef enum:
     RUNNING = 0
     CONVERGED = 1
@@ -1030,47 +1035,93 @@ cdef class _Engine:
             self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
-    def complete_face(self, Py_ssize_t f, const double[::1] du, const double[::1] dv,
-                      Py_ssize_t budget):
-        """Append weight-0 rows to factor f's support until they span the optimal face at
-        the certified multipliers plus (du, dv) (the exposing direction of
-        _face_exposure, in the engine's units). Returns (rows appended, face status).
+    def complete_faces(self, faces, Py_ssize_t budget):
+        """Append weight-0 rows to every factor's support until they span the optimal
+        face at the certified multipliers plus the normals of the constraints tight at the
+        factor's point (``faces``: the structure's _Faces, the constraints of each
+        factor). Returns, per factor, the rows appended and the face status.
 
         The support alone spans only the part of the face that its weights use: a point
         on a diagonal of a factor's square face has a support of two corners, and a
         backward pass on those alone keeps the other diagonal fixed, which the scores
         do not (a wrong Jacobian with a right u). The rows are for the backward pass:
-        the weights are untouched, and the workspace goes back to the engine's scores.
+        the weights are untouched, and each workspace goes back to the engine's scores.
         Polished engines only (the multipliers must be certified)."""
-        cdef _Workspace ws = self.workspaces[f]
-        cdef Py_ssize_t j, a = self.uoff[f], n0 = ws.nI
-        cdef int status
-        cdef double big = 1.0
-        cdef double[::1] eu = np.zeros(max(ws.n_u, 1))
-        cdef double[::1] ev = np.zeros(max(ws.n_v, 1))
-        if ws.nI == 0 or ws.n_u == 0:
-            return 0, FACE_CERTIFIED
+        cdef Py_ssize_t F = self.F, f, n = 1
+        for f in range(F):
+            n = max(n, (<_Workspace> self.wsp[f]).n_u + (<_Workspace> self.wsp[f]).n_v)
+        cdef double[::1] eu = np.zeros(n), ev = np.zeros(n), x = np.zeros(n), d = np.zeros(n)
+        cdef Py_ssize_t[::1] added = np.zeros(F, dtype=np.intp)
+        cdef int[::1] status = np.zeros(F, dtype=np.intc)
+        cdef const char[::1] xbin = faces.xbin
+        cdef const Py_ssize_t[::1] xoff = faces.xoff, rfac = faces.rfac, rptr = faces.rptr
+        cdef const Py_ssize_t[::1] ridx = faces.ridx
+        cdef const double[::1] rcoef = faces.rcoef, rlo = faces.rlo, rhi = faces.rhi
         with nogil:
-            # the normals at the multipliers' scale: a structure off the smallest face
-            # then loses at least about that much (one unit of a 0/1 part), far beyond
-            # the completion's tie tolerance
-            for j in range(a, self.uoff[f + 1]):
-                if self.var[j] >= 0 and fabs(self.cmu[j]) < INFINITY:
-                    big = max(big, fabs(self.cmu[j]))
-            if ws.n_v:
-                big = max(big, _maxabs(self.ev + self.voff[f], ws.n_v))
-            ws._compute_u(ws.y, False)
-            for j in range(ws.n_u):
-                # optimal face at (cmu + du, ev + dv) <=> adjusted scores eta_u - u
-                eu[j] = self.cmu[a + j] + big * du[j] + ws.u[j] if self.var[a + j] >= 0 \
-                    else big * du[j] + ws.u[j]
-            for j in range(ws.n_v):
-                ev[j] = self.ev[self.voff[f] + j] + big * dv[j]
-            ws._rescore(&eu[0], &ev[0] if ws.n_v else NULL)
-            status = _complete(ws, budget, 0.0, NULL, NULL)
-            # back to the engine's scores (theta of the new rows included)
-            ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
-        return ws.nI - n0, status
+            for f in range(F):
+                self._complete_one(<_Workspace> self.wsp[f], f, &xbin[xoff[f]],
+                                   rfac[f], rfac[f + 1], &rptr[0], &ridx[0], &rcoef[0],
+                                   &rlo[0], &rhi[0], &eu[0], &ev[0], &x[0], &d[0], budget,
+                                   &added[f], &status[f])
+        return np.asarray(added), np.asarray(status)
+
+    cdef int _complete_one(self, _Workspace ws, Py_ssize_t f, const char* xbin,
+                           Py_ssize_t r0, Py_ssize_t r1, const Py_ssize_t* rptr,
+                           const Py_ssize_t* ridx, const double* rcoef, const double* rlo,
+                           const double* rhi, double* eu, double* ev, double* x, double* d,
+                           Py_ssize_t budget, Py_ssize_t* added, int* status) except -1 nogil:
+        """complete_faces for factor f: d = the tight normals at x = (M p, N p)."""
+        cdef Py_ssize_t j, r, k, a = self.uoff[f], nu = ws.n_u, nx = ws.n_u + ws.n_v
+        cdef Py_ssize_t n0 = ws.nI
+        cdef double big = 1.0, val, size
+        status[0] = FACE_CERTIFIED
+        if ws.nI == 0 or nu == 0:
+            return 0
+        ws._compute_u(ws.y, True)
+        for j in range(nu):
+            x[j] = ws.u[j]
+        for j in range(ws.n_v):
+            x[nu + j] = ws.v[j]
+        # box normals where a 0/1 part is at its bound, then the tight rows' normals
+        for j in range(nx):
+            d[j] = 0.0
+            if xbin[j]:
+                if x[j] <= FACE_INTEGRAL:
+                    d[j] = -1.0
+                elif x[j] >= 1.0 - FACE_INTEGRAL:
+                    d[j] = 1.0
+        for r in range(r0, r1):
+            val = 0.0
+            size = 0.0
+            for k in range(rptr[r], rptr[r + 1]):
+                val += rcoef[k] * x[ridx[k]]
+                size += fabs(rcoef[k])
+            size = FACE_INTEGRAL * max(1.0, size)
+            if val >= rhi[r] - size:
+                for k in range(rptr[r], rptr[r + 1]):
+                    d[ridx[k]] += rcoef[k]
+            if val <= rlo[r] + size:
+                for k in range(rptr[r], rptr[r + 1]):
+                    d[ridx[k]] -= rcoef[k]
+        # the normals at the multipliers' scale: a structure off the smallest face then
+        # loses at least about that much (one unit of a 0/1 part), far beyond the
+        # completion's tie tolerance
+        for j in range(a, self.uoff[f + 1]):
+            if self.var[j] >= 0 and fabs(self.cmu[j]) < INFINITY:
+                big = max(big, fabs(self.cmu[j]))
+        if ws.n_v:
+            big = max(big, _maxabs(self.ev + self.voff[f], ws.n_v))
+        for j in range(nu):
+            # the optimal face at (cmu + big d_u, ev + big d_v): adjusted scores eta_u - u
+            eu[j] = (self.cmu[a + j] if self.var[a + j] >= 0 else 0.0) + big * d[j] + x[j]
+        for j in range(ws.n_v):
+            ev[j] = self.ev[self.voff[f] + j] + big * d[nu + j]
+        ws._rescore(eu, ev if ws.n_v else NULL)
+        status[0] = _complete(ws, budget, 0.0, NULL, NULL)
+        # back to the engine's scores (theta of the new rows included)
+        ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
+        added[0] = ws.nI - n0
+        return 0
 
     def face_rows(self, Py_ssize_t f):
         return (<_Workspace> self.workspaces[f]).nI
@@ -1248,6 +1299,13 @@ class _Structure:
                     k += 1
         self.group, self.n_groups = gid, k
         self.counting = _counting_parts(self, factors, neg)
+        self._faces = None
+
+    def faces(self):
+        """The factors' constraints for the backward pass's face completion (_Faces)."""
+        if self._faces is None:
+            self._faces = _Faces(self.factors)
+        return self._faces
 
 
 def _cardinality(factor):
@@ -1842,9 +1900,6 @@ def _constant_sums(factor):
     return []
 
 
-# A part within FACE_INTEGRAL of 0 or 1 (the polish leaves round-off) is at its bound,
-# and a linear constraint within FACE_INTEGRAL (times its size) of its bound is tight.
-FACE_INTEGRAL = 1e-9
 # MAP calls per factor that a face completion may spend (the backward pass's, once).
 FACE_BUDGET_CALLS = 2000
 # Two candidate Jacobians that differ by more than this (relative) on a random direction
@@ -1904,41 +1959,47 @@ def _linear_rows(factor):
     return [], False
 
 
-def _face_exposure(factor, pu, pv):
-    """(du, dv, complete): the sum of the normals of the constraints of the factor's
-    polytope that are tight at the point (pu, pv), unary and additional parts.
+class _Faces:
+    """Per factor of a graph, the constraints of its polytope beyond its equalities, for
+    the backward pass's face completion (_Engine.complete_faces), flat over factors:
+    ``xbin`` (per part, unary then additional, from ``xoff[f]``) marks the 0/1 parts whose
+    bounds 0 <= x <= 1 are listed; rows ``rfac[f]..rfac[f + 1]`` are factor f's
+    inequalities ``lo <= coef . x[idx] <= hi`` (entries ``rptr[r]..rptr[r + 1]``);
+    ``complete[f]``: these, the bounds and the family's equalities describe the
+    polytope (_linear_rows), so the completed face is the smallest one holding the
+    factor's point. Built once per graph structure, at its first backward pass."""
 
-    Added (scaled) to certified multipliers, it exposes the smallest face that holds
-    the point, which is the face the Jacobian keeps the factor on: wherever u is
-    differentiable it is the projector onto the directions that keep every
-    constraint tight at u tight, those with a zero multiplier included (multipliers
-    of a factor graph are not unique, so a certified set of them can leave a tight
-    constraint at zero). ``complete`` says that the family's description is
-    complete, so that the exposed face is that smallest face; otherwise (trees,
-    generic and user factors) only the box is used and the face may be larger."""
-    nu, nv = factor.n_u, factor.n_v
-    x = np.concatenate([pu, pv]) if nv else np.asarray(pu, dtype=np.float64)
-    d = np.zeros(nu + nv)
-    binary = np.ones(nu + nv, bool)
-    nb = factor._non_binary_parts()
-    if nb is not None and len(nb):
-        binary[np.asarray(nb, dtype=np.intp)] = False
-    rows, complete = _linear_rows(factor)
-    if not isinstance(factor, SequenceFactor):
-        binary[nu:] = False     # additional parts: a sequence's transitions are 0/1 (a
-                                # pair's v has the rows above; others are not known)
-    lo = binary & (x <= FACE_INTEGRAL)
-    hi = binary & (x >= 1.0 - FACE_INTEGRAL)
-    d[lo] -= 1.0
-    d[hi] += 1.0
-    for idx, c, a, b in rows:
-        val = float(c @ x[idx])
-        size = FACE_INTEGRAL * max(1.0, float(np.abs(c).sum()))
-        if np.isfinite(b) and val >= b - size:
-            d[idx] += c
-        if np.isfinite(a) and val <= a + size:
-            d[idx] -= c
-    return d[:nu], d[nu:], complete
+    def __init__(self, factors):
+        xbin, xoff, rfac, rptr = [], [0], [0], [0]
+        ridx, rcoef, rlo, rhi, complete = [], [], [], [], []
+        for factor in factors:
+            nu, nv = factor.n_u, factor.n_v
+            binary = np.ones(nu + nv, np.int8)
+            nb = factor._non_binary_parts()
+            if nb is not None and len(nb):
+                binary[np.asarray(nb, dtype=np.intp)] = 0
+            if not isinstance(factor, SequenceFactor):
+                binary[nu:] = 0   # a sequence's transitions are 0/1; a pair's v has rows
+            rows, full = _linear_rows(factor)
+            xbin.append(binary)
+            xoff.append(xoff[len(xoff) - 1] + nu + nv)
+            for idx, c, lo, hi in rows:
+                ridx.append(np.asarray(idx, dtype=np.intp))
+                rcoef.append(np.asarray(c, dtype=np.float64))
+                rptr.append(rptr[len(rptr) - 1] + len(idx))
+                rlo.append(lo)
+                rhi.append(hi)
+            rfac.append(rfac[len(rfac) - 1] + len(rows))
+            complete.append(full)
+        self.xbin = np.concatenate(xbin + [np.zeros(1, np.int8)]).astype(np.int8)
+        self.xoff = np.asarray(xoff, dtype=np.intp)
+        self.rfac = np.asarray(rfac, dtype=np.intp)
+        self.rptr = np.asarray(rptr, dtype=np.intp)
+        self.ridx = np.concatenate(ridx + [np.zeros(1, np.intp)]).astype(np.intp)
+        self.rcoef = np.concatenate(rcoef + [np.zeros(1)]).astype(np.float64)
+        self.rlo = np.asarray(rlo + [0.0], dtype=np.float64)
+        self.rhi = np.asarray(rhi + [0.0], dtype=np.float64)
+        self.complete = np.asarray(complete, dtype=bool)
 
 
 def _cancel_forced(st, eu, soft):
@@ -2289,14 +2350,22 @@ class FactorGraphResult:
         return self._bengine
 
     def _check_faces(self, engine):
-        """Complete the faces (_complete_faces); where a factor's family does not say
-        which face is the smallest, check the backward pass against central differences
-        along one random direction, and keep the supports as they were if those agree
-        better with them. Warns when neither agrees."""
-        rows = [engine.face_rows(f) for f in range(len(self.factors))]
+        """Complete every factor's support on engine to span the smallest face of its
+        polytope that holds the factor's point (_Engine.complete_faces): the faces the
+        Jacobian keeps. For a factor whose family's description is not known completely
+        (_linear_rows) the completed face may be larger than the smallest one; where
+        completing such factors changes the Jacobian (on one random direction), central
+        differences along that direction choose between the completed faces and the
+        supports alone, and a warning says when neither agrees."""
+        faces = engine.structure.faces()
+        partial = not faces.complete.all()
+        rows = [engine.face_rows(f) for f in range(len(self.factors))] if partial else None
         probe = np.random.default_rng(0).standard_normal(self.n_variables)
-        before = engine.project(probe)[0] if self._solve_args is not None else None
-        unsure = self._complete_faces(engine)
+        before = engine.project(probe)[0] if partial and self._solve_args is not None \
+            else None
+        added, status = engine.complete_faces(faces, FACE_BUDGET_CALLS)
+        unsure = [int(f) for f in np.flatnonzero((status != FACE_CERTIFIED)
+                                                 | ((added > 0) & ~faces.complete))]
         if not unsure or before is None:
             return
         after = engine.project(probe)[0]
@@ -2328,24 +2397,6 @@ class FactorGraphResult:
              f"factors {_short_list(unsure)} lie on a degenerate face of their polytopes "
              f"whose smallest face their family does not describe, and central differences "
              f"agree with neither candidate Jacobian; jvp/vjp may not be the derivative")
-
-    def _complete_faces(self, engine):
-        """Complete every factor's support on engine to span the smallest face of its
-        polytope that holds the factor's point (see _face_exposure): the faces the
-        Jacobian keeps. Returns the factors whose family's description is not known
-        completely and whose completion added rows (their face may be larger than the
-        smallest one: the backward pass checks itself there)."""
-        unsure = []
-        for f, factor in enumerate(self.factors):
-            pu = engine.factor_u(f)
-            pv = engine.factor_result(f)[0] if factor.n_v else np.zeros(0)
-            du, dv, complete = _face_exposure(factor, pu, pv)
-            added, status = engine.complete_face(f, np.ascontiguousarray(du),
-                                                 np.ascontiguousarray(dv) if dv.size
-                                                 else np.zeros(1), FACE_BUDGET_CALLS)
-            if status != FACE_CERTIFIED or (added and not complete):
-                unsure.append(f)
-        return unsure
 
     def _fibered(self):
         """Whether some factor's final face is fibered: its face completed and checked as
