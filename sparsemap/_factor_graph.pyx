@@ -1660,7 +1660,7 @@ class FactorGraph:
             soft = None
         else:
             hard = np.isneginf(eu)
-            soft = _mask_candidates(eu, ev, hard)
+            soft = _mask_candidates(eu, flat, hard)
             border = np.zeros(self.n_variables, bool)
             if soft.any():
                 st = self._structure()
@@ -1881,11 +1881,16 @@ def _mask_candidates(eu, ev, hard):
     out = np.zeros(eu.shape[0], bool)
     if neg.size == 0:
         return out
-    rest = max([1.0, float(eu[~hard & (eu >= 0)].max(initial=0.0))]
-               + [float(np.abs(e).max(initial=0.0)) for e in ev])
+    # ev: the eta_v list, or their concatenation (one reduction instead of one per factor)
+    evmax = float(np.abs(ev).max(initial=0.0)) if isinstance(ev, np.ndarray) else \
+        max([0.0] + [float(np.abs(e).max(initial=0.0)) for e in ev])
+    rest = max(1.0, float(eu[~hard & (eu >= 0)].max(initial=0.0)), evmax)
     order = neg[np.argsort(-eu[neg])]             # smallest magnitude first
     mags = -eu[order]
-    below = np.maximum.accumulate(np.r_[rest, mags[:mags.size - 1]])
+    below = np.empty(mags.size)
+    below[0] = rest
+    below[1:] = mags[:mags.size - 1]
+    np.maximum.accumulate(below, out=below)
     gap = np.flatnonzero(mags / MASK_GAP > below)
     if gap.size:
         out[order[gap[0]:]] = True
@@ -2740,13 +2745,18 @@ def _matching_blocks(whole, eu, fixed):
     grid = whole.parts.reshape(nr, nc)
     free = ~fixed[grid]
     # complete blocks <=> rows with the same free columns, and those sets disjoint
-    pats, inv = np.unique(free, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    if not pats.any(axis=1).all() or pats.sum(axis=0).max(initial=0) > 1:
-        return None                 # a row with nothing free, or overlapping blocks
+    if not free.any(axis=1).all():
+        return None                 # a Xor row with nothing free
+    groups = {}
+    packed = np.packbits(free, axis=1)
+    for r in range(nr):
+        groups.setdefault(packed[r].tobytes(), []).append(r)
+    first = [g[0] for g in groups.values()]
+    if free[first].sum(axis=0).max(initial=0) > 1:
+        return None                 # blocks that overlap
     blocks = []
-    for k in range(pats.shape[0]):
-        rows, cols = np.flatnonzero(inv == k), np.flatnonzero(pats[k])
+    for g in groups.values():
+        rows, cols = np.asarray(g), np.flatnonzero(free[g[0]])
         if rows.size > cols.size:
             return None
         vals = eu[grid[np.ix_(rows, cols)]]
@@ -2806,7 +2816,7 @@ def _solve_whole(graph, whole, eu, ev, fixed=None, soft=None):
         eu = np.where(fixed, -np.inf, eu)
     eta_u, eta_v = whole.scores(eu, ev)
     blocks = None
-    if whole.kind == "matching":
+    if whole.kind == "matching" and np.isneginf(eu).any():
         # masks and padding: the free variables' blocks, each an unmasked matching (a
         # mask that makes a column full by counting is not a constraint the matching's
         # own solver sees), or uniform (padding)
@@ -2848,15 +2858,15 @@ class _WholeResult(FactorGraphResult):
         self._engine = None
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
-        self.u = np.clip(whole.to_graph(single.u, graph.n_variables), 0.0, 1.0)
+        u = whole.to_graph(single.u, graph.n_variables)
+        np.clip(u, 0.0, 1.0, out=u)
+        self.u = u
         self.converged = True
         self.polished = True
         self.n_iter = int(single.n_iter)
         self.primal_residual = 0.0
         self.dual_residual = 0.0
         self.rho = float("nan")
-        self.scale = max([1.0, float(np.abs(eta_u[np.isfinite(eta_u)]).max(initial=0.0))]
-                         + [float(np.abs(e).max(initial=0.0)) for e in eta_v])
         self.n_map = int(getattr(single, "n_map", 0) or 0)
         self.n_inner_unconverged = 0
         self.message = (f"converged: solved as {whole.factor!r} (the graph is exactly its "
@@ -2865,6 +2875,12 @@ class _WholeResult(FactorGraphResult):
         self._parts = None
         self.backward_info = None
         self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None
+
+    @property
+    def scale(self):
+        eta_u, eta_v = self._eta
+        return max([1.0, float(np.abs(eta_u[np.isfinite(eta_u)]).max(initial=0.0))]
+                   + [float(np.abs(e).max(initial=0.0)) for e in eta_v])
 
     def _read_parts(self):
         if self._parts is None:
