@@ -393,6 +393,9 @@ class _Ops:
                 out[ids] = vals
             return out
         t = self.torch
+        if len(parts) == 1 and parts[0][0].shape[0] == n and \
+                (parts[0][0] == np.arange(n)).all():
+            return parts[0][1].reshape(-1)       # one part, in order: no copy, no index
         ids = np.concatenate([p[0] for p in parts])
         vals = t.cat([p[1].reshape(-1) for p in parts])
         inv = np.empty(n, dtype=np.int64)
@@ -547,7 +550,35 @@ def _solo_function(graph=False):
             return (None, None, None, like(gu, ctx.eta_u),
                     *[like(gv[f].reshape(e.shape), e) for f, e in zip(ctx.slots, ctx.eta_v)])
 
-    _SOLO.extend([_SoloSparseMAP, _SoloGraph])
+    class _SoloIndexed(torch.autograd.Function):
+        """One factor whose parts cover every variable of the graph once (a DepTree over
+        its whole variable): the gather of its scores, the solve and the scatter of its
+        marginals in one node, in NumPy, instead of a chain of small tensor operations
+        (each one costs more than the 5-word tree's solve)."""
+
+        @staticmethod
+        def forward(ctx, factor, idx, eta, eta_v):
+            sel = idx >= 0
+            e = host(eta)
+            eu = np.where(sel, e[np.maximum(idx, 0)], 0.0)
+            r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
+            out = np.empty(e.shape[0])
+            out[idx[sel]] = np.asarray(r.u)[sel]
+            ctx.r, ctx.idx, ctx.eta, ctx.eta_v = r, idx, eta.detach(), (
+                None if eta_v is None else eta_v.detach())
+            return like(out, eta)
+
+        @staticmethod
+        def backward(ctx, g):
+            idx = ctx.idx
+            sel = idx >= 0
+            gu, gv = ctx.r.vjp(np.where(sel, host(g)[np.maximum(idx, 0)], 0.0))
+            out = np.zeros(ctx.eta.shape[0])
+            out[idx[sel]] = np.asarray(gu)[sel]
+            return (None, None, like(out, ctx.eta),
+                    None if ctx.eta_v is None else like(gv, ctx.eta_v))
+
+    _SOLO.extend([_SoloSparseMAP, _SoloGraph, _SoloIndexed])
     return _SOLO[1 if graph else 0]
 
 
@@ -1347,6 +1378,18 @@ class FactorGraph:
             e = ops.gather(eta, free)
             parts.append((free, ops.positive(e) if decode else ops.clip(e)))
         report = []
+        if count.max(initial=0) <= 1 and not decode and ops.torch is not None and \
+                len(self.factors) == 1 and not free.size:
+            # one factor on every variable: a single autograd node (see _SoloIndexed)
+            pieces, extra = self.factors[0]._pieces(ids[0], ops)
+            if len(pieces) == 1 and not extra:
+                p = pieces[0]
+                _solo_function()                 # makes the three Functions
+                self._set_values(_SOLO[2].apply(p.factor, p.idx, eta, p.eta_v), offsets)
+                if verbose:
+                    print(f"sparsemap.lpsmap: {what} of {V} variables and 1 factor: "
+                          f"SparseMAP of {p.factor!r}")
+                return
         if count.max(initial=0) <= 1:
             how = (f"{len(self.factors)} independent factors (no variable is shared), each "
                    f"by its own {'MAP oracle' if decode else 'SparseMAP solve'}")
