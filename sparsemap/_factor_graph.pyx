@@ -2919,6 +2919,11 @@ class _WholeResult(FactorGraphResult):
             W.append(np.array(weights) / sum(weights))
         return v, S, W
 
+    def _backward_engine(self):
+        """What the backward pass uses: the single factor's result (which completes its
+        face and unties ties in eta_v itself), not an engine of the graph."""
+        return self._single
+
     def jvp(self, d_eta_u, d_eta_v=None):
         d = _as_float_array(d_eta_u, "d_eta_u", (self.n_variables,))
         dv = _check_per_factor(self.factors, d_eta_v, "d_eta_v", zeros=True)
