@@ -222,7 +222,7 @@ def solve_map(graph, eta_u, eta_v=None, max_iter=None, tol=DEFAULT_TOL):
             warnings.simplefilter("ignore", ConvergenceWarning)
             r = graph._solve_quiet(t * eu, [t * e.reshape(f.shape_v) if f.n_v else None
                                             for e, f in zip(ev, graph.factors)],
-                                   max_iter=max_iter)
+                                   max_iter=max_iter, whole=False)    # reads the engine
         n_iter += r.n_iter
         out, nu = _from_solve(graph, links, r, t, eu, ev, scale, tol)
         if r.primal_residual <= PRIMAL_TOL:

@@ -394,6 +394,9 @@ class _Ops:
                 out[ids] = vals
             return out
         t = self.torch
+        if len(parts) == 1 and parts[0][0].shape[0] == n and \
+                (parts[0][0] == np.arange(n)).all():
+            return parts[0][1].reshape(-1)       # one part, in order: no copy, no index
         ids = np.concatenate([p[0] for p in parts])
         vals = t.cat([p[1].reshape(-1) for p in parts])
         inv = np.empty(n, dtype=np.int64)
@@ -548,7 +551,35 @@ def _solo_function(graph=False):
             return (None, None, None, like(gu, ctx.eta_u),
                     *[like(gv[f].reshape(e.shape), e) for f, e in zip(ctx.slots, ctx.eta_v)])
 
-    _SOLO.extend([_SoloSparseMAP, _SoloGraph])
+    class _SoloIndexed(torch.autograd.Function):
+        """One factor whose parts cover every variable of the graph once (a DepTree over
+        its whole variable): the gather of its scores, the solve and the scatter of its
+        marginals in one node, in NumPy, instead of a chain of small tensor operations
+        (each one costs more than the 5-word tree's solve)."""
+
+        @staticmethod
+        def forward(ctx, factor, idx, eta, eta_v):
+            sel = idx >= 0
+            e = host(eta)
+            eu = np.where(sel, e[np.maximum(idx, 0)], 0.0)
+            r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
+            out = np.empty(e.shape[0])
+            out[idx[sel]] = np.asarray(r.u)[sel]
+            ctx.r, ctx.idx, ctx.eta, ctx.eta_v = r, idx, eta.detach(), (
+                None if eta_v is None else eta_v.detach())
+            return like(out, eta)
+
+        @staticmethod
+        def backward(ctx, g):
+            idx = ctx.idx
+            sel = idx >= 0
+            gu, gv = ctx.r.vjp(np.where(sel, host(g)[np.maximum(idx, 0)], 0.0))
+            out = np.zeros(ctx.eta.shape[0])
+            out[idx[sel]] = np.asarray(gu)[sel]
+            return (None, None, like(out, ctx.eta),
+                    None if ctx.eta_v is None else like(gv, ctx.eta_v))
+
+    _SOLO.extend([_SoloSparseMAP, _SoloGraph, _SoloIndexed])
     return _SOLO[1 if graph else 0]
 
 
@@ -1129,9 +1160,25 @@ def _describe_vars(v, names):
     return f"{label}[{', '.join(axes)}]"
 
 
-def _common_prefix(factors, names):
+def _leading(factor):
+    """{(id of base variable, index along its first axis)} that the factor's variables use,
+    or None when one of them is a vector (no batch axis)."""
+    out = set()
+    vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
+    for v in vs:
+        base = _base(v)
+        if len(base.shape) < 2:
+            return None
+        lead = np.unique(np.unravel_index(v._ix.reshape(-1), base.shape)[0])
+        out.update((id(base), int(x)) for x in lead)
+    return out
+
+
+def _common_prefix(factors, names, graph_factors=None):
     """' (all on variable 0[2]: batch element 2)' when every factor's variables lie in one
-    slice along the first axis of one variable (a batch); '' otherwise."""
+    slice along the first axis of one variable, and that axis is a batch: every factor of
+    the graph on that variable (``graph_factors``) lies in one such slice, so the slices
+    are separate problems. '' otherwise (a row of one alignment is no batch element)."""
     first = set()
     for f in factors:
         vs = f._variables if isinstance(f._variables, tuple) else (f._variables,)
@@ -1144,6 +1191,13 @@ def _common_prefix(factors, names):
     if len(first) != 1:
         return ""
     (b, i), = first
+    for f in graph_factors or ():
+        lead = _leading(f)
+        if lead is None:
+            continue
+        mine = {x for x in lead if x[0] == b}
+        if len(mine) > 1:
+            return ""            # a factor across slices: the first axis is no batch
     return f" (all on variable {names.get(b, '?')}[{i}]: batch element {i})"
 
 
@@ -1325,6 +1379,18 @@ class FactorGraph:
             e = ops.gather(eta, free)
             parts.append((free, ops.positive(e) if decode else ops.clip(e)))
         report = []
+        if count.max(initial=0) <= 1 and not decode and ops.torch is not None and \
+                len(self.factors) == 1 and not free.size:
+            # one factor on every variable: a single autograd node (see _SoloIndexed)
+            pieces, extra = self.factors[0]._pieces(ids[0], ops)
+            if len(pieces) == 1 and not extra:
+                p = pieces[0]
+                _solo_function()                 # makes the three Functions
+                self._set_values(_SOLO[2].apply(p.factor, p.idx, eta, p.eta_v), offsets)
+                if verbose:
+                    print(f"sparsemap.lpsmap: {what} of {V} variables and 1 factor: "
+                          f"SparseMAP of {p.factor!r}")
+                return
         if count.max(initial=0) <= 1:
             how = (f"{len(self.factors)} independent factors (no variable is shared), each "
                    f"by its own {'MAP oracle' if decode else 'SparseMAP solve'}")
@@ -1372,7 +1438,7 @@ class FactorGraph:
         shown = [f"{k}: {_describe_factor(self.factors[k], names)}" for k in mine[:6]]
         more = f", ... ({len(mine)} factors in all)" if len(mine) > 6 else ""
         masked = " (with the variables whose score is -inf fixed at 0)" if exc.masked else ""
-        where = _common_prefix([self.factors[k] for k in mine], names)
+        where = _common_prefix([self.factors[k] for k in mine], names, self.factors)
         return (f"FactorGraph.solve: infeasible: no assignment of the variables satisfies "
                 f"these factors together{masked}: {'; '.join(shown)}{more}{where}. "
                 f"lp-sparsemap returns a point that breaks them instead (see the migration "
