@@ -169,9 +169,3 @@ cdef void _point(_Workspace ws, const double* eta_u, const double* eta_v) noexce
 cdef int _iterate(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
                   Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil
 
-
-# The loop's former name, which sparsemap._factor_graph still cimports; remove it once
-# that module calls _iterate.
-cdef inline int _run(_Workspace ws, Py_ssize_t max_iter, double tol, double* hist,
-                     Py_ssize_t* n_iter_out, double* gap_out, double* obj_out) except -1 nogil:
-    return _iterate(ws, max_iter, tol, hist, n_iter_out, gap_out, obj_out)

@@ -40,11 +40,12 @@ from cpython.ref cimport PyObject
 from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memcpy, memset
 
-from sparsemap._active_set cimport _Workspace, _dot, _maxabs, _run
+from sparsemap._active_set cimport _Workspace, _dot, _maxabs, _iterate
 from sparsemap._active_set import STATUS_CONVERGED, tie_direction
 from sparsemap._backward cimport _complete, FACE_CERTIFIED
 from sparsemap._backward import FACE_STATUS_FIBERED, reduce_support
 from sparsemap import _variables
+from sparsemap._checks import check_per_factor
 from sparsemap._factors._logic import (AndOutFactor, AtMostOneFactor, BudgetFactor,
                                        ImplyFactor, KnapsackFactor, OrFactor, OrOutFactor,
                                        PairFactor, SequenceBudgetFactor, XorFactor,
@@ -342,9 +343,9 @@ cdef class _Engine:
         cdef double gap, obj
         self._set_scores(f)
         ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
-        if _run(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != INNER_CONVERGED:
+        if _iterate(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != INNER_CONVERGED:
             self.n_inner_fail += 1
-        # _run leaves ws.u = M_f p_f (its last gap was computed at the returned weights)
+        # _iterate leaves ws.u = M_f p_f (its last gap was computed at the returned weights)
         for j in range(a, self.uoff[f + 1]):
             self.yh[j] = self.sig[j] * (ws.u[j - a] - self.sh[j]) if self.var[j] >= 0 else 0.0
         return 0
@@ -1237,14 +1238,7 @@ def _check_per_factor(factors, values, name, bint zeros):
     factors without additional scores: zeros if ``zeros``, else None.
     """
     F = len(factors)
-    if values is None:
-        values = [None] * F
-    elif isinstance(values, np.ndarray) or not isinstance(values, (list, tuple)):
-        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                         f"got {type(values).__name__}")
-    elif len(values) != F:
-        raise ValueError(f"{name}: expected a list with one entry per factor ({F}), "
-                         f"got length {len(values)}")
+    values = [None] * F if values is None else check_per_factor(values, F, name)
     out = []
     for f, (factor, e) in enumerate(zip(factors, values)):
         if e is not None and factor.n_v == 0 and np.size(e) != 0:
@@ -1702,7 +1696,7 @@ class FactorGraph:
             engine.counted = clash
         return engine
 
-    # -- LP-MAP decoding (issue 16): the method; the algorithm is in sparsemap/_lp_map.py ------
+    # -- LP-MAP decoding: the method; the algorithm is in sparsemap/_lp_map.py ------
     def solve_map(self, eta_u, eta_v=None, max_iter=None, tol=1e-9):
         """LP-MAP decoding: the LP relaxation of MAP over the local polytope, with a certificate.
 
@@ -1777,7 +1771,7 @@ class FactorGraph:
             eta_u = self.scores(eta_u)
         return solve_map(self, eta_u, eta_v, max_iter=max_iter, tol=tol)
 
-    # -- variables and slices (issue 16): arrays of variables, scores per array ----------------
+    # -- variables and slices: arrays of variables, scores per array ----------------
     def add_variables(self, shape):
         """Declare new binary variables, as an array of the given shape.
 
