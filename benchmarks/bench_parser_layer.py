@@ -63,9 +63,22 @@ BAR_MEDIAN, BAR_WORST = 2.0, 10.0
 
 
 # -- the timed jobs (module level: they run in the worker) --------------------------
+_warm = []
+
+
+def _warm_up():
+    """One small untimed layer call in each fresh worker: a process's first call pays
+    one-time costs (lazy imports, allocator) that are no part of a solve."""
+    if not _warm:
+        _warm.append(True)
+        x = torch.randn(1, 6, 6, requires_grad=True)
+        smt.tree(x, n_jobs=1).sum().backward()
+        crf_times(x.detach(), torch.tensor([5]), False, 1)
+
 def layer_job(scores, lengths, single_root, repeats, budget):
     """Median CPU seconds of the layer's forward + backward, and what the solver did
     (its SolveInfo fields as lists, and the warnings' messages)."""
+    _warm_up()
     g = torch.randn(scores.shape, generator=torch.Generator().manual_seed(1))
     info, caught = None, []
 
@@ -104,6 +117,8 @@ def crf_times(scores, lengths, single_root, repeats):
     def layer_pass():
         x = s.clone().requires_grad_()
         (M.tree_marginals(x, lengths, single_root, create_graph=True) * g).sum().backward()
+
+    _warm_up()
 
     return M.cpu_seconds(loss_pass, repeats)[0], M.cpu_seconds(layer_pass, repeats)[0]
 

@@ -82,9 +82,23 @@ def sparsemap_loss(eta_u, eta_v, tags, lengths):
 
 
 # -- the timed jobs (module level: they run in the worker) --------------------------
+_warm = []
+
+
+def _warm_up():
+    """One small untimed call of each timed function in each fresh process: a process's
+    first call pays one-time costs (lazy imports, allocator) that are no part of it."""
+    if not _warm:
+        _warm.append(True)
+        eta_u, eta_v = torch.randn(2, 4, 3), torch.randn(3, 3)
+        tags, lengths = torch.tensor([[0, 1, 2, 0], [1, 1, 0, -1]]), torch.tensor([4, 3])
+        sparsemap_job(eta_u, eta_v, tags, lengths, 1)
+        crf_job(eta_u, eta_v, tags, lengths, 1)
+
 def sparsemap_job(eta_u, eta_v, tags, lengths, repeats):
     """Median CPU seconds of the loss and of the layer (forward + backward), whether the
     loss needed the transitions expanded, the layer's SolveInfo and warnings."""
+    _warm_up()
     B, N, m = eta_u.shape
     g = torch.randn(eta_u.shape, generator=torch.Generator().manual_seed(1))
     caught, expanded, info = [], [False], None
@@ -113,6 +127,7 @@ def sparsemap_job(eta_u, eta_v, tags, lengths, repeats):
 def crf_job(eta_u, eta_v, tags, lengths, repeats):
     """Median CPU seconds of the CRF's NLL (forward + backward) and of its marginals as
     a layer (forward-backward, then the backward of a random linear function)."""
+    _warm_up()
     g = torch.randn(eta_u.shape, generator=torch.Generator().manual_seed(1))
 
     def loss_pass():
