@@ -5,7 +5,7 @@ A new user's tagger: word embeddings, a two-layer bi-LSTM and a linear layer to 
 (``_models.Tagger``): one ``(m, m)`` matrix shared by the positions, as CRF taggers
 hold it, or one per position; initialised at zero, ``uniform(-0.1, 0.1)`` or
 ``0.1 * randn``. One model per treebank, transition form and initialisation,
-trained with Adam on batches of 16 training sentences with the SparseMAP loss (or
+trained with Adam (at its default learning rate) on batches of 16 training sentences with the SparseMAP loss (or
 ``--train-loss crf``: the CRF's negative log-likelihood).
 
 At each phase (at init, after 1 update, after 100) the scores of ``--batches``
@@ -54,6 +54,10 @@ import sparsemap.torch as smt
 
 BAR_MEDIAN, BAR_WORST = 2.0, 5.0
 BATCH = 16
+# The 17 tags of Universal Dependencies: a tagger's output layer has all of them, even
+# where a treebank's files use fewer (the Hungarian one has no X).
+UPOS = ("ADJ", "ADP", "ADV", "AUX", "CCONJ", "DET", "INTJ", "NOUN", "NUM", "PART", "PRON",
+        "PROPN", "PUNCT", "SCONJ", "SYM", "VERB", "X")
 
 
 def _full_transitions(eta_v, B, N):
@@ -218,7 +222,7 @@ def main(argv=None):
     p.add_argument("--forms", nargs="*", default=["shared", "position"],
                    choices=["shared", "position"])
     p.add_argument("--train-loss", choices=("sparsemap", "crf"), default="sparsemap")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's (a new user keeps its default)")
     p.add_argument("--limit", type=float, default=30.0, help="seconds before a call is cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
@@ -239,7 +243,8 @@ def main(argv=None):
         for name, files in M.treebanks(args.data).items():
             train, dev = M.read_conllu(files["train"]), M.read_conllu(files["dev"])
             vocab = M.Vocab(train)
-            labels = {t: i for i, t in enumerate(sorted({t for s in train + dev for t in s[1]}))}
+            tagset = sorted(set(UPOS) | {t for s in train + dev for t in s[1]})
+            labels = {t: i for i, t in enumerate(tagset)}
             rng = np.random.default_rng(args.seed)
             timed = [batch_of(vocab, labels, [dev[i] for i in
                                               rng.choice(len(dev), BATCH, replace=False)])
