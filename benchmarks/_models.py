@@ -278,7 +278,8 @@ def chain_score(eta_u, eta_v, tags, lengths):
 
 def chain_nll(eta_u, eta_v, tags, lengths):
     """Mean negative log-likelihood of ``tags`` under the linear-chain CRF."""
-    return (chain_log_partition(eta_u, eta_v, lengths) - chain_score(eta_u, eta_v, tags, lengths)).mean()
+    logz = chain_log_partition(eta_u, eta_v, lengths)
+    return (logz - chain_score(eta_u, eta_v, tags, lengths)).mean()
 
 
 def chain_marginals(eta_u, eta_v, lengths, create_graph=False):

@@ -7,8 +7,8 @@ hidden layer over the arcs). Such scores are head-biased: each head's scores sha
 an offset, larger than the arc-to-arc noise. One model per treebank, trained with
 Adam (at its default learning rate) on batches of training sentences (by default
 with the CRF loss, so that the scores timed do not depend on the solver under test
-and two runs on two versions of ``sparsemap`` time the same scores; ``--train-loss sparsemap`` trains with the
-SparseMAP loss instead). Each update's batch holds real sentences and, unless
+and two runs on two versions of ``sparsemap`` time the same scores;
+``--train-loss sparsemap`` trains with the SparseMAP loss instead). Each update's batch holds real sentences and, unless
 ``--no-train-joined``, one sentence joined to each timed length.
 
 At each phase (at init, after 1 update, after 32) the arc scores of the timed
@@ -217,7 +217,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's (a new user keeps its default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: one treebank, 3 real sentences, one 30-word joined one, phases 0 and 1")
+                   help="smoke run: 3 real sentences, one joined to 30 words, phases 0 and 1")
     args = p.parse_args(argv)
     if args.quick:
         args.real, args.joined, args.lengths, args.phases = 3, 1, [30], [0, 1]
