@@ -8,8 +8,9 @@ an offset, larger than the arc-to-arc noise. One model per treebank, trained wit
 Adam (at its default learning rate) on batches of training sentences (by default
 with the CRF loss, so that the scores timed do not depend on the solver under test
 and two runs on two versions of ``sparsemap`` time the same scores;
-``--train-loss sparsemap`` trains with the SparseMAP loss instead). Each update's batch holds real sentences and, unless
-``--no-train-joined``, one sentence joined to each timed length.
+``--train-loss sparsemap`` trains with the SparseMAP loss instead). Each update's
+batch holds real sentences and, unless ``--no-train-joined``, one sentence joined
+to each timed length.
 
 At each phase (at init, after 1 update, after 32) the arc scores of the timed
 sentences are computed and, for each set of sentences (real dev sentences, and dev
