@@ -304,6 +304,20 @@ def cpu_seconds(fn, repeats):
     return float(np.median(times)), out
 
 
+def fallback_text(codes):
+    """Counts of the nonzero ``SolveInfo.fallback`` codes by name ("64 declined"), or
+    "0"; codes this version of sparsemap does not name are shown as numbers."""
+    import sparsemap.torch as smt
+    names = getattr(getattr(smt, "SolveInfo", None), "FALLBACKS", ())
+    counts = {}
+    for c in codes:
+        if c:
+            key = names[c] if c < len(names) else str(c)
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} {v}" for v, k in sorted((v, k) for k, v in counts.items())[::-1]) \
+        if counts else "0"
+
+
 def ratio_summary(ratios):
     """``(median, worst)`` of a list of ratios (nan when empty)."""
     if not len(ratios):

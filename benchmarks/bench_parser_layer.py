@@ -34,10 +34,10 @@ Printed per phase and set: the score statistics (``head sd``: the standard devia
 over heads of a head's mean score, the per-head offset; ``noise sd``: that of the
 residual arc scores once head and modifier means are out; ``spread``: the standard
 deviation of all arc scores, ``examples/parsing.py``'s ``score_spread``), the side
-that ran (facet / vertex sentences), fallbacks (``SolveInfo.fallback`` not "none"),
-sentences not converged, the solver's iterations, and warnings. The bar (median at
-most 2x and worst at most 10x the CRF, at every phase and length up to 150 words)
-is marked ``ok`` / ``MISS`` per row.
+that ran (facet / vertex sentences), fallbacks (``SolveInfo.fallback`` not "none",
+counted by reason), sentences not converged, the solver's iterations, and
+warnings. The bar (median at most 2x and worst at most 10x the CRF, at every phase
+and length up to 150 words) is marked ``ok`` / ``MISS`` per row.
 
 Usage::
 
@@ -157,8 +157,8 @@ def fmt_ratio(r, lower):
 def measure_set(worker, scores, lengths, single_root, args):
     """One row: per-sentence and per-batch ratios, sides, fallbacks, warnings."""
     ratios, lowers, lratios = [], [], []
-    facet = vertex = fallbacks = unconverged = timeouts = 0
-    iters, warns = [], []
+    facet = vertex = unconverged = timeouts = 0
+    iters, warns, fallbacks = [], [], []
     for b, n in enumerate(lengths.tolist()):
         x = scores[b:b + 1, :n + 1, :n + 1].contiguous()
         ln = lengths[b:b + 1]
@@ -176,7 +176,7 @@ def measure_set(worker, scores, lengths, single_root, args):
         lowers.append(False)
         facet += sum(info["facet"])
         vertex += len(info["facet"]) - sum(info["facet"])
-        fallbacks += sum(1 for f in info["fallback"] if f)
+        fallbacks += info["fallback"]
         unconverged += sum(1 for s in info["status"] if s)
         iters += info["n_iter"]
         warns += info["warnings"]
@@ -196,7 +196,7 @@ def measure_set(worker, scores, lengths, single_root, args):
     return dict(median=fmt_ratio(med, med_lower), worst=fmt_ratio(worst, worst_lower),
                 layer=fmt_ratio(lmed, med_lower), batch=batch,
                 side=f"{facet}f/{vertex}v" + (f"/{timeouts}t" if timeouts else ""),
-                fallbacks=fallbacks, unconverged=unconverged,
+                fallbacks=M.fallback_text(fallbacks), unconverged=unconverged,
                 iters=(f"{int(np.median(iters))}/{max(iters)}" if iters else "-"),
                 warnings=len(warns), bar="ok" if ok else "MISS", messages=warns)
 

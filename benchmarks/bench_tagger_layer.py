@@ -29,10 +29,10 @@ Each SparseMAP call runs in a worker process killed after ``--limit`` seconds
 
 Per row: median and worst over the batches of the per-batch ratio (medians over
 ``--repeats``), the milliseconds behind the median, the side (facet / vertex
-sequences), fallbacks, sequences not converged, the solver's iterations (homotopy
-pieces on the facet side; median and max over sequences) and warnings, read from
-``smt.sequence(..., return_info=True)`` on the same scores (the loss solves the
-same problems). The bar (median at most 2x and worst at most 5x the CRF, loss and
+sequences), fallbacks by reason, sequences not converged, the solver's iterations
+(homotopy pieces on the facet side; median and max over sequences) and warnings,
+read from ``smt.sequence(..., return_info=True)`` on the same scores (the loss
+solves the same problems). The bar (median at most 2x and worst at most 5x the CRF, loss and
 layer, at every initialisation and phase) is marked ``ok`` / ``MISS``.
 
 Usage::
@@ -176,8 +176,8 @@ def fmt(r, lower=False):
 def measure(worker, model, batches, args):
     """One row's figures over the timed batches, at the model's current parameters."""
     loss_r, layer_r, ms, lowers = [], [], [], []
-    facet = vertex = fallbacks = unconverged = 0
-    iters, warns, expanded = [], set(), False
+    facet = vertex = unconverged = 0
+    iters, warns, expanded, fallbacks = [], set(), False, []
     for words, tags, lengths in batches:
         with torch.no_grad():
             eta_u, eta_v = model(words, lengths)
@@ -197,7 +197,7 @@ def measure(worker, model, batches, args):
         ms.append((t_loss, c_loss, t_layer, c_layer))
         facet += sum(info["facet"])
         vertex += len(info["facet"]) - sum(info["facet"])
-        fallbacks += sum(1 for f in info["fallback"] if f)
+        fallbacks += info["fallback"]
         unconverged += sum(1 for s in info["status"] if s)
         iters += info["n_iter"]
         warns |= set(info["warnings"])
@@ -208,7 +208,8 @@ def measure(worker, model, batches, args):
     med = np.median(np.array(ms), 0) * 1e3 if ms else [np.nan] * 4
     return [fmt(lm, cut), fmt(lw, cut), f"{med[0]:.1f}/{med[1]:.1f}",
             fmt(ym, cut), fmt(yw, cut), f"{med[2]:.1f}/{med[3]:.1f}",
-            f"{facet}f/{vertex}v" + (f"/{sum(lowers)}t" if cut else ""), fallbacks,
+            f"{facet}f/{vertex}v" + (f"/{sum(lowers)}t" if cut else ""),
+            M.fallback_text(fallbacks),
             unconverged, f"{int(np.median(iters))}/{max(iters)}" if iters else "-",
             "yes" if expanded else "no", len(warns), "ok" if ok else "MISS"], warns
 
