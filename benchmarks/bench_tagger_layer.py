@@ -32,8 +32,8 @@ Per row: median and worst over the batches of the per-batch ratio (medians over
 sequences), fallbacks by reason, sequences not converged, the solver's iterations
 (homotopy pieces on the facet side; median and max over sequences) and warnings,
 read from ``smt.sequence(..., return_info=True)`` on the same scores (the loss
-solves the same problems). The bar (median at most 2x and worst at most 5x the CRF, loss and
-layer, at every initialisation and phase) is marked ``ok`` / ``MISS``.
+solves the same problems). The bar (median at most 2x and worst at most 5x the
+CRF, loss and layer, at every initialisation and phase) is marked ``ok`` / ``MISS``.
 
 Usage::
 
