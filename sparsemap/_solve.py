@@ -298,7 +298,12 @@ class SparseMAPResult:
         from the kept Cholesky factor in ``O(|I| n + |I|^2)``. This is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
         kink, a one-sided derivative (an element of the generalized Jacobian,
-        see the solvers page).
+        see the solvers page). On the facet side of trees and matchings
+        (``side == "facet"``): the orthogonal projection, within the positive
+        coordinates, onto the null space of every constraint tight at ``u``,
+        its multiplier zero or not; the derivative wherever ``u`` is
+        differentiable, and at a kink the Jacobian at nearby scores where it
+        is (the solvers page, "Derivatives at ties and kinks", proves both).
 
         Examples
         --------
@@ -324,6 +329,11 @@ class SparseMAPResult:
         -------
         g_eta_u : ndarray, shape ``factor.shape_u``
         g_eta_v : ndarray, shape ``factor.shape_v``
+
+        Notes
+        -----
+        The transpose of the map :meth:`jvp` applies, the same element of the
+        generalized Jacobian at a kink (see :meth:`jvp`'s notes).
         """
         g = self.factor._check_array(du, "du", False, False)
         return _backward_batch([self], [g], None, True, 1)[0]
