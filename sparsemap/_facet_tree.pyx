@@ -1247,36 +1247,44 @@ cdef int _brute_rows(Work* w, int* act, int na, double* Q, double* scratch) noex
     coordinates (Q: room for |P| orthonormal rows of |P| entries, scratch: |P|).
     Returns the new count."""
     cdef int N = w.N, n = w.n, m, h, j, v, nq = 0, nP = 0
-    cdef u64 S, T, g, full = ((<u64> 1) << n) - 1
+    cdef u64 S, g, full = ((<u64> 1) << n) - 1
     cdef double cut, d, tol = _tight_tol(w)
+    cdef double* A
+    cdef double* sym
     for m in range(1, N):
         for h in range(N):
             nP += w.supp[m * N + h]
     # the held rows first: each one's centred row, orthogonalised
     for j in range(na):
         nq += _orth_row(w, ((<u64> 1) << act[j]), 0, Q, nq, nP, scratch)
-    # the word sets in Gray code order: each step moves one word in or out of S, and
-    # the cut changes by that word's arcs to and from S (O(n) a set); a value near 1
-    # is summed afresh before it is trusted
+    # The word sets in Gray code order, each step moving one word v in or out of S.
+    # With s(v, j) = x[v, j] + x[j, v] and A[v] = sum_{j in S} s(v, j), the cut is
+    # |S| - sum of s over the pairs in S, so it changes by 1 - A[v]; a value near 1
+    # is summed afresh before it is trusted.
+    A = <double*> malloc(2 * N * N * sizeof(double))
+    if A == NULL:
+        return -1
+    sym = A + N
+    for m in range(N):
+        A[m] = 0.0
+    for m in range(1, N):
+        for h in range(1, N):
+            sym[m * N + h] = (w.XT[m * N + h] + w.XT[h * N + m]) if h != m else 0.0
     S = 0
     cut = 0.0
     for g in range(1, full + 1):
-        v = sm_ctz64(<u64> g) + 1            # the word that moves
-        T = S & ~((<u64> 1) << (v - 1))
-        # x(delta^-(T + v)) - x(delta^-(T)): v's arcs from outside T, less its arcs into T
-        d = 0.0
-        for h in range(N):
-            if h != v and (h == 0 or not ((T >> (h - 1)) & 1)):
-                d += w.XT[v * N + h]
-        for m in range(1, N):
-            if (T >> (m - 1)) & 1:
-                d -= w.XT[m * N + v]
-        if S != T:
+        v = sm_ctz64(<u64> g) + 1
+        d = 1.0 - A[v]
+        if (S >> (v - 1)) & 1:
             cut -= d
-            S = T
+            S &= ~((<u64> 1) << (v - 1))
+            for m in range(1, N):
+                A[m] -= sym[v * N + m]
         else:
             cut += d
-            S = T | ((<u64> 1) << (v - 1))
+            S |= (<u64> 1) << (v - 1)
+            for m in range(1, N):
+                A[m] += sym[v * N + m]
         if S & (S - 1) == 0 or fabs(cut - 1.0) > 1e-9:
             continue                      # singletons are the word rows
         if fabs(_set_cut(w, S) - 1.0) > tol:
@@ -1292,6 +1300,7 @@ cdef int _brute_rows(Work* w, int* act, int na, double* Q, double* scratch) noex
             act[na] = w.k
             na += 1
             w.k += 1
+    free(A)
     return na
 
 
@@ -1428,6 +1437,9 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
                 raise MemoryError()
         na = _brute_rows(w, act, na, Q, Q + nnz * nnz)
         free(Q)
+        if na < 0:
+            with gil:
+                raise MemoryError()
     k = w.k
     # rows added since the dual's last projection have no entries in its H, nor has
     # a support cut down
