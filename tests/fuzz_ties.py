@@ -414,10 +414,19 @@ def main(argv=None):
                     choices=["tree", "matching", "sequence"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    ap.add_argument("--log", default=None, help="write every failure, with its scores, here")
     args = ap.parse_args(argv)
     t0 = time.time()
     counts, failures = run(args.n, args.seed, tuple(args.families), tuple(args.methods),
                            seconds=args.seconds)
+    if args.log:
+        with open(args.log, "w") as fh:
+            for family, method, outcome, detail, name, kind, eu, ev in failures:
+                fh.write(f"{name} {method} {kind}: {outcome}: {detail}\n"
+                         f"eta_u = {np.asarray(eu, dtype=np.float64).tolist()!r}\n"
+                         f"eta_v = {None if ev is None else np.asarray(ev, np.float64).tolist()!r}\n")
+    seq_none = Counter((m, o) for fam, m, o, *_, ev in failures
+                       if fam == "sequence" and ev is None and o in ("jacobian", "vjp"))
     print(f"{sum(c['instances'] for c in counts.values())} solves in {time.time() - t0:.0f} s "
           f"(seed {args.seed})")
     for (family, method), c in sorted(counts.items()):
@@ -426,6 +435,9 @@ def main(argv=None):
         print(f"{family:9s} {method:11s} solves {c['instances']:7d}  jacobians checked "
               f"{c['jacobian checked']:7d}  no feasible {c['skip']:5d}  reference uncertified "
               f"{c['refskip']:4d}  failures {dict(bad) or 0}")
+    if seq_none:
+        print("of the sequence failures, Jacobians at eta_v=None (per-position sparsemax): "
+              + ", ".join(f"{m} {o} {v}" for (m, o), v in sorted(seq_none.items())))
     return 1 if failures else 0
 
 
