@@ -243,3 +243,22 @@ def test_matching_structures_avoid_masked_pairs():
             assert all(c < 0 or eta[i, c] > -np.inf for i, c in enumerate(s)), (eta, s)
         seen += r.side == "facet"
     assert seen >= 50
+
+
+def test_matching_structures_at_large_scores():
+    """A case the fuzz harness found: three equal rows of scores near 1e6, where u
+    meets its sums to about 3e-10 each and the Birkhoff-von Neumann decomposition
+    used to raise on the shortfall. The structures are the three matchings of the
+    first three columns (each column at 1/3 in every row, worked by hand)."""
+    row = [-1138171.142839575, 301963.77259009134, -185823.8600554408,
+           -1974378.5130890587, -2229886.3206652896]
+    eta = np.array([row] * 3)
+    for f, e in ((sm.MatchingFactor(3, 5), eta), (sm.MatchingFactor(5, 3), eta.T)):
+        r = sm.solve(f, e, method="facet")
+        expected = np.zeros((3, 5))
+        expected[:, :3] = 1 / 3
+        np.testing.assert_allclose(r.u, expected if f.n_rows == 3 else expected.T, atol=1e-9)
+        assert len(r.structures) == 3
+        np.testing.assert_allclose(r.weights, 1 / 3, atol=1e-9)
+        rebuilt = sum(w * f.vertex(s)[0] for s, w in zip(r.structures, r.weights))
+        np.testing.assert_allclose(rebuilt, r.u, atol=1e-8)
