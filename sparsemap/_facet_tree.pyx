@@ -100,9 +100,10 @@ enumerated (``2^n`` sets in Gray code order, ``O(n)`` each: 5 microseconds at
 10 words, half the solve there) and kept when its row is
 independent of those already held (Gram-Schmidt on ``P``). Tight cuts with
 ``mu = 0`` other than the set of all words are not searched for in larger
-trees: at scores without exact ties the cuts the dual holds are all the
-tight ones (a tight cut with ``mu = 0`` is a tie), and an exact search (a
-maximum flow per word) would cost more than the solve at flat scores.
+trees: a tight cut with ``mu = 0`` occurs only on a set of scores of measure
+zero (ties, as integer or tied scores give), where the matrix returned may miss
+the rule, and an exact search (a maximum flow per word) would cost more than
+the solve at flat scores.
 
 ``B Pc B^T`` is summed from the supports (the dual's ``H`` on the active cuts
 when no cut was added); its Cholesky factor is kept (rows whose pivot
