@@ -82,25 +82,35 @@ Backward pass
 -------------
 Where ``u`` is differentiable its Jacobian (in ``eta``, on the allowed arcs)
 is the orthogonal projection, within the positive coordinates ``P``, onto the
-null space of the active rows restricted to ``P``: the word rows (one per
-column: centring on the column's support), the cuts with ``mu > 0`` and, with
-``single_root``, the root equality. With ``B`` those cut rows and ``Pc`` the
-per-column centring on ``P``::
+null space of every constraint tight at ``u``, restricted to ``P``: the word
+rows (one per column: centring on the column's support), with
+``single_root`` the root equality, and every tight cut, its multiplier zero or
+not (docs/solvers.rst, "Derivatives at ties and kinks", proves that this is
+the derivative wherever ``u`` is differentiable and an element of the
+generalised Jacobian everywhere else). With ``B`` those cut rows and ``Pc``
+the per-column centring on ``P``::
 
     J = Pc - Pc B^T (B Pc B^T)^{-1} B Pc,     0 outside P.
 
-``B Pc B^T`` is the dual's ``H`` on the active cuts; its Cholesky factor is
-kept (rows whose pivot vanishes are dependent on earlier ones and are
-dropped: they do not change the null space). ``J`` is symmetric, so the jvp
-and the vjp are the same map: ``O(|P| + |P| c)`` with ``c`` the number of
-active cuts an arc enters, no cap on size.
+The tight cuts: those the dual holds with ``mu > 0``; the set of all words
+(the root's arcs) whenever its arcs sum to 1 within the solver's tolerance,
+which at zero and tied scores it does with ``mu = 0``; and, for trees of at
+most 10 words, every other set of two or more words whose cut is tight,
+enumerated (``2^n`` sets in Gray code order, ``O(n)`` each: 5 microseconds at
+10 words, half the solve there) and kept when its row is
+independent of those already held (Gram-Schmidt on ``P``). Tight cuts with
+``mu = 0`` other than the set of all words are not searched for in larger
+trees: a tight cut with ``mu = 0`` occurs only on a set of scores of measure
+zero (ties, as integer or tied scores give), where the matrix returned may miss
+the rule, and an exact search (a maximum flow per word) would cost more than
+the solve at flat scores.
 
-*Kinks.* At scores where ``u`` is not differentiable (a cut tight with
-``mu = 0``, an arc at 0 with zero slack, exact ties), the products are the
-element of the generalised Jacobian given by the formula above with ``P``
-the arcs where the computed ``x > 0`` and the cuts with computed ``mu > 0``
-(the free root equality always). It is the Jacobian of the piece of ``u``
-on which those supports and cuts stay active.
+``B Pc B^T`` is summed from the supports (the dual's ``H`` on the active cuts
+when no cut was added); its Cholesky factor is kept (rows whose pivot
+vanishes are dependent on earlier ones and are dropped: they do not change
+the null space). ``J`` is symmetric, so the jvp and the vjp are the same
+map: ``O(|P| + |P| c)`` with ``c`` the number of active cuts an arc enters, no
+cap on size.
 
 Costs
 -----
@@ -991,10 +1001,13 @@ cdef class TreeFacetSolver(FacetSolver):
     def decompose(self, u, v=None):
         """A convex combination of trees equal to ``u``.
 
-        Runs the vertex side (the active set) on scores ``eta_u = u``: the
-        projection of a point of the polytope is the point itself, so the
-        support it ends with decomposes ``u`` (at most ``n^2 + 1`` trees,
-        Caratheodory). Its cost is the vertex side's at ``u``: at flat ``u``
+        Runs the vertex side (the active set) on scores ``eta_u = u``, with
+        the arcs where ``u`` is 0 forbidden (``-inf``): the projection of a point
+        of the polytope is the point itself, so the support it ends with
+        decomposes ``u`` (at most ``n^2 + 1`` trees, Caratheodory), and every
+        tree of a decomposition lies in the support of ``u``, so no tree uses
+        an arc at 0 (an arc scored ``-inf`` among them), however small its
+        weight. Its cost is the vertex side's at ``u``: at flat ``u``
         (nearly uniform arc marginals) the support has O(n^2) trees and the
         solve takes 1.3 s at 20 words (380 trees) and 31 s at 40 (1548 trees);
         at scale 1, 0.01 s and 0.4 s.
@@ -1014,7 +1027,14 @@ cdef class TreeFacetSolver(FacetSolver):
             Positive, summing to one, with ``sum_s w_s m_s = u`` up to round-off.
         """
         from sparsemap._active_set import decompose_point
-        return decompose_point(self.factor, u)
+        a = np.array(u, dtype=np.float64)
+        if a.shape != (self.N, self.N):
+            raise ValueError(f"u: expected shape {(self.N, self.N)}, got {a.shape}")
+        # Every tree of a decomposition lies in the support of u (u >= w_s m_s), so the
+        # arcs at 0 are forbidden: without that, round-off let trees through arcs of
+        # weight 0 (arcs scored -inf among them) with weights near 1e-13.
+        a[~(a > 0.0)] = -np.inf
+        return decompose_point(self.factor, a)
 
 
 cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_t budget,
@@ -1172,29 +1192,268 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
     return r
 
 
+# Trees of at most this many words have their tight cuts enumerated in full for the
+# backward pass (2^n sets, 5 microseconds at 10 words); larger ones add the root set.
+cdef enum:
+    BRUTE_WORDS = 10
+
+
+cdef double _tight_tol(const Work* w) noexcept nogil:
+    """Tolerance of 'tight' for the backward pass: the solver's residual bar."""
+    return _tolerance(w)
+
+
+cdef int _held_rows(Work* w, int* act) noexcept nogil:
+    """The cuts the Jacobian holds at first (their bits into act, in order): the root
+    equality and the cuts with mu > 0, tight by complementary slackness; then, when
+    it is tight and not among them, the set of all words (the root's arcs: tight with
+    mu = 0 at zero and at tied scores), added as a new cut. Returns their count."""
+    cdef int N = w.N, k = w.k, i, m, na = 0, root = -1
+    cdef double rsum = 0.0
+    for i in range(k):
+        if ((w.freebits >> i) & 1) or w.mu[i] > 0.0:
+            act[na] = i
+            na += 1
+    # is a held cut the set of all words?
+    for i in range(k):
+        root = i
+        for m in range(1, N):
+            if not ((w.inmask[m] >> i) & 1):
+                root = -1
+                break
+        if root >= 0:
+            break
+    if root >= 0:
+        for i in range(na):
+            if act[i] == root:
+                return na
+    for m in range(1, N):
+        rsum += w.XT[m * N]
+    if fabs(rsum - 1.0) <= _tight_tol(w) and k < MAX_CUTS:
+        if root < 0:
+            for m in range(1, N):
+                w.inmask[m] |= (<u64> 1) << k
+            w.mu[k] = 0.0
+            root = k
+            w.k = k + 1
+        act[na] = root
+        na += 1
+    return na
+
+
+cdef int _brute_rows(Work* w, int* act, int na, double* Q, double* scratch) noexcept nogil:
+    """Trees of at most BRUTE_WORDS words: every tight cut (x(delta^-(S)) = 1, 2 <= |S|)
+    whose row on the support, centred per column, is not in the span of the rows held
+    so far, is added as a cut (its bit into act). Gram-Schmidt on the support's
+    coordinates (Q: room for |P| orthonormal rows of |P| entries, scratch: |P|).
+    Returns the new count."""
+    cdef int N = w.N, n = w.n, m, h, j, v, nq = 0, nP = 0
+    cdef u64 S, g, full = ((<u64> 1) << n) - 1
+    cdef double cut, d, tol = _tight_tol(w)
+    cdef double* A
+    cdef double* sym
+    for m in range(1, N):
+        for h in range(N):
+            nP += w.supp[m * N + h]
+    # the held rows first: each one's centred row, orthogonalised
+    for j in range(na):
+        nq += _orth_row(w, ((<u64> 1) << act[j]), 0, Q, nq, nP, scratch)
+    # The word sets in Gray code order, each step moving one word v in or out of S.
+    # With s(v, j) = x[v, j] + x[j, v] and A[v] = sum_{j in S} s(v, j), the cut is
+    # |S| - sum of s over the pairs in S, so it changes by 1 - A[v]; a value near 1
+    # is summed afresh before it is trusted.
+    A = <double*> malloc(2 * N * N * sizeof(double))
+    if A == NULL:
+        return -1
+    sym = A + N
+    for m in range(N):
+        A[m] = 0.0
+    for m in range(1, N):
+        for h in range(1, N):
+            sym[m * N + h] = (w.XT[m * N + h] + w.XT[h * N + m]) if h != m else 0.0
+    S = 0
+    cut = 0.0
+    for g in range(1, full + 1):
+        v = sm_ctz64(<u64> g) + 1
+        d = 1.0 - A[v]
+        if (S >> (v - 1)) & 1:
+            cut -= d
+            S &= ~((<u64> 1) << (v - 1))
+            for m in range(1, N):
+                A[m] -= sym[v * N + m]
+        else:
+            cut += d
+            S |= (<u64> 1) << (v - 1)
+            for m in range(1, N):
+                A[m] += sym[v * N + m]
+        if S & (S - 1) == 0 or fabs(cut - 1.0) > 1e-9:
+            continue                      # singletons are the word rows
+        if fabs(_set_cut(w, S) - 1.0) > tol:
+            continue
+        if w.k >= MAX_CUTS or nq >= nP:
+            break
+        if _orth_row(w, 0, S, Q, nq, nP, scratch):
+            nq += 1
+            for m in range(1, N):
+                if (S >> (m - 1)) & 1:
+                    w.inmask[m] |= (<u64> 1) << w.k
+            w.mu[w.k] = 0.0
+            act[na] = w.k
+            na += 1
+            w.k += 1
+    free(A)
+    return na
+
+
+cdef double _set_cut(const Work* w, u64 S) noexcept nogil:
+    """x(delta^-(S)) for the word set S (bit m - 1 for word m), summed afresh."""
+    cdef int N = w.N, m, h
+    cdef double cut = 0.0
+    for m in range(1, N):
+        if not ((S >> (m - 1)) & 1):
+            continue
+        for h in range(N):
+            if h == 0 or not ((S >> (h - 1)) & 1):
+                cut += w.XT[m * N + h]
+    return cut
+
+
+cdef int _orth_row(Work* w, u64 bit, u64 S, double* Q, int nq, int nP,
+                   double* v) noexcept nogil:
+    """The row of one cut on the support, centred per column (the cut held as bit
+    ``bit`` when it is nonzero, else the word set S, bit m - 1 for word m),
+    orthogonalised against Q's nq rows (twice, for round-off); appended to Q and 1
+    returned when what is left is not round-off, else 0."""
+    cdef int N = w.N, m, h, p = 0, p0, c, i, r
+    cdef double s, nrm0 = 0.0, nrm, dot
+    cdef bint in_m, in_h
+    for m in range(1, N):
+        p0 = p
+        s = 0.0
+        for h in range(N):
+            if not w.supp[m * N + h]:
+                continue
+            if bit:
+                in_m = (w.inmask[m] & bit) != 0
+                in_h = (w.inmask[h] & bit) != 0
+            else:
+                in_m = ((S >> (m - 1)) & 1) != 0
+                in_h = h > 0 and ((S >> (h - 1)) & 1) != 0
+            v[p] = 1.0 if (in_m and not in_h) else 0.0
+            s += v[p]
+            p += 1
+        c = p - p0
+        for i in range(p0, p):
+            v[i] -= s / c
+    for i in range(nP):
+        nrm0 += v[i] * v[i]
+    if nrm0 <= 0.0:
+        return 0
+    for r in range(2):
+        for i in range(nq):
+            dot = 0.0
+            for p in range(nP):
+                dot += Q[i * nP + p] * v[p]
+            for p in range(nP):
+                v[p] -= dot * Q[i * nP + p]
+    nrm = 0.0
+    for i in range(nP):
+        nrm += v[i] * v[i]
+    if nrm <= 1e-16 * nrm0:
+        return 0
+    nrm = sqrt(nrm)
+    for p in range(nP):
+        Q[nq * nP + p] = v[p] / nrm
+    return 1
+
+
+cdef void _rows_hessian(const Work* w, const int* act, int na, double* L) noexcept nogil:
+    """L (na x na, row-major) = B Pc B^T for the cuts act[:na] on the support: the
+    dual's Hessian restricted to them, summed afresh."""
+    cdef int N = w.N, m, h, i, j, c
+    cdef double a[MAX_CUTS]
+    cdef u64 bm, bh
+    for i in range(na * na):
+        L[i] = 0.0
+    for m in range(1, N):
+        c = 0
+        for i in range(na):
+            a[i] = 0.0
+        bm = w.inmask[m]
+        for h in range(N):
+            if not w.supp[m * N + h]:
+                continue
+            c += 1
+            bh = bm & ~w.inmask[h]
+            for i in range(na):
+                if (bh >> act[i]) & 1:
+                    a[i] += 1.0
+                    for j in range(i + 1):
+                        if (bh >> act[j]) & 1:
+                            L[i * na + j] += 1.0
+        if c == 0:
+            continue
+        for i in range(na):
+            if a[i] != 0.0:
+                for j in range(i + 1):
+                    L[i * na + j] -= a[i] * a[j] / c
+    for i in range(na):
+        for j in range(i):
+            L[j * na + i] = L[i * na + j]
+
+
 cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
-    """The backward data: supports, the active cuts' word masks, the Cholesky
-    factor of H on the active cuts (see _apply_J for the layout)."""
-    cdef int N = w.N, k = w.k, m, h, i, j, na = 0, nk
+    """The backward data: supports, the tight cuts' word masks, the Cholesky factor
+    of B Pc B^T on them (see _apply_J for the layout).
+
+    The Jacobian is the projection onto the null space of every constraint tight
+    at u (docs/solvers.rst): the cuts with mu > 0, and also the tight ones with
+    mu = 0 that the dual left out (_held_rows, _brute_rows)."""
+    cdef int N = w.N, k, m, h, i, j, na = 0
     cdef Py_ssize_t nnz = 0, off
     cdef int act[MAX_CUTS]
     cdef double diag0[MAX_CUTS]
     cdef char kept[MAX_CUTS]
     cdef double* L
+    cdef double* Q
     cdef int* ints
     cdef u64 keep = 0, b
-    for i in range(k):
-        if ((w.freebits >> i) & 1) or w.mu[i] > 0.0:
-            act[na] = i
-            na += 1
+    cdef bint fresh
+    cdef int k0 = w.k
+    cdef double tol = _tight_tol(w)
+    # an arc whose x is round-off above 0 is at 0 (the constraint x >= 0 tight): in
+    # the Jacobian's support it would let J move an arc that stays at 0
+    fresh = False
     for m in range(1, N):
         for h in range(N):
+            if w.supp[m * N + h] and w.XT[m * N + h] <= tol:
+                w.supp[m * N + h] = 0
+                fresh = True
             nnz += w.supp[m * N + h]
+    na = _held_rows(w, act)
+    if w.n <= BRUTE_WORDS and w.n >= 3:
+        Q = <double*> malloc((nnz + 1) * (nnz + 1) * sizeof(double))
+        if Q == NULL:
+            with gil:
+                raise MemoryError()
+        na = _brute_rows(w, act, na, Q, Q + nnz * nnz)
+        free(Q)
+        if na < 0:
+            with gil:
+                raise MemoryError()
+    k = w.k
+    # rows added since the dual's last projection have no entries in its H, nor has
+    # a support cut down
+    fresh = fresh or k != k0
     state_resize(st, 6 + MAX_CUTS + (N + 1) + nnz + 2 * N, na * na)
     L = st.reals
+    if fresh:
+        _rows_hessian(w, act, na, L)
+    else:
+        for i in range(na):
+            for j in range(na):
+                L[i * na + j] = w.H[act[i] * k + act[j]]
     for i in range(na):
-        for j in range(na):
-            L[i * na + j] = w.H[act[i] * k + act[j]]
         diag0[i] = L[i * na + i]
     _cholesky(L, na, diag0, kept)
     ints = st.ints

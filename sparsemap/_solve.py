@@ -372,7 +372,11 @@ class SparseMAPResult:
         from the factorisation the facet solver kept. Either is the
         derivative wherever ``u`` is differentiable, at any score scale; at a
         kink, a one-sided derivative (an element of the generalized Jacobian,
-        see the solvers page). At transition scores that tie (a sequence's
+        see the solvers page). On the facet side of trees and matchings, the
+        null space is that of every constraint tight at ``u``, its multiplier
+        zero or not: the derivative wherever ``u`` is differentiable, and at a
+        kink the Jacobian at nearby scores where it is (the solvers page,
+        "Derivatives at ties and kinks", proves both). At transition scores that tie (a sequence's
         ``eta_v`` passed as zeros) it is the limit of the Jacobians at
         ``eta_v + t r`` as ``t`` decreases to 0, ``r =``
         :func:`sparsemap.testing.tie_direction`. A :class:`SequenceFactor`
