@@ -948,8 +948,9 @@ cdef int _pivot(_W* w, int i, int a, int b, double t) noexcept nogil:
     return 0
 
 
-cdef int _run(_W* w, const double* eta_u, const double* C0, const double* D, double t_end,
-              bint zero_only, Py_ssize_t budget, Py_ssize_t* n_iter, int* stack) noexcept nogil:
+cdef int _follow_costs(_W* w, const double* eta_u, const double* C0, const double* D,
+                       double t_end, bint zero_only, Py_ssize_t budget, Py_ssize_t* n_iter,
+                       int* stack) noexcept nogil:
     """Follow u along the costs C0 + t D from t = 0 to t_end (zero_only: apply only the
     events at t = 0, the structure of the piece at 0+). RUN_OK or RUN_DECLINE."""
     cdef int n = w.n, S = w.S, T = w.T, i, k, a, b, kind, ev_i = -1, ev_k = -1, ei, ex, eb
@@ -1160,7 +1161,7 @@ cdef bint _phase1(_W* w, const double* eta_u, const double* eta_v, double scale_
     w.stol_x = TOL_S * scale_v
     w.stol_d = TOL_S * scale_v
     w.t_start = max(1e-9, START_ROUNDOFF / scale_v)
-    return _run(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) == RUN_OK
+    return _follow_costs(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) == RUN_OK
 
 
 cdef bint _violated(_W* w, const double* eta_u, const double* C0, const double* D,
@@ -1695,7 +1696,7 @@ cdef class SequenceFacetSolver(FacetSolver):
         if phase2:
             w.stol_x = TOL_S
             w.stol_d = TOL_S
-            if _run(w, eta_u, eta_v, self.r, 0.0, True, budget, n_iter, stack) != RUN_OK:
+            if _follow_costs(w, eta_u, eta_v, self.r, 0.0, True, budget, n_iter, stack) != RUN_OK:
                 return FACET_DECLINED
         elif T == 0:
             if _factor_all(w):

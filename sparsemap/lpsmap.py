@@ -317,7 +317,8 @@ def _check_vars(v, name):
     return v
 
 
-def _base(v):
+def _variable_of(v):
+    """The :class:`Variable` that ``v`` (a variable or a slice of one) indexes."""
     return v if isinstance(v, Variable) else v._base_var
 
 
@@ -590,7 +591,7 @@ class _LPFactor:
     def _ids(self, offsets):
         """Global variable indices of the factor's variables (one array per argument)."""
         vs = self._variables if isinstance(self._variables, tuple) else (self._variables,)
-        return tuple(v._ix + offsets[id(_base(v))] for v in vs)
+        return tuple(v._ix + offsets[id(_variable_of(v))] for v in vs)
 
     def _pieces(self, ids, ops):
         """Native pieces and extra unary scores ``[(variable, score)]`` for the graph."""
@@ -1141,7 +1142,7 @@ def _describe_factor(factor, names):
 
 
 def _describe_vars(v, names):
-    base = _base(v)
+    base = _variable_of(v)
     label = f"variable {names.get(id(base), '?')}"
     if isinstance(v, Variable):
         return label
@@ -1166,7 +1167,7 @@ def _leading(factor):
     out = set()
     vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
     for v in vs:
-        base = _base(v)
+        base = _variable_of(v)
         if len(base.shape) < 2:
             return None
         lead = np.unique(np.unravel_index(v._ix.reshape(-1), base.shape)[0])
@@ -1183,7 +1184,7 @@ def _common_prefix(factors, names, graph_factors=None):
     for f in factors:
         vs = f._variables if isinstance(f._variables, tuple) else (f._variables,)
         for v in vs:
-            base = _base(v)
+            base = _variable_of(v)
             if len(base.shape) < 2:
                 return ""
             lead = np.unique(np.unravel_index(v._ix.reshape(-1), base.shape)[0])
@@ -1332,7 +1333,7 @@ class FactorGraph:
                              f"{type(factor).__name__}")
         vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
         for v in vs:
-            if _base(v)._graph is not self:
+            if _variable_of(v)._graph is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 
@@ -1347,7 +1348,7 @@ class FactorGraph:
             n += v._ix.size
         return offsets, n
 
-    def _run(self, decode, verbose):
+    def _solve_graph(self, decode, verbose):
         ops = self._ops()
         offsets, V = self._layout()
         what = "LP-MAP" if decode else "LP-SparseMAP"
@@ -1460,7 +1461,7 @@ class FactorGraph:
         additional scores over the local polytope of the graph, exactly.
         """
         verbose = _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose)
-        self._run(False, verbose)
+        self._solve_graph(False, verbose)
 
     def solve_map(self, max_iter=1000, max_inner_iter=10, tol=1e-6, step_size=0.1, adapt=True,
                   verbose=False, autodetect_acyclic=True):
@@ -1475,7 +1476,7 @@ class FactorGraph:
         """
         verbose = _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose)
         _check_flag(autodetect_acyclic, "autodetect_acyclic")
-        self._run(True, verbose)
+        self._solve_graph(True, verbose)
 
     solve.__doc__ += _SOLVE_DOC_PARAMS + """
 
