@@ -17,12 +17,13 @@ import importlib.util
 import math
 import os
 import pathlib
-import time
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from _timing import cpu_median
 
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 # The treebanks sit beside the repository (its README names ../shared/data).
@@ -292,16 +293,8 @@ def chain_marginals(eta_u, eta_v, lengths, create_graph=False):
 
 
 # -- timing -------------------------------------------------------------------------
-def cpu_seconds(fn, repeats):
-    """Median CPU seconds of this process over ``repeats`` calls of fn (CPU time: the
-    other processes on a shared machine do not count; with torch on one thread and
-    the solver at ``n_jobs=1`` the process uses one core), and the last call's result."""
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.process_time()
-        out = fn()
-        times.append(time.process_time() - t0)
-    return float(np.median(times)), out
+# the CPU medians of every benchmark come from one place
+cpu_seconds = cpu_median
 
 
 def fallback_text(codes):

@@ -41,6 +41,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsemap as sm  # noqa: E402
+from _reference import all_matchings  # noqa: E402
 
 METHODS = ("auto", "facet", "vertex")
 KINDS = ("zeros", "integers", "repeated", "gauss", "mask", "float32", "strided")
@@ -67,17 +68,6 @@ def _trees(n, single_root):
     return out
 
 
-def _matchings(nr, nc):
-    k = min(nr, nc)
-    out = []
-    for rows in itertools.combinations(range(nr), k):
-        for cols in itertools.permutations(range(nc), k):
-            s = np.full(nr, -1)
-            s[list(rows)] = cols
-            out.append(s)
-    return out
-
-
 def columns(f):
     """(structures, M, N): the compact structures, their dense m_s (n_u, D) and n_s
     (n_v, D), built from the factor's definition (not from the package's code)."""
@@ -91,7 +81,7 @@ def columns(f):
             M[:, j] = a.ravel()
         return S, M, np.zeros((0, len(S)))
     if isinstance(f, sm.MatchingFactor):
-        S = _matchings(f.n_rows, f.n_cols)
+        S = all_matchings(f.n_rows, f.n_cols)
         M = np.zeros((f.n_rows * f.n_cols, len(S)))
         for j, s in enumerate(S):
             a = np.zeros((f.n_rows, f.n_cols))
