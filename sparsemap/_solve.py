@@ -502,6 +502,8 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
     n = len(etas_u)
     if method in _SIDES:
         n_threads = max(1, min(n_threads, n))
+        if _SIDES[method] == "vertex":
+            inits = _facet_starts(factors, etas_u, etas_v, inits, max_iter, tol, n_threads)
         return _run_batch(_batch.prepare_solve(factors, etas_u, etas_v, inits, max_iter, tol,
                                          return_history, n_threads, callback,
                                          side=_SIDES[method], backward=backward),
@@ -522,6 +524,66 @@ def _solve_problems(factors, etas_u, etas_v, inits, method, max_iter, tol, retur
         out.append(solution_from_arrays(f, raw["structures"], raw["weights"], None, raw["u"],
                                         raw["v"], raw["n_iter"], raw["n_map"], raw["status"],
                                         raw["gap"], raw["objective"], raw["history"]))
+    return out
+
+
+# Scores spread less than this (per position, per transition) are near-flat for the
+# forced vertex side of a sequence, which then starts from the facet side's point
+# (:func:`_facet_starts`): three orders of magnitude below sparsemax's unit scale, so
+# ``u`` is within about 1e-3 of the flat solution.
+FLAT_SPREAD = 1e-3
+
+
+def _spread(factor, eta_u, eta_v):
+    """The largest spread of a sequence's finite scores within one position of eta_u
+    or one transition of eta_v: adding a constant to either changes nothing."""
+    def ptp(x):
+        fin = np.isfinite(x)
+        d = np.where(fin, x, -np.inf).max(axis=1) - np.where(fin, x, np.inf).min(axis=1)
+        d = d[np.isfinite(d)]     # a row without finite scores has no spread
+        return float(d.max()) if d.size else 0.0
+    eu = np.asarray(eta_u, dtype=np.float64).reshape(factor.shape_u)
+    out = ptp(eu)
+    if eta_v is not None and np.size(eta_v):
+        ev = np.asarray(eta_v, dtype=np.float64).reshape(factor.shape_v)
+        out = max(out, ptp(ev.reshape(ev.shape[0], -1)))
+    return out
+
+
+def _facet_starts(factors, etas_u, etas_v, inits, max_iter, tol, n_threads):
+    """Warm starts for the vertex side of sequences at near-flat scores.
+
+    There the active set alone stalls on a nearly flat optimal face: a 30 x 8
+    sequence at ``eta_v = 1e-9 randn`` stopped at gap 2.4e-7 after 10,000
+    iterations. Where the automatic choice takes the facet side (it declines at
+    once at peaked scores, which keep their cold start), the facet side's point is
+    decomposed into sequences (a path decomposition of its flows, cheap for this
+    family, unlike trees and matchings at flat scores) and the active set starts
+    from them: it then certifies the optimum in a few iterations, and the result is
+    the vertex side's, support, backward set and all. Only at scores whose spread
+    (:func:`_spread`) is at most ``FLAT_SPREAD``: above it the cold start converges,
+    and the facet solve would cost more than it saves (a 50 x 17 sequence at
+    ``0.1 randn``: 25 ms cold, 56 ms with the warm start; at ``0.01 randn``, 345
+    against 35). ``inits`` with the starts filled in where none was given.
+    """
+    n = len(etas_u)
+    fs = [factors] * n if isinstance(factors, Factor) else list(factors)
+    todo = [i for i in range(n) if type(fs[i]) is SequenceFactor
+            and (inits is None or inits[i] is None)
+            and _spread(fs[i], etas_u[i], None if etas_v is None else etas_v[i])
+            <= FLAT_SPREAD]
+    if not todo:
+        return inits
+    sols = _run_batch(_batch.prepare_solve(
+        factors if isinstance(factors, Factor) else [fs[i] for i in todo],
+        [etas_u[i] for i in todo], None if etas_v is None else [etas_v[i] for i in todo],
+        None, max_iter, tol, False, n_threads, None, side="auto", backward=False), n_threads)
+    out = [None] * n if inits is None else list(inits)
+    for i, sol in zip(todo, sols):
+        if sol.side == "facet" and sol.status == STATUS_CONVERGED:
+            S, y = sol.facet_solver.decompose(
+                sol.u_array().reshape(fs[i].shape_u), sol.v_array().reshape(fs[i].shape_v))
+            out[i] = S[y > 1e-14 * y.max()]
     return out
 
 
