@@ -29,8 +29,11 @@ proportional to ``|g|`` (so the last steps are exact Newton steps), and an
 Armijo search on ``D`` globalises it. Each evaluation is ``n`` simplex
 projections, each a Newton iteration on the column's threshold warm-started
 from the previous one (two or three passes over the column); all cut sums and
-``H`` come out of the same pass, from each arc's bit mask of the cuts it
-enters (at most 64 cuts).
+``H`` come out of the same pass, from each node's bit mask of the cuts that
+hold it (``W`` 64-bit words per node for ``64 W`` cuts: the masks and the
+cut arrays double in place when a cut finds them full, so there is no cap on
+the number of cuts). Arcs from a node that no cut holds enter exactly the
+cuts of their modifier and are summed once per column.
 
 *Exact finish.* On the pieces where the supports and the active cuts do not
 change, ``D`` is quadratic and the Newton step lands on its maximum: the point
@@ -47,8 +50,26 @@ computed by Hao and Orlin's (1994) algorithm: one push-relabel run over all
 sinks, whose sink-side sets give the cut of every sink at once (``O(n^3)``
 in the worst case; on these dense graphs each node's admissible arcs are
 found through per-label lists of nodes, see ``_hao_orlin``). Up to eight
-violated sets found by the run are added, cuts with ``mu = 0`` are dropped,
-and the dual is solved again, warm-started.
+violated sets found by the run are added, each without the words that head
+no arc of positive ``x`` (leaving them out does not raise the cut's value;
+the sets one run returns often differ in such words only, and at head-biased
+scores, where every word wants the same few heads, they were most of the
+cuts held); cuts with ``mu = 0`` are dropped after an exact dual solve, and
+the dual is solved again, warm-started. Between separations the dual is
+solved loosely (to ``|g|`` at most half the violation just found); the solve
+before the separation that certifies ``x`` is exact.
+
+*Termination.* There is no cap on rounds or cuts. Between two exact dual
+solves cuts are only added, each a set not held, so those runs are finite;
+from one exact solve to the next the held cuts' dual optimum strictly rises
+(the new family holds a cut the previous optimum violates, and the cuts
+dropped had ``mu = 0``), so no family of held cuts comes back and there are
+finitely many exact solves. Only the budget of projection passes (the
+caller's ``max_iter``) ends a solve early. Each cut held costs ``O(1)`` per
+arc it enters in a projection pass and a row and column of the dense ``H``
+(``O(k^3)`` per Newton step for ``k`` cuts); at head-biased scores (a
+per-head offset, like a parser's at initialisation) 100 to 150 words take
+10 to 60 rounds and 20 to 60 cuts (``benchmarks/bench_tree_headbias.py``).
 
 *Certificate.* At return, the residuals are recomputed from the final ``x``
 and ``mu`` with fresh sums: the primal one is the largest of
@@ -59,8 +80,7 @@ support with ``tau`` recomputed from it, ``(z - tau)_+`` off it). The solver
 declines (``FACET_DECLINED``; the caller takes the vertex side) when either
 exceeds ``1e-12 (1 + max |mu|)`` (on the supports, ``z`` is of the size of
 the multipliers once each column is shifted to its maximum 0), when the
-budget of projection passes (``n_iter``), of cut rounds (30) or of cuts (64)
-is spent, when a word has no allowed head or no tree avoids the forbidden
+budget of projection passes (``n_iter``) is spent, when a word has no allowed head or no tree avoids the forbidden
 arcs (the vertex side raises the ``ValueError``), or when scores are not
 finite where they are read.
 
@@ -209,8 +229,7 @@ cdef extern from *:
 
 
 cdef enum:
-    MAX_CUTS = 64          # cuts held at once (one bit each in a 64-bit mask)
-    MAX_ROUNDS = 30        # separation rounds before declining
+    CUTS0 = 64             # cuts held at first (room grows by doubling, with no cap)
     MAX_FOUND = 8          # violated sets taken from one separation run
     MAX_BACKTRACK = 40     # Armijo halvings before declining
     # c_solve's return codes besides FACET_SOLVED / FACET_DECLINED (internal)
@@ -222,6 +241,11 @@ cdef enum:
 # out) have a single head in the column-wise sparsemax of the scores. Fitted to the
 # measured crossover with the vertex side (benchmarks/bench_facet.py --fit tree):
 # 0.34 at 20 words, 0.44 at 60, 0.59 at 120.
+# The dual solves between separation rounds stop at |g| <= LOOSE times the last
+# separation's violation (see _solve); measured on head-biased scores
+# (benchmarks/bench_tree_headbias.py), 0.5 took half the passes of exact solves.
+cdef double LOOSE = 0.5
+
 cdef double PEAKED_A = 0.29
 cdef double PEAKED_B = 0.0025
 
@@ -290,23 +314,122 @@ cdef struct Flow:
 
 cdef struct Work:
     int N, n, k                  # nodes (words + root), words, cuts held
+    int cap, W                   # room for cuts (a multiple of 64), u64 words per mask (cap / 64)
     bint single_root
     double* ET                   # N x N: ET[m*N + h] = eta[h, m] - max of column m; -inf when not allowed
     double* XT                   # N x N: XT[m*N + h] = x[h, m]
     double* tau                  # N: column thresholds
     double* zb                   # N: one column of z
     char* supp                   # N x N: x > 0
-    u64* inmask                  # N: bit i set iff word in cut i (root: 0)
-    u64 freebits                 # cuts without a sign constraint (the root equality)
-    double* mu
-    double* g                    # 1 - C x
-    double* H                    # k x k, row-major
-    double* cx                   # C x
+    # The cuts, in a block of their own that _grow_cuts doubles when full:
+    u64* inmask                  # N x W: bit i of node m's W words set iff word m is in cut i (root: 0)
+    u64* freebits                # W: cuts without a sign constraint (the root equality)
+    double* mu                   # cap
+    double* g                    # cap: 1 - C x
+    double* cx                   # cap: C x
+    double* H                    # k x k (room for cap x cap), row-major
+    # scratch of the projection and the Newton step (cap each, HF cap x cap)
+    double* HF
+    double* diag0
+    double* dstep
+    double* mu0
+    double* acol
+    int* fidx
+    int* lst
+    int* lcol                    # the cuts of one column's word
+    char* kept
+    char* cutmem                 # the block above (freed by the caller)
     double dual                  # D(mu) (without its constant)
     Py_ssize_t changes           # support entries that changed in the last projection
+    int rounds                   # separation rounds run
     Flow F                       # the separation's scratch
     int* iscratch                # 2N ints
     char* cscratch               # N chars
+    char* nocut                  # N: no cut holds the node
+
+
+cdef inline int _cuts_of(const u64* bm, const u64* bh, int W, int* lst) noexcept nogil:
+    """The cuts an arc h -> m enters (m in the cut, h not), bm and bh the two nodes'
+    masks, into lst in increasing order; returns their number."""
+    cdef int q, c = 0
+    cdef u64 b
+    for q in range(W):
+        b = bm[q] & ~bh[q]
+        while b:
+            lst[c] = (q << 6) + sm_ctz64(b)
+            c += 1
+            b &= b - 1
+    return c
+
+
+cdef inline double _mu_sum(const u64* bm, const u64* bh, int W, const double* mu) noexcept nogil:
+    """The sum of mu over the cuts an arc h -> m enters."""
+    cdef int q
+    cdef u64 b
+    cdef double s = 0.0
+    for q in range(W):
+        b = bm[q] & ~bh[q]
+        while b:
+            s += mu[(q << 6) + sm_ctz64(b)]
+            b &= b - 1
+    return s
+
+
+cdef inline bint _any(const u64* bm, int W) noexcept nogil:
+    cdef int q
+    for q in range(W):
+        if bm[q]:
+            return True
+    return False
+
+
+cdef inline bint _bit(const u64* bm, int i) noexcept nogil:
+    return (bm[i >> 6] >> (i & 63)) & 1
+
+
+cdef int _grow_cuts(Work* w, int cap) except -1 nogil:
+    """Room for cap cuts (a multiple of 64): a new block, the masks, freebits and mu
+    copied over (H and the scratch are rewritten before they are read)."""
+    cdef int N = w.N, W = cap >> 6, m, q
+    cdef Py_ssize_t cc = <Py_ssize_t> cap * cap
+    cdef Py_ssize_t nbytes = ((8 * cap + 2 * cc) * sizeof(double) + (N + 1) * W * sizeof(u64)
+                              + 3 * cap * sizeof(int) + cap + 64)
+    cdef char* mem = <char*> malloc(nbytes)
+    cdef double* d
+    cdef u64* im
+    if mem == NULL:
+        with gil:
+            raise MemoryError()
+    im = <u64*> mem
+    for m in range(N + 1):
+        for q in range(W):
+            im[m * W + q] = 0
+    d = <double*> (im + (N + 1) * W)
+    if w.cutmem != NULL:
+        for m in range(N + 1):
+            for q in range(w.W):
+                im[m * W + q] = w.inmask[m * w.W + q]   # freebits are row N
+        memcpy(d, w.mu, w.k * sizeof(double))
+        free(w.cutmem)
+    w.cutmem = mem
+    w.inmask = im
+    w.freebits = im + N * W
+    w.mu = d
+    w.g = d + cap
+    w.cx = d + 2 * cap
+    w.diag0 = d + 3 * cap
+    w.dstep = d + 4 * cap
+    w.mu0 = d + 5 * cap
+    w.acol = d + 6 * cap
+    w.H = d + 8 * cap
+    w.HF = w.H + cc
+    w.fidx = <int*> (w.HF + cc)
+    w.lst = w.fidx + cap
+    w.lcol = w.lst + cap
+    w.kept = <char*> (w.lcol + cap)
+    w.cap = cap
+    w.W = W
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -344,74 +467,100 @@ cdef inline double _threshold(const double* z, int N, double tau0) noexcept nogi
 
 cdef void _project(Work* w) noexcept nogil:
     """x = column-wise sparsemax of eta + C^T mu; also tau, the support, C x,
-    g = 1 - C x, H = C J C^T (all k cuts) and the dual value."""
-    cdef int N = w.N, k = w.k, m, h, i, j, cm
+    g = 1 - C x, H = C J C^T (all k cuts) and the dual value.
+
+    An arc from a node in no cut (the root, and every word that no cut holds)
+    enters exactly the cuts of its modifier m: those arcs share one sum of mu
+    and one block of H per column, computed once (the tight cuts hold the few
+    words that heads favour, so most nodes are in no cut)."""
+    cdef int N = w.N, k = w.k, W = w.W, m, h, i, ii, jj, cm, nl, na, n0
     cdef double* z = w.zb
     cdef const double* e
     cdef double* x
     cdef char* sp
-    cdef double t, s, xs, sq, dual = 0.0
-    cdef u64 bm, b, bb
-    cdef double a[MAX_CUTS]
+    cdef double* a = w.acol
+    cdef double* H = w.H
+    cdef int* lst = w.lst
+    cdef int* lm = w.lcol
+    cdef char* free_node = w.nocut
+    cdef double t, sq, dual = 0.0, xh, mm, x0
+    cdef const u64* bm
+    cdef bint has
     cdef long long changes = 0
     for i in range(k * k):
-        w.H[i] = 0.0
+        H[i] = 0.0
     for i in range(k):
         w.cx[i] = 0.0
+        a[i] = 0.0
+    for h in range(N):
+        free_node[h] = not _any(w.inmask + h * W, W)
     for m in range(1, N):
         e = w.ET + m * N
         x = w.XT + m * N
         sp = w.supp + m * N
-        bm = w.inmask[m]
-        if bm == 0:
+        bm = w.inmask + m * W
+        has = not free_node[m]
+        if not has:
             memcpy(z, e, N * sizeof(double))
         else:
+            na = 0
+            for i in range(k):
+                if _bit(bm, i):
+                    lm[na] = i
+                    na += 1
+            mm = 0.0
+            for ii in range(na):
+                mm += w.mu[lm[ii]]
             for h in range(N):
-                b = bm & ~w.inmask[h]
-                s = e[h]
-                while b:
-                    s += w.mu[sm_ctz64(b)]
-                    b &= b - 1
-                z[h] = s
+                if free_node[h]:
+                    z[h] = e[h] + mm
+                else:
+                    z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
         t = _threshold(z, N, w.tau[m])
         w.tau[m] = t
         cm = sm_clip(z, N, t, x, sp, &changes, &sq)
         dual -= t + 0.5 * sq
-        if bm == 0 or k == 0:
+        if not has or k == 0:
             continue
-        b = bm
-        while b:
-            a[sm_ctz64(b)] = 0.0
-            b &= b - 1
+        n0 = 0
+        x0 = 0.0
         for h in range(N):
-            b = bm & ~w.inmask[h]
-            if b == 0 or not sp[h]:
+            if not sp[h]:
                 continue
-            while b:
-                i = sm_ctz64(b)
-                w.cx[i] += x[h]
+            if free_node[h]:
+                n0 += 1
+                x0 += x[h]
+                continue
+            nl = _cuts_of(bm, w.inmask + h * W, W, lst)
+            xh = x[h]
+            for ii in range(nl):
+                i = lst[ii]
+                w.cx[i] += xh
                 a[i] += 1.0
-                bb = b
-                while bb:
-                    w.H[i * k + sm_ctz64(bb)] += 1.0
-                    bb &= bb - 1
-                b &= b - 1
-        # the column's centring: - a a^T / |P_m| (upper triangle, i <= j)
-        b = bm
-        while b:
-            i = sm_ctz64(b)
+                for jj in range(ii, nl):
+                    H[i * k + lst[jj]] += 1.0
+        # the arcs from free nodes, together: each enters every cut of m
+        if n0 > 0:
+            for ii in range(na):
+                i = lm[ii]
+                w.cx[i] += x0
+                a[i] += n0
+                for jj in range(ii, na):
+                    H[i * k + lm[jj]] += n0
+        # the column's centring: - a a^T / |P_m| (upper triangle, i <= j), over the
+        # cuts that hold m; a is zeroed again for the next column
+        for ii in range(na):
+            i = lm[ii]
             if a[i] != 0.0:
-                bb = b
-                while bb:
-                    j = sm_ctz64(bb)
-                    w.H[i * k + j] -= a[i] * a[j] / cm
-                    bb &= bb - 1
-            b &= b - 1
+                for jj in range(ii, na):
+                    H[i * k + lm[jj]] -= a[i] * a[lm[jj]] / cm
+        for ii in range(na):
+            a[lm[ii]] = 0.0
     for i in range(k):
         w.g[i] = 1.0 - w.cx[i]
         dual += w.mu[i]
-        for j in range(i):
-            w.H[i * k + j] = w.H[j * k + i]
+        for jj in range(i):
+            H[i * k + jj] = H[jj * k + i]
     w.dual = dual
     w.changes = changes
 
@@ -473,17 +622,18 @@ cdef void _chol_solve(const double* L, int k, const char* kept, double* b) noexc
 # ---------------------------------------------------------------------------
 # The dual: projected semismooth Newton on the cut multipliers
 # ---------------------------------------------------------------------------
-cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_g) noexcept nogil:
+cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_g,
+                     double loose) noexcept nogil:
     """Maximise D over mu (mu_i >= 0 unless free) for the cuts held, from the
     current mu (w's projection must be current). Returns 0 when the gradient is
     at round-off, 1 when the budget is spent or the search fails."""
     cdef int k = w.k, i, j, nf, it, bt
-    cdef int F[MAX_CUTS]
-    cdef double HF[MAX_CUTS * MAX_CUTS]
-    cdef double diag0[MAX_CUTS]
-    cdef double d[MAX_CUTS]
-    cdef double mu0[MAX_CUTS]
-    cdef char kept[MAX_CUTS]
+    cdef int* F = w.fidx
+    cdef double* HF = w.HF
+    cdef double* diag0 = w.diag0
+    cdef double* d = w.dstep
+    cdef double* mu0 = w.mu0
+    cdef char* kept = w.kept
     cdef double viol, gnorm, rho, hs, t = 0.0, d0, pred, slack, viol_prev = INFINITY
     cdef bint bound
     if k == 0:
@@ -493,14 +643,14 @@ cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_
         viol = 0.0
         nf = 0
         for i in range(k):
-            bound = not ((w.freebits >> i) & 1) and w.mu[i] <= 0.0 and w.g[i] <= 0.0
+            bound = not _bit(w.freebits, i) and w.mu[i] <= 0.0 and w.g[i] <= 0.0
             if bound:
                 continue
             F[nf] = i
             nf += 1
             if fabs(w.g[i]) > viol:
                 viol = fabs(w.g[i])
-        if viol <= tol_g:
+        if viol <= tol_g or viol <= loose:
             return 0
         # a full Newton step on an unchanged piece that no longer halves the
         # gradient: it is at its round-off floor
@@ -535,7 +685,7 @@ cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_
             for i in range(nf):
                 j = F[i]
                 w.mu[j] = mu0[j] + t * d[i]
-                if not ((w.freebits >> j) & 1) and w.mu[j] < 0.0:
+                if not _bit(w.freebits, j) and w.mu[j] < 0.0:
                     w.mu[j] = 0.0
             pred = 0.0
             for i in range(nf):
@@ -610,7 +760,8 @@ cdef inline void _label_remove(Flow* F, int j) noexcept nogil:
     F.cnt[L] -= 1
 
 
-cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_out) noexcept nogil:
+cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_out,
+                    int max_found) noexcept nogil:
     """Minimum over nonempty word sets S of x(delta^-(S)) (x[h, m] = XT[m*N + h]):
     one push-relabel run that takes every word as the sink in turn (Hao and
     Orlin, J. Algorithms 1994), highest label first. Source side: the root and
@@ -742,12 +893,12 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
             for j in range(N):
                 best_set[j] = where[j] == 0
         if e[t] < threshold:
-            if F.n_found < MAX_FOUND:
+            if F.n_found < max_found:
                 worst = F.n_found
                 F.n_found += 1
             else:
                 worst = 0
-                for j in range(1, MAX_FOUND):
+                for j in range(1, max_found):
                     if F.found_val[j] > F.found_val[worst]:
                         worst = j
                 if F.found_val[worst] <= e[t]:
@@ -789,6 +940,33 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
     return 0
 
 
+cdef void _heads(const Work* w, char* hd) noexcept nogil:
+    """hd[h] = 1 for the nodes that head an arc of positive x, 0 otherwise."""
+    cdef int N = w.N, m, h
+    for h in range(N):
+        hd[h] = 0
+    for m in range(1, N):
+        for h in range(N):
+            if w.supp[m * N + h]:
+                hd[h] = 1
+
+
+cdef int _heads_only(char* S, const char* hd, int N) noexcept nogil:
+    """Remove from the word set S the words that head no arc of positive x;
+    returns the size left. Such a word sends nothing into S, so leaving it out
+    takes its incoming arcs from outside S out of the cut and adds none: the
+    cut's value at x does not rise. Without this, one separation returns many
+    sets that differ only in such words (their rows restricted to the positive
+    arcs are equal or dependent), each found and solved for in a round of its
+    own."""
+    cdef int m, c = 0
+    for m in range(1, N):
+        if not hd[m]:
+            S[m] = 0
+        c += S[m]
+    return c
+
+
 cdef double _cut_value(const Work* w, const char* S) noexcept nogil:
     """x(delta^-(S)) for the word set S (S[j] = 1), summed afresh."""
     cdef int N = w.N, m, h
@@ -805,27 +983,36 @@ cdef double _cut_value(const Work* w, const char* S) noexcept nogil:
 # ---------------------------------------------------------------------------
 # Cut bookkeeping
 # ---------------------------------------------------------------------------
+cdef inline void _move_bit(u64* bm, int src, int dst) noexcept nogil:
+    """Bit dst of the mask bm set to bit src; bit src cleared."""
+    cdef u64 one = 1
+    if _bit(bm, src):
+        bm[dst >> 6] |= one << (dst & 63)
+    else:
+        bm[dst >> 6] &= ~(one << (dst & 63))
+    bm[src >> 6] &= ~(one << (src & 63))
+
+
 cdef void _drop_cut(Work* w, int i) noexcept nogil:
-    """Remove cut i; the bits above it move down by one."""
-    cdef int h, j, k = w.k
-    cdef u64 low = (<u64> 1 << i) - 1, b
-    for h in range(w.N):
-        b = w.inmask[h]
-        w.inmask[h] = (b & low) | ((b >> 1) & ~low)
-    b = w.freebits
-    w.freebits = (b & low) | ((b >> 1) & ~low)
-    for j in range(i, k - 1):
-        w.mu[j] = w.mu[j + 1]
-    w.k = k - 1
+    """Remove cut i: the last cut takes its place (its bits and multiplier)."""
+    cdef int h, last = w.k - 1, W = w.W
+    if i != last:
+        for h in range(w.N + 1):          # row N: freebits
+            _move_bit(w.inmask + h * W, last, i)
+        w.mu[i] = w.mu[last]
+    else:
+        for h in range(w.N + 1):
+            w.inmask[h * W + (last >> 6)] &= ~((<u64> 1) << (last & 63))
+    w.k = last
 
 
 cdef bint _has_cut(const Work* w, const char* S) noexcept nogil:
-    cdef int i, m
+    cdef int i, m, W = w.W
     cdef bint same
     for i in range(w.k):
         same = True
         for m in range(1, w.N):
-            if (((w.inmask[m] >> i) & 1) != 0) != (S[m] != 0):
+            if _bit(w.inmask + m * W, i) != (S[m] != 0):
                 same = False
                 break
         if same:
@@ -833,15 +1020,20 @@ cdef bint _has_cut(const Work* w, const char* S) noexcept nogil:
     return False
 
 
-cdef void _add_cut(Work* w, const char* S, bint is_free) noexcept nogil:
-    cdef int m, i = w.k
+cdef int _add_cut(Work* w, const char* S, bint is_free) except -1 nogil:
+    cdef int m, i = w.k, W
+    cdef u64 one = 1
+    if i == w.cap:
+        _grow_cuts(w, 2 * w.cap)
+    W = w.W
     for m in range(1, w.N):
         if S[m]:
-            w.inmask[m] |= (<u64> 1) << i
+            w.inmask[m * W + (i >> 6)] |= one << (i & 63)
     if is_free:
-        w.freebits |= (<u64> 1) << i
+        w.freebits[i >> 6] |= one << (i & 63)
     w.mu[i] = 0.0
     w.k = i + 1
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -951,9 +1143,8 @@ cdef class TreeFacetSolver(FacetSolver):
                 n_iter[0] = 0
                 residuals[0] = residuals[1] = 0.0
                 return FACET_DECLINED
-        cdef Py_ssize_t nbytes = ((2 * NN + 4 * N + 3 * MAX_CUTS + MAX_CUTS * MAX_CUTS)
-                                  * sizeof(double) + N * sizeof(u64) + 2 * N * sizeof(int)
-                                  + NN + N + 32)
+        cdef Py_ssize_t nbytes = ((2 * NN + 4 * N) * sizeof(double) + 2 * N * sizeof(int)
+                                  + NN + 2 * N + 32)
         block = <char*> malloc(nbytes + _flow_bytes(N))
         if block == NULL:
             with gil:
@@ -961,25 +1152,25 @@ cdef class TreeFacetSolver(FacetSolver):
         w.N = N
         w.n = self.n
         w.k = 0
+        w.rounds = 0
         w.single_root = self.single_root
         w.ET = <double*> block
         w.XT = w.ET + NN
         w.tau = w.XT + NN
         w.zb = w.tau + N
-        w.mu = w.zb + N
-        w.g = w.mu + MAX_CUTS
-        w.cx = w.g + MAX_CUTS
-        w.H = w.cx + MAX_CUTS
-        # 2 N doubles spare
-        w.inmask = <u64*> (w.H + MAX_CUTS * MAX_CUTS + 2 * N)
-        w.iscratch = <int*> (w.inmask + N)
+        w.iscratch = <int*> (w.zb + 3 * N)      # zb: N doubles and 2 N spare
         w.supp = <char*> (w.iscratch + 2 * N)
         w.cscratch = w.supp + NN
+        w.nocut = w.cscratch + N
         _flow_carve(&w.F, N, block + nbytes)
+        w.cutmem = NULL
+        w.k = 0
         try:
+            _grow_cuts(&w, CUTS0)
             status = _solve(&w, eta_u, u, st, budget, n_iter, residuals)
         finally:
             free(block)
+            free(w.cutmem)
         return status
 
     cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
@@ -1019,9 +1210,9 @@ cdef class TreeFacetSolver(FacetSolver):
 
 cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_t budget,
                 Py_ssize_t* n_iter, double* residuals) except -1 nogil:
-    cdef int N = w.N, m, h, i, j, rounds = 0, nk, code
+    cdef int N = w.N, m, h, i, j, nk, code
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    cdef double val, cmax, tol, tol_g, cut_min, rp, rd, s
+    cdef double val, cmax, tol, tol_g, cut_min, rp, rd, s, loose
     cdef bint forbidden = False
     cdef char* S
     n_iter[0] = 0
@@ -1030,7 +1221,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     # makes the solution invariant to that shift), -inf where not allowed
     for m in range(N):
         w.tau[m] = -INFINITY
-        w.inmask[m] = 0
     for h in range(N):
         w.ET[h] = -INFINITY
     for m in range(1, N):
@@ -1057,7 +1247,6 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     if forbidden and not _feasible(w, w.iscratch, w.cscratch):
         return FACET_DECLINED
     tol_g = 2.2e-16 * N
-    w.freebits = 0
     # the root cut (the set of all words): an equality with single_root
     S = w.cscratch
     S[0] = 0
@@ -1066,36 +1255,54 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     _add_cut(w, S, w.single_root)
     _project(w)
     n_iter[0] += 1
+    # The dual solves between separations stop once |g| is below LOOSE times
+    # the violation the last separation found (a cut that violated is cut off
+    # far from where the dual settles); the solve before the final separation,
+    # which certifies x, is exact.
+    loose = 0.0
     while True:
-        if _dual_solve(w, budget, n_iter, tol_g):
+        if _dual_solve(w, budget, n_iter, tol_g, loose):
             return FACET_DECLINED
-        # cuts with mu = 0 are not needed (a later round finds them again if violated)
+        # cuts with mu = 0 at an exact solve are not needed (a later round finds
+        # them again if violated); after a loose one they are kept (see below)
         i = 0
-        while i < w.k:
-            if not ((w.freebits >> i) & 1) and w.mu[i] <= 0.0:
+        while i < w.k and loose == 0.0:
+            if not _bit(w.freebits, i) and w.mu[i] <= 0.0:
                 _drop_cut(w, i)
             else:
                 i += 1
         tol = _tolerance(w)
-        code = _hao_orlin(&w.F, w.XT, 1.0 - tol, &cut_min)
+        code = _hao_orlin(&w.F, w.XT, 1.0 - tol, &cut_min, MAX_FOUND)
         if code == SEP_FAILED:
             return FACET_DECLINED
         cut_min = _cut_value(w, w.F.found + MAX_FOUND * N)
         if cut_min >= 1.0 - tol:
+            if loose > 0.0:
+                loose = 0.0           # feasible at a loose solve: solve exactly, separate again
+                continue
             break
-        rounds += 1
-        if rounds > MAX_ROUNDS:
-            return FACET_DECLINED
+        # No cap on rounds or cuts, and still finite: between two exact solves cuts
+        # are only added, each a set not held, so those runs are finite; and each
+        # exact solve's x violates a cut the next exact solve holds (cuts dropped
+        # had mu = 0, so the optimum without them is the same), so the held cuts'
+        # dual optimum strictly rises from one exact solve to the next and no
+        # family of held cuts comes back. Only the budget of projection passes
+        # ends it early.
+        w.rounds += 1
+        loose = LOOSE * (1.0 - cut_min)
+        _heads(w, w.cscratch)
         nk = 0
         for j in range(w.F.n_found):
             S = w.F.found + j * N
-            if _cut_value(w, S) >= 1.0 - tol or _has_cut(w, S):
+            if _heads_only(S, w.cscratch, N) == 0 or _cut_value(w, S) >= 1.0 - tol \
+                    or _has_cut(w, S):
                 continue
-            if w.k >= MAX_CUTS:
-                return FACET_DECLINED
             _add_cut(w, S, False)
             nk += 1
         if nk == 0:
+            if loose > 0.0:
+                loose = 0.0           # a held cut violated: the loose solve's, solve exactly
+                continue
             return FACET_DECLINED     # the violated cut is held already: round-off trouble
         _project(w)
         n_iter[0] += 1
@@ -1112,7 +1319,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
             s += w.XT[m * N + h]
         rp = max(rp, fabs(s - 1.0))
     for i in range(w.k):
-        rp = max(rp, fabs(w.g[i]) if ((w.freebits >> i) & 1) or w.mu[i] > 0.0
+        rp = max(rp, fabs(w.g[i]) if _bit(w.freebits, i) or w.mu[i] > 0.0
                  else (w.g[i] if w.g[i] > 0.0 else 0.0))
     rd = _threshold_residual(w)
     residuals[0] = rp
@@ -1142,22 +1349,18 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
     """Largest violation of the columns' threshold conditions at the final x:
     z = eta + C^T mu, tau recomputed from the support, |x - (z - tau)| on it and
     (z - tau)_+ off it."""
-    cdef int N = w.N, m, h, c
+    cdef int N = w.N, W = w.W, m, h, c
     cdef double* z = w.zb
     cdef const double* e
+    cdef const u64* bm
     cdef double s, t, r = 0.0, dv
-    cdef u64 bm, b
     for m in range(1, N):
         e = w.ET + m * N
-        bm = w.inmask[m]
+        bm = w.inmask + m * W
         s = 0.0
         c = 0
         for h in range(N):
-            b = bm & ~w.inmask[h]
-            z[h] = e[h]
-            while b:
-                z[h] += w.mu[sm_ctz64(b)]
-                b &= b - 1
+            z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
             if w.supp[m * N + h]:
                 s += z[h]
                 c += 1
@@ -1175,22 +1378,24 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
 cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     """The backward data: supports, the active cuts' word masks, the Cholesky
     factor of H on the active cuts (see _apply_J for the layout)."""
-    cdef int N = w.N, k = w.k, m, h, i, j, na = 0, nk
+    cdef int N = w.N, k = w.k, W = w.W, m, h, i, j, na = 0, Wa, q
     cdef Py_ssize_t nnz = 0, off
-    cdef int act[MAX_CUTS]
-    cdef double diag0[MAX_CUTS]
-    cdef char kept[MAX_CUTS]
+    cdef int* act = w.fidx
+    cdef double* diag0 = w.diag0
+    cdef char* kept = w.kept
     cdef double* L
     cdef int* ints
-    cdef u64 keep = 0, b
+    cdef u64 b
     for i in range(k):
-        if ((w.freebits >> i) & 1) or w.mu[i] > 0.0:
+        if _bit(w.freebits, i) or w.mu[i] > 0.0:
             act[na] = i
             na += 1
     for m in range(1, N):
         for h in range(N):
             nnz += w.supp[m * N + h]
-    state_resize(st, 6 + MAX_CUTS + (N + 1) + nnz + 2 * N, na * na)
+    Wa = (na + 63) >> 6
+    state_resize(st, 6 + na + (N + 1) + nnz + 2 * <Py_ssize_t> N * Wa,
+                 <Py_ssize_t> na * na)
     L = st.reals
     for i in range(na):
         for j in range(na):
@@ -1201,15 +1406,12 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     ints[0] = N
     ints[1] = <int> nnz
     ints[2] = na
-    for i in range(MAX_CUTS):
-        ints[6 + i] = -1
+    ints[3] = Wa
+    ints[4] = w.rounds          # diagnostics only (benchmarks): separation rounds,
+    ints[5] = k                 # and cuts held at the end
     for i in range(na):
-        if kept[i]:
-            keep |= (<u64> 1) << act[i]
-            ints[6 + act[i]] = i
-    ints[3] = <int> <unsigned int> keep
-    ints[4] = <int> (keep >> 32)
-    off = 6 + MAX_CUTS
+        ints[6 + i] = kept[i]
+    off = 6 + na
     ints[off] = 0
     ints[off + 1] = 0
     nnz = 0
@@ -1220,32 +1422,40 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
                 nnz += 1
         ints[off + m + 1] = <int> nnz
     off += N + 1 + nnz
+    # each node's mask over the active cuts, renumbered as the rows of L (dropped
+    # rows left out), as Wa u64 words of two ints each (low, high)
     for m in range(N):
-        b = w.inmask[m] & keep
-        ints[off + 2 * m] = <int> <unsigned int> b
-        ints[off + 2 * m + 1] = <int> (b >> 32)
+        for q in range(Wa):
+            b = 0
+            for j in range(q << 6, min(na, (q + 1) << 6)):
+                if kept[j] and _bit(w.inmask + m * W, act[j]):
+                    b |= (<u64> 1) << (j & 63)
+            ints[off + 2 * (m * Wa + q)] = <int> <unsigned int> b
+            ints[off + 2 * (m * Wa + q) + 1] = <int> (b >> 32)
     return 0
 
 
-cdef void _apply_J(const FacetState* st, const double* a, double* out) noexcept nogil:
+cdef int _apply_J(const FacetState* st, const double* a, double* out) except -1 nogil:
     """out = J a (J symmetric): centre each column on its support, then remove
     the active cut rows' component: out = Pc a - Pc B^T (B Pc B^T)^{-1} B Pc a.
 
-    State ints: N, nnz, na, keep mask (2 ints), 1 spare, pos[64] (row of L of
-    each kept cut bit, -1 otherwise), colptr[N + 1], heads[nnz], the words' cut
-    masks (2 ints each, kept bits only). Reals: L, na x na."""
+    State ints: N, nnz, na (active cuts, the rows of L), Wa (u64 words per
+    mask), two diagnostics (rounds, cuts held), kept[na] (1 where the row of L
+    is kept, 0 where it was dependent and dropped), colptr[N + 1],
+    heads[nnz], then each node's mask over the kept rows: bit r of its Wa
+    words (two ints each, low then high) set iff the node is in the cut of
+    row r. Reals: L, na x na."""
     cdef const int* ints = st.ints
-    cdef int N = ints[0], na = ints[2], m, h, p, p0, p1, c, i
-    cdef const int* pos = ints + 6
-    cdef const int* colptr = ints + 6 + MAX_CUTS
+    cdef int N = ints[0], na = ints[2], Wa = ints[3], m, h, p, p0, p1, c, i, q
+    cdef const int* kept_i = ints + 6
+    cdef const int* colptr = ints + 6 + na
     cdef const int* heads = colptr + N + 1
     cdef const int* masks = heads + ints[1]
-    cdef u64 keep = (<u64> <unsigned int> ints[3]) | ((<u64> <unsigned int> ints[4]) << 32)
-    cdef u64 bm, b
     cdef double s, mean
-    cdef double y[MAX_CUTS]
-    cdef double tcol
-    cdef char kept[MAX_CUTS]
+    cdef double* y
+    cdef char* kept
+    cdef bint any_kept = False
+    cdef u64* mk
     memset(out, 0, <Py_ssize_t> N * N * sizeof(double))
     for m in range(1, N):
         p0 = colptr[m]
@@ -1260,52 +1470,56 @@ cdef void _apply_J(const FacetState* st, const double* a, double* out) noexcept 
         for p in range(p0, p1):
             h = heads[p]
             out[h * N + m] = a[h * N + m] - mean
-    if keep == 0:
-        return
+    for i in range(na):
+        if kept_i[i]:
+            any_kept = True
+    if not any_kept:
+        return 0
+    y = <double*> malloc(na * sizeof(double) + na + <Py_ssize_t> N * Wa * sizeof(u64))
+    if y == NULL:
+        with gil:
+            raise MemoryError()
+    mk = <u64*> (y + na)
+    kept = <char*> (mk + <Py_ssize_t> N * Wa)
     for i in range(na):
         y[i] = 0.0
-        kept[i] = 0
-    for i in range(MAX_CUTS):
-        if pos[i] >= 0:
-            kept[pos[i]] = 1
+        kept[i] = <char> kept_i[i]
+    for i in range(N * Wa):
+        mk[i] = (<u64> <unsigned int> masks[2 * i]) | ((<u64> <unsigned int> masks[2 * i + 1]) << 32)
     # y = B Pc a
     for m in range(1, N):
-        bm = _mask(masks, m)
-        if bm == 0:
+        if not _any(mk + m * Wa, Wa):
             continue
         for p in range(colptr[m], colptr[m + 1]):
             h = heads[p]
-            b = bm & ~_mask(masks, h)
-            while b:
-                y[pos[sm_ctz64(b)]] += out[h * N + m]
-                b &= b - 1
+            _scatter(mk + m * Wa, mk + h * Wa, Wa, out[h * N + m], y)
     _chol_solve(st.reals, na, kept, y)
     # out -= Pc B^T y
     for m in range(1, N):
-        bm = _mask(masks, m)
-        if bm == 0:
+        if not _any(mk + m * Wa, Wa):
             continue
         p0 = colptr[m]
         p1 = colptr[m + 1]
         s = 0.0
         for p in range(p0, p1):
-            s += _row_sum(y, pos, bm & ~_mask(masks, heads[p]))
+            s += _mu_sum(mk + m * Wa, mk + heads[p] * Wa, Wa, y)
         mean = s / (p1 - p0)
         for p in range(p0, p1):
             h = heads[p]
-            out[h * N + m] -= _row_sum(y, pos, bm & ~_mask(masks, h)) - mean
+            out[h * N + m] -= _mu_sum(mk + m * Wa, mk + h * Wa, Wa, y) - mean
+    free(y)
+    return 0
 
 
-cdef inline u64 _mask(const int* masks, int m) noexcept nogil:
-    return (<u64> <unsigned int> masks[2 * m]) | ((<u64> <unsigned int> masks[2 * m + 1]) << 32)
-
-
-cdef inline double _row_sum(const double* y, const int* pos, u64 b) noexcept nogil:
-    cdef double s = 0.0
-    while b:
-        s += y[pos[sm_ctz64(b)]]
-        b &= b - 1
-    return s
+cdef inline void _scatter(const u64* bm, const u64* bh, int W, double v, double* y) noexcept nogil:
+    """y[i] += v for each cut i an arc h -> m enters (bm, bh: the nodes' masks)."""
+    cdef int q
+    cdef u64 b
+    for q in range(W):
+        b = bm[q] & ~bh[q]
+        while b:
+            y[(q << 6) + sm_ctz64(b)] += v
+            b &= b - 1
 
 
 def _min_root_cut(x):
@@ -1335,7 +1549,7 @@ def _min_root_cut(x):
     cdef double best = 0.0
     _flow_carve(&F, N, <char*> &memv[0])
     with nogil:
-        code = _hao_orlin(&F, &xtv[0, 0], -INFINITY, &best)
+        code = _hao_orlin(&F, &xtv[0, 0], -INFINITY, &best, MAX_FOUND)
     if code != 0:
         raise RuntimeError("Hao-Orlin: label table overflow")
     words = np.array([F.found[MAX_FOUND * N + j] != 0 for j in range(N)])
