@@ -337,6 +337,7 @@ cdef struct Work:
     int* fidx
     int* lst
     int* lcol                    # the cuts of one column's word
+    double* arow                 # cap x N: arow[i*N + v] = 1.0 if node v is in cut i, else 0.0
     char* kept
     char* cutmem                 # the block above (freed by the caller)
     double dual                  # D(mu) (without its constant)
@@ -375,6 +376,12 @@ cdef inline double _mu_sum(const u64* bm, const u64* bh, int W, const double* mu
     return s
 
 
+cdef inline void _axpy(double a, const double* xv, double* y, int n) noexcept nogil:
+    cdef int j
+    for j in range(n):
+        y[j] += a * xv[j]
+
+
 cdef inline bint _any(const u64* bm, int W) noexcept nogil:
     cdef int q
     for q in range(W):
@@ -392,7 +399,8 @@ cdef int _grow_cuts(Work* w, int cap) except -1 nogil:
     copied over (H and the scratch are rewritten before they are read)."""
     cdef int N = w.N, W = cap >> 6, m, q
     cdef Py_ssize_t cc = <Py_ssize_t> cap * cap
-    cdef Py_ssize_t nbytes = ((8 * cap + 2 * cc) * sizeof(double) + (N + 1) * W * sizeof(u64)
+    cdef Py_ssize_t nbytes = ((8 * cap + 2 * cc + <Py_ssize_t> cap * N) * sizeof(double)
+                              + (N + 1) * W * sizeof(u64)
                               + 3 * cap * sizeof(int) + cap + 64)
     cdef char* mem = <char*> malloc(nbytes)
     cdef double* d
@@ -410,6 +418,7 @@ cdef int _grow_cuts(Work* w, int cap) except -1 nogil:
             for q in range(w.W):
                 im[m * W + q] = w.inmask[m * w.W + q]   # freebits are row N
         memcpy(d, w.mu, w.k * sizeof(double))
+        memcpy(d + 8 * cap + 2 * cc, w.arow, <Py_ssize_t> w.k * N * sizeof(double))
         free(w.cutmem)
     w.cutmem = mem
     w.inmask = im
@@ -423,7 +432,8 @@ cdef int _grow_cuts(Work* w, int cap) except -1 nogil:
     w.acol = d + 6 * cap
     w.H = d + 8 * cap
     w.HF = w.H + cc
-    w.fidx = <int*> (w.HF + cc)
+    w.arow = w.HF + cc
+    w.fidx = <int*> (w.arow + <Py_ssize_t> cap * N)
     w.lst = w.fidx + cap
     w.lcol = w.lst + cap
     w.kept = <char*> (w.lcol + cap)
@@ -508,14 +518,16 @@ cdef void _project(Work* w) noexcept nogil:
                 if _bit(bm, i):
                     lm[na] = i
                     na += 1
+            # z[h] = e[h] + the mu of the cuts holding m but not h: all of m's
+            # cuts, less those holding h too, row by row (contiguous and
+            # branch-free; a bit loop per arc was most of a pass's time)
             mm = 0.0
             for ii in range(na):
                 mm += w.mu[lm[ii]]
             for h in range(N):
-                if free_node[h]:
-                    z[h] = e[h] + mm
-                else:
-                    z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
+                z[h] = e[h] + mm
+            for ii in range(na):
+                _axpy(-w.mu[lm[ii]], w.arow + <Py_ssize_t> lm[ii] * N, z, N)
         t = _threshold(z, N, w.tau[m])
         w.tau[m] = t
         cm = sm_clip(z, N, t, x, sp, &changes, &sq)
@@ -1000,6 +1012,8 @@ cdef void _drop_cut(Work* w, int i) noexcept nogil:
         for h in range(w.N + 1):          # row N: freebits
             _move_bit(w.inmask + h * W, last, i)
         w.mu[i] = w.mu[last]
+        memcpy(w.arow + <Py_ssize_t> i * w.N, w.arow + <Py_ssize_t> last * w.N,
+               w.N * sizeof(double))
     else:
         for h in range(w.N + 1):
             w.inmask[h * W + (last >> 6)] &= ~((<u64> 1) << (last & 63))
@@ -1026,8 +1040,9 @@ cdef int _add_cut(Work* w, const char* S, bint is_free) except -1 nogil:
     if i == w.cap:
         _grow_cuts(w, 2 * w.cap)
     W = w.W
-    for m in range(1, w.N):
-        if S[m]:
+    for m in range(w.N):
+        w.arow[<Py_ssize_t> i * w.N + m] = 1.0 if (m > 0 and S[m]) else 0.0
+        if m > 0 and S[m]:
             w.inmask[m * W + (i >> 6)] |= one << (i & 63)
     if is_free:
         w.freebits[i >> 6] |= one << (i & 63)
