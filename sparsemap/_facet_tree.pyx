@@ -229,23 +229,30 @@ cdef extern from *:
 
 
 cdef enum:
-    CUTS0 = 64             # cuts held at first (room grows by doubling, with no cap)
+    CUTS0 = 16             # room for cuts at first (it doubles when full, with no cap;
+                           # small, so that the block stays below malloc's mmap threshold)
     MAX_FOUND = 8          # violated sets taken from one separation run
     MAX_BACKTRACK = 40     # Armijo halvings before declining
     # c_solve's return codes besides FACET_SOLVED / FACET_DECLINED (internal)
     SEP_FAILED = -2
 
 
+# The dual solves between separation rounds, from round LOOSE_AFTER + 1 on, stop at
+# |g| <= LOOSE times the violation the last separation found (see _solve). On
+# head-biased scores, which take tens of rounds, that saves passes; the first rounds
+# are solved exactly, since a loose solve that separates nothing costs an exact solve
+# and one more separation, and most i.i.d. problems need at most three rounds.
+cdef double LOOSE = 0.5
+cdef int LOOSE_AFTER = 3
+# A column whose word is in more than AXPY_FROM cuts gets z row by row over its
+# cuts (see _project); below, by a bit loop per arc.
+cdef int AXPY_FROM = 4
+
 # Peaked scores (see the module docstring): decline when at least
 # PEAKED_A + PEAKED_B n of the n words (those whose head the masks force left
 # out) have a single head in the column-wise sparsemax of the scores. Fitted to the
 # measured crossover with the vertex side (benchmarks/bench_facet.py --fit tree):
 # 0.34 at 20 words, 0.44 at 60, 0.59 at 120.
-# The dual solves between separation rounds stop at |g| <= LOOSE times the last
-# separation's violation (see _solve); measured on head-biased scores
-# (benchmarks/bench_tree_headbias.py), 0.5 took half the passes of exact solves.
-cdef double LOOSE = 0.5
-
 cdef double PEAKED_A = 0.29
 cdef double PEAKED_B = 0.0025
 
@@ -314,7 +321,7 @@ cdef struct Flow:
 
 cdef struct Work:
     int N, n, k                  # nodes (words + root), words, cuts held
-    int cap, W                   # room for cuts (a multiple of 64), u64 words per mask (cap / 64)
+    int cap, W                   # room for cuts, u64 words per mask (cap / 64 rounded up)
     bint single_root
     double* ET                   # N x N: ET[m*N + h] = eta[h, m] - max of column m; -inf when not allowed
     double* XT                   # N x N: XT[m*N + h] = x[h, m]
@@ -343,6 +350,7 @@ cdef struct Work:
     double dual                  # D(mu) (without its constant)
     Py_ssize_t changes           # support entries that changed in the last projection
     int rounds                   # separation rounds run
+    bint exact                   # the last dual solve reached its round-off floor
     Flow F                       # the separation's scratch
     int* iscratch                # 2N ints
     char* cscratch               # N chars
@@ -395,9 +403,9 @@ cdef inline bint _bit(const u64* bm, int i) noexcept nogil:
 
 
 cdef int _grow_cuts(Work* w, int cap) except -1 nogil:
-    """Room for cap cuts (a multiple of 64): a new block, the masks, freebits and mu
+    """Room for cap cuts: a new block, the masks, freebits and mu
     copied over (H and the scratch are rewritten before they are read)."""
-    cdef int N = w.N, W = cap >> 6, m, q
+    cdef int N = w.N, W = (cap + 63) >> 6, m, q
     cdef Py_ssize_t cc = <Py_ssize_t> cap * cap
     cdef Py_ssize_t nbytes = ((8 * cap + 2 * cc + <Py_ssize_t> cap * N) * sizeof(double)
                               + (N + 1) * W * sizeof(u64)
@@ -495,6 +503,7 @@ cdef void _project(Work* w) noexcept nogil:
     cdef char* free_node = w.nocut
     cdef double t, sq, dual = 0.0, xh, mm, x0
     cdef const u64* bm
+    cdef u64 b, b0
     cdef bint has
     cdef long long changes = 0
     for i in range(k * k):
@@ -521,13 +530,27 @@ cdef void _project(Work* w) noexcept nogil:
             # z[h] = e[h] + the mu of the cuts holding m but not h: all of m's
             # cuts, less those holding h too, row by row (contiguous and
             # branch-free; a bit loop per arc was most of a pass's time)
-            mm = 0.0
-            for ii in range(na):
-                mm += w.mu[lm[ii]]
-            for h in range(N):
-                z[h] = e[h] + mm
-            for ii in range(na):
-                _axpy(-w.mu[lm[ii]], w.arow + <Py_ssize_t> lm[ii] * N, z, N)
+            if na <= AXPY_FROM and W == 1:
+                # one word per mask (at most 64 cuts, the usual case): main's loop
+                b0 = bm[0]
+                for h in range(N):
+                    b = b0 & ~w.inmask[h]
+                    xh = e[h]
+                    while b:
+                        xh += w.mu[sm_ctz64(b)]
+                        b &= b - 1
+                    z[h] = xh
+            elif na <= AXPY_FROM:
+                for h in range(N):
+                    z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
+            else:
+                mm = 0.0
+                for ii in range(na):
+                    mm += w.mu[lm[ii]]
+                for h in range(N):
+                    z[h] = e[h] + mm
+                for ii in range(na):
+                    _axpy(-w.mu[lm[ii]], w.arow + <Py_ssize_t> lm[ii] * N, z, N)
         t = _threshold(z, N, w.tau[m])
         w.tau[m] = t
         cm = sm_clip(z, N, t, x, sp, &changes, &sq)
@@ -543,7 +566,15 @@ cdef void _project(Work* w) noexcept nogil:
                 n0 += 1
                 x0 += x[h]
                 continue
-            nl = _cuts_of(bm, w.inmask + h * W, W, lst)
+            if W == 1:
+                nl = 0
+                b = bm[0] & ~w.inmask[h]
+                while b:
+                    lst[nl] = sm_ctz64(b)
+                    nl += 1
+                    b &= b - 1
+            else:
+                nl = _cuts_of(bm, w.inmask + h * W, W, lst)
             xh = x[h]
             for ii in range(nl):
                 i = lst[ii]
@@ -648,6 +679,7 @@ cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_
     cdef char* kept = w.kept
     cdef double viol, gnorm, rho, hs, t = 0.0, d0, pred, slack, viol_prev = INFINITY
     cdef bint bound
+    w.exact = True
     if k == 0:
         return 0
     while True:
@@ -662,7 +694,10 @@ cdef int _dual_solve(Work* w, Py_ssize_t budget, Py_ssize_t* n_iter, double tol_
             nf += 1
             if fabs(w.g[i]) > viol:
                 viol = fabs(w.g[i])
-        if viol <= tol_g or viol <= loose:
+        if viol <= tol_g:
+            return 0
+        if viol <= loose:
+            w.exact = False
             return 0
         # a full Newton step on an unchanged piece that no longer halves the
         # gradient: it is at its round-off floor
@@ -772,8 +807,7 @@ cdef inline void _label_remove(Flow* F, int j) noexcept nogil:
     F.cnt[L] -= 1
 
 
-cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_out,
-                    int max_found) noexcept nogil:
+cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_out) noexcept nogil:
     """Minimum over nonempty word sets S of x(delta^-(S)) (x[h, m] = XT[m*N + h]):
     one push-relabel run that takes every word as the sink in turn (Hao and
     Orlin, J. Algorithms 1994), highest label first. Source side: the root and
@@ -905,12 +939,12 @@ cdef int _hao_orlin(Flow* F, const double* XT, double threshold, double* best_ou
             for j in range(N):
                 best_set[j] = where[j] == 0
         if e[t] < threshold:
-            if F.n_found < max_found:
+            if F.n_found < MAX_FOUND:
                 worst = F.n_found
                 F.n_found += 1
             else:
                 worst = 0
-                for j in range(1, max_found):
+                for j in range(1, MAX_FOUND):
                     if F.found_val[j] > F.found_val[worst]:
                         worst = j
                 if F.found_val[worst] <= e[t]:
@@ -1227,7 +1261,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 Py_ssize_t* n_iter, double* residuals) except -1 nogil:
     cdef int N = w.N, m, h, i, j, nk, code
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    cdef double val, cmax, tol, tol_g, cut_min, rp, rd, s, loose
+    cdef double val, cmax, tol, tol_g, cut_min, rp, rd, rc, s, loose
     cdef bint forbidden = False
     cdef char* S
     n_iter[0] = 0
@@ -1270,10 +1304,8 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     _add_cut(w, S, w.single_root)
     _project(w)
     n_iter[0] += 1
-    # The dual solves between separations stop once |g| is below LOOSE times
-    # the violation the last separation found (a cut that violated is cut off
-    # far from where the dual settles); the solve before the final separation,
-    # which certifies x, is exact.
+    # Loose dual solves after the first rounds (see LOOSE); the solve before the
+    # separation that certifies x is exact (w.exact).
     loose = 0.0
     while True:
         if _dual_solve(w, budget, n_iter, tol_g, loose):
@@ -1281,18 +1313,18 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         # cuts with mu = 0 at an exact solve are not needed (a later round finds
         # them again if violated); after a loose one they are kept (see below)
         i = 0
-        while i < w.k and loose == 0.0:
+        while i < w.k and w.exact:
             if not _bit(w.freebits, i) and w.mu[i] <= 0.0:
                 _drop_cut(w, i)
             else:
                 i += 1
         tol = _tolerance(w)
-        code = _hao_orlin(&w.F, w.XT, 1.0 - tol, &cut_min, MAX_FOUND)
+        code = _hao_orlin(&w.F, w.XT, 1.0 - tol, &cut_min)
         if code == SEP_FAILED:
             return FACET_DECLINED
         cut_min = _cut_value(w, w.F.found + MAX_FOUND * N)
         if cut_min >= 1.0 - tol:
-            if loose > 0.0:
+            if not w.exact:
                 loose = 0.0           # feasible at a loose solve: solve exactly, separate again
                 continue
             break
@@ -1304,7 +1336,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         # family of held cuts comes back. Only the budget of projection passes
         # ends it early.
         w.rounds += 1
-        loose = LOOSE * (1.0 - cut_min)
+        loose = LOOSE * (1.0 - cut_min) if w.rounds > LOOSE_AFTER else 0.0
         _heads(w, w.cscratch)
         nk = 0
         for j in range(w.F.n_found):
@@ -1315,7 +1347,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
             _add_cut(w, S, False)
             nk += 1
         if nk == 0:
-            if loose > 0.0:
+            if not w.exact:
                 loose = 0.0           # a held cut violated: the loose solve's, solve exactly
                 continue
             return FACET_DECLINED     # the violated cut is held already: round-off trouble
@@ -1333,14 +1365,18 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         for h in range(N):
             s += w.XT[m * N + h]
         rp = max(rp, fabs(s - 1.0))
+    rc = 0.0
     for i in range(w.k):
-        rp = max(rp, fabs(w.g[i]) if _bit(w.freebits, i) or w.mu[i] > 0.0
+        rc = max(rc, fabs(w.g[i]) if _bit(w.freebits, i) or w.mu[i] > 0.0
                  else (w.g[i] if w.g[i] > 0.0 else 0.0))
     rd = _threshold_residual(w)
-    residuals[0] = rp
+    residuals[0] = max(rp, rc)
     residuals[1] = rd
     tol = _tolerance(w)
-    if rp > tol or rd > tol:
+    # The held cuts' rows: within the dual solve's own round-off floor (a full
+    # Newton step no longer halves |g| below 1e3 tol_g: with many nearly dependent
+    # tight cuts, as at head-biased scores, the floor sits above 1e-12)
+    if rp > tol or rd > tol or rc > max(tol, 1e3 * tol_g):
         return FACET_DECLINED
     for m in range(N):
         for h in range(N):
@@ -1368,6 +1404,7 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
     cdef double* z = w.zb
     cdef const double* e
     cdef const u64* bm
+    cdef u64 b
     cdef double s, t, r = 0.0, dv
     for m in range(1, N):
         e = w.ET + m * N
@@ -1375,7 +1412,15 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
         s = 0.0
         c = 0
         for h in range(N):
-            z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
+            if W == 1:
+                b = bm[0] & ~w.inmask[h]
+                t = e[h]
+                while b:
+                    t += w.mu[sm_ctz64(b)]
+                    b &= b - 1
+                z[h] = t
+            else:
+                z[h] = e[h] + _mu_sum(bm, w.inmask + h * W, W, w.mu)
             if w.supp[m * N + h]:
                 s += z[h]
                 c += 1
@@ -1564,7 +1609,7 @@ def _min_root_cut(x):
     cdef double best = 0.0
     _flow_carve(&F, N, <char*> &memv[0])
     with nogil:
-        code = _hao_orlin(&F, &xtv[0, 0], -INFINITY, &best, MAX_FOUND)
+        code = _hao_orlin(&F, &xtv[0, 0], -INFINITY, &best)
     if code != 0:
         raise RuntimeError("Hao-Orlin: label table overflow")
     words = np.array([F.found[MAX_FOUND * N + j] != 0 for j in range(N)])
