@@ -1013,6 +1013,56 @@ cdef int _heads_only(char* S, const char* hd, int N) noexcept nogil:
     return c
 
 
+cdef void _uncross(Work* w, char* T, char* tmp) noexcept nogil:
+    """Make the violated word set T laminar with the held cuts that are tight
+    (mu > 0, or the root equality): while T crosses such a cut S (they meet
+    and neither holds the other), T becomes the smaller-valued of T & S and
+    T | S. The cut function is submodular, x(T & S) + x(T | S) <= x(T) + x(S)
+    with x(S) = 1 and x(T) < 1, so the new T is violated at least as much as
+    the old, and at most k replacements are made. Tight cuts that cross are
+    what Edmonds' uncrossing removes: a laminar family has independent rows
+    far more often, and the dual's Newton steps and the rounds that add one
+    nearly dependent cut after another were most of the cost at head-biased
+    scores. tmp: N chars of scratch (the Hao-Orlin best set's, read before)."""
+    cdef int N = w.N, W = w.W, i, m, it, c_in, c_t, c_s
+    cdef bint changed = True
+    cdef double v_and, v_or
+    cdef const u64* bm
+    it = 0
+    while changed and it < w.k:
+        changed = False
+        it += 1
+        for i in range(w.k):
+            if not (_bit(w.freebits, i) or w.mu[i] > 0.0):
+                continue
+            c_in = 0
+            c_t = 0
+            c_s = 0
+            for m in range(1, N):
+                bm = w.inmask + m * W
+                if T[m] and _bit(bm, i):
+                    c_in += 1
+                elif T[m]:
+                    c_t += 1
+                elif _bit(bm, i):
+                    c_s += 1
+            if c_in == 0 or c_t == 0 or c_s == 0:
+                continue
+            for m in range(N):
+                tmp[m] = T[m] and _bit(w.inmask + m * W, i)
+            v_and = _cut_value(w, tmp)
+            for m in range(N):
+                tmp[m] = T[m] or (m > 0 and _bit(w.inmask + m * W, i))
+            v_or = _cut_value(w, tmp)
+            if v_and <= v_or:
+                for m in range(N):
+                    T[m] = T[m] and _bit(w.inmask + m * W, i)
+            else:
+                memcpy(T, tmp, N)
+            changed = True
+            break
+
+
 cdef double _cut_value(const Work* w, const char* S) noexcept nogil:
     """x(delta^-(S)) for the word set S (S[j] = 1), summed afresh."""
     cdef int N = w.N, m, h
@@ -1341,8 +1391,10 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         nk = 0
         for j in range(w.F.n_found):
             S = w.F.found + j * N
-            if _heads_only(S, w.cscratch, N) == 0 or _cut_value(w, S) >= 1.0 - tol \
-                    or _has_cut(w, S):
+            if _heads_only(S, w.cscratch, N) == 0 or _cut_value(w, S) >= 1.0 - tol:
+                continue
+            _uncross(w, S, w.F.found + MAX_FOUND * N)
+            if _cut_value(w, S) >= 1.0 - tol or _has_cut(w, S):
                 continue
             _add_cut(w, S, False)
             nk += 1
