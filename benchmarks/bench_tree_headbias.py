@@ -14,14 +14,26 @@ script times
   Laplacian and its gradient), on the same scores in the same process;
 
 and prints CPU times (``time.process_time``, torch on one thread): per seed the
-median of ``--repeats`` runs, then the worst and the median over seeds of the
+median of ``--repeats`` runs, then the median and the worst over seeds of the
 ratio default / CRF. A default solve that takes longer than ``--limit`` seconds is
-run once.
+run once. ``rounds`` (separation rounds), ``held`` (cuts held at the end) and
+``cuts`` (active cuts: positive multiplier or the root equality) are the
+worst over seeds; ``passes`` the median.
+
+``--switch`` instead checks the choice of side on model-like scores (seed 0): a
+per-head offset ``a * randn(n + 1, 1)``, that plus a per-modifier offset
+``a * randn(1, n + 1)``, and low-rank biaffine scores ``a * U V^T / sqrt(3)``
+(``U``, ``V``: ``randn(n + 1, 3)``), each plus ``b * randn(n + 1, n + 1)``: the
+default ``sm.solve`` + ``vjp`` against ``method="facet"`` and, where the default
+took the vertex side or took over 2 ms, ``method="vertex"`` (elsewhere the
+vertex side takes seconds at these flat scores); ``default/best`` is the
+default's time over the faster side's.
 
 Usage::
 
     python benchmarks/bench_tree_headbias.py             # the full grid
     python benchmarks/bench_tree_headbias.py --sizes 60 --seeds 2
+    python benchmarks/bench_tree_headbias.py --switch
 """
 import argparse
 import os
@@ -73,6 +85,51 @@ def timed(fn, repeats, limit):
     return float(np.median(times)), out
 
 
+def model_like(kind, n, a, b, seed):
+    rng = np.random.default_rng(seed)
+    noise = b * rng.standard_normal((n + 1, n + 1))
+    if kind == "head":
+        return a * rng.standard_normal((n + 1, 1)) + noise
+    if kind == "head+mod":
+        return a * rng.standard_normal((n + 1, 1)) + a * rng.standard_normal((1, n + 1)) + noise
+    U, V = rng.standard_normal((n + 1, 3)), rng.standard_normal((n + 1, 3))
+    return a * (U @ V.T) / np.sqrt(3) + noise
+
+
+def switch(args):
+    header = (f"{'scores':>9} {'n':>4} {'a':>4} {'b':>5} {'root':>6} | {'default':>7} {'ms':>8} | "
+              f"{'facet ms':>9} | {'vertex ms':>9} | {'default/best':>12}")
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for kind in ("head", "head+mod", "lowrank"):
+        for n in (60, 150):
+            for a in (0.1, 0.3, 1.0, 2.0, 4.0):
+                for b in (0.03, 0.3):
+                    for single_root in (False, True):
+                        f = sm.TreeFactor(n, single_root=single_root)
+                        eta = model_like(kind, n, a, b, 0)
+                        g = np.ones_like(eta)
+
+                        def run(method):
+                            def go():
+                                r = sm.solve(f, eta, method=method)
+                                r.vjp(g)
+                                return r
+                            return go
+                        td, r = timed(run("active_set"), args.repeats, args.limit)
+                        tf, _ = timed(run("facet"), args.repeats, args.limit)
+                        tv = np.nan
+                        if r.side == "vertex" or td > 2e-3:
+                            tv, _ = timed(run("vertex"), 1, np.inf)
+                        best = min(tf, tv) if tv == tv else tf
+                        worst = max(worst, td / best)
+                        print(f"{kind:>9} {n:>4} {a:>4g} {b:>5g} {'single' if single_root else 'multi':>6} | "
+                              f"{r.side:>7} {1e3 * td:>8.2f} | {1e3 * tf:>9.2f} | {1e3 * tv:>9.2f} | "
+                              f"{td / best:>12.2f}", flush=True)
+    print(f"worst default/best {worst:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[60, 100, 150])
@@ -83,7 +140,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--limit", type=float, default=1.0,
                     help="seconds: a default solve longer than this is not repeated")
+    ap.add_argument("--switch", action="store_true",
+                    help="check the choice of side on model-like scores instead")
     args = ap.parse_args()
+    if args.switch:
+        switch(args)
+        return
     import torch
     torch.set_num_threads(1)
     crf = crf_timer(torch)

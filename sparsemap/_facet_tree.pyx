@@ -50,14 +50,22 @@ computed by Hao and Orlin's (1994) algorithm: one push-relabel run over all
 sinks, whose sink-side sets give the cut of every sink at once (``O(n^3)``
 in the worst case; on these dense graphs each node's admissible arcs are
 found through per-label lists of nodes, see ``_hao_orlin``). Up to eight
-violated sets found by the run are added, each without the words that head
-no arc of positive ``x`` (leaving them out does not raise the cut's value;
-the sets one run returns often differ in such words only, and at head-biased
-scores, where every word wants the same few heads, they were most of the
-cuts held); cuts with ``mu = 0`` are dropped after an exact dual solve, and
-the dual is solved again, warm-started. Between separations the dual is
-solved loosely (to ``|g|`` at most half the violation just found); the solve
-before the separation that certifies ``x`` is exact.
+violated sets found by the run are added, each first
+
+- replaced by its core, without the words that head no arc of positive
+  ``x``, when another set of the run has the same core (leaving such words
+  out does not raise the cut's value; at head-biased scores, where every
+  word wants the same few heads, one run returns many sets that differ in
+  them only, and they were most of the cuts held), and
+- uncrossed with the tight cuts held (``_uncross``: replaced by its
+  intersection or union with a crossing one, whichever is more violated;
+  the cut function is submodular, so that one is violated at least as much),
+  which keeps the tight family laminar, as in Edmonds' algorithm;
+
+cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
+solved again, warm-started. After three rounds the dual is solved loosely
+between separations (to ``|g|`` at most half the violation just found); the
+solve before the separation that certifies ``x`` is exact.
 
 *Termination.* There is no cap on rounds or cuts. Between two exact dual
 solves cuts are only added, each a set not held, so those runs are finite;
@@ -79,10 +87,13 @@ one is the largest of the threshold conditions (``|x - (z - tau)|`` on each
 support with ``tau`` recomputed from it, ``(z - tau)_+`` off it). The solver
 declines (``FACET_DECLINED``; the caller takes the vertex side) when either
 exceeds ``1e-12 (1 + max |mu|)`` (on the supports, ``z`` is of the size of
-the multipliers once each column is shifted to its maximum 0), when the
-budget of projection passes (``n_iter``) is spent, when a word has no allowed head or no tree avoids the forbidden
-arcs (the vertex side raises the ``ValueError``), or when scores are not
-finite where they are read.
+the multipliers once each column is shifted to its maximum 0; the held cuts'
+rows may reach the dual solve's own round-off floor, ``1e3 (n + 1)`` units in
+the last place, which tens of nearly dependent tight cuts can put above
+``1e-12``), when the budget of projection passes (``n_iter``) is spent, when
+a word has no allowed head or no tree avoids the forbidden arcs (the vertex
+side raises the ``ValueError``), or when scores are not finite where they are
+read.
 
 *Peaked scores.* At peaked scores many cuts are tight and the vertex side
 (a few trees) is cheaper. Before anything else (one read of the scores, no
@@ -136,7 +147,7 @@ import numpy as np
 
 from libc.math cimport INFINITY, fabs, isfinite, sqrt
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
                                state_resize, top2)
@@ -355,6 +366,7 @@ cdef struct Work:
     int* iscratch                # 2N ints
     char* cscratch               # N chars
     char* nocut                  # N: no cut holds the node
+    char* cores                  # MAX_FOUND x N
 
 
 cdef inline int _cuts_of(const u64* bm, const u64* bh, int W, int* lst) noexcept nogil:
@@ -997,14 +1009,34 @@ cdef void _heads(const Work* w, char* hd) noexcept nogil:
                 hd[h] = 1
 
 
+cdef int _size(const char* S, int N) noexcept nogil:
+    """The number of nodes in S."""
+    cdef int m, c = 0
+    for m in range(N):
+        c += S[m]
+    return c
+
+
+cdef bint _shared(const char* cores, int nf, int j, int N) noexcept nogil:
+    """Whether another of the nf cores (rows of N chars) equals core j."""
+    cdef int i
+    for i in range(nf):
+        if i != j and memcmp(cores + i * N, cores + j * N, N) == 0:
+            return True
+    return False
+
+
 cdef int _heads_only(char* S, const char* hd, int N) noexcept nogil:
-    """Remove from the word set S the words that head no arc of positive x;
-    returns the size left. Such a word sends nothing into S, so leaving it out
-    takes its incoming arcs from outside S out of the cut and adds none: the
-    cut's value at x does not rise. Without this, one separation returns many
-    sets that differ only in such words (their rows restricted to the positive
-    arcs are equal or dependent), each found and solved for in a round of its
-    own."""
+    """Remove from the word set S the words that head no arc of positive x (its
+    core); returns the size left. Such a word sends nothing into S, so leaving
+    it out takes its incoming arcs from outside S out of the cut and adds none:
+    the cut's value at x does not rise. At head-biased scores one separation
+    returns many sets that differ only in such words (their rows restricted to
+    the positive arcs equal or dependent), and each came back in a round of its
+    own; the solver adds the core instead of a set whenever another set of the
+    same run has the same core. Where no two share one (i.i.d. peaked scores)
+    the sets themselves did better: their leaves are the ones the optimum's
+    tight cuts hold."""
     cdef int m, c = 0
     for m in range(1, N):
         if not hd[m]:
@@ -1243,7 +1275,7 @@ cdef class TreeFacetSolver(FacetSolver):
                 residuals[0] = residuals[1] = 0.0
                 return FACET_DECLINED
         cdef Py_ssize_t nbytes = ((2 * NN + 4 * N) * sizeof(double) + 2 * N * sizeof(int)
-                                  + NN + 2 * N + 32)
+                                  + NN + 2 * N + MAX_FOUND * N + 32)
         block = <char*> malloc(nbytes + _flow_bytes(N))
         if block == NULL:
             with gil:
@@ -1261,6 +1293,7 @@ cdef class TreeFacetSolver(FacetSolver):
         w.supp = <char*> (w.iscratch + 2 * N)
         w.cscratch = w.supp + NN
         w.nocut = w.cscratch + N
+        w.cores = w.nocut + N
         _flow_carve(&w.F, N, block + nbytes)
         w.cutmem = NULL
         w.k = 0
@@ -1312,6 +1345,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     cdef int N = w.N, m, h, i, j, nk, code
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double val, cmax, tol, tol_g, cut_min, rp, rd, rc, s, loose
+    cdef int nf
     cdef bint forbidden = False
     cdef char* S
     n_iter[0] = 0
@@ -1388,10 +1422,16 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         w.rounds += 1
         loose = LOOSE * (1.0 - cut_min) if w.rounds > LOOSE_AFTER else 0.0
         _heads(w, w.cscratch)
+        nf = w.F.n_found
+        for j in range(nf):
+            memcpy(w.cores + j * N, w.F.found + j * N, N)
+            _heads_only(w.cores + j * N, w.cscratch, N)
         nk = 0
-        for j in range(w.F.n_found):
+        for j in range(nf):
             S = w.F.found + j * N
-            if _heads_only(S, w.cscratch, N) == 0 or _cut_value(w, S) >= 1.0 - tol:
+            if _shared(w.cores, nf, j, N):
+                S = w.cores + j * N   # (see _heads_only)
+            if _size(S, N) == 0 or _cut_value(w, S) >= 1.0 - tol:
                 continue
             _uncross(w, S, w.F.found + MAX_FOUND * N)
             if _cut_value(w, S) >= 1.0 - tol or _has_cut(w, S):
