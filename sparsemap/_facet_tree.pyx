@@ -572,6 +572,11 @@ cdef void _project(Work* w) noexcept nogil:
         n0 = 0
         x0 = 0.0
         for h in range(N):
+            # the arcs that enter no cut first: at flat scores every word is in
+            # the root cut, and that test is predictable where the support's is
+            # a coin flip
+            if W == 1 and (bm[0] & ~w.inmask[h]) == 0:
+                continue
             if not sp[h]:
                 continue
             if free_node[h]:
