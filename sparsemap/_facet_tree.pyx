@@ -73,11 +73,13 @@ from one exact solve to the next the held cuts' dual optimum strictly rises
 (the new family holds a cut the previous optimum violates, and the cuts
 dropped had ``mu = 0``), so no family of held cuts comes back and there are
 finitely many exact solves. Only the budget of projection passes (the
-caller's ``max_iter``) ends a solve early. Each cut held costs ``O(1)`` per
-arc it enters in a projection pass and a row and column of the dense ``H``
+caller's ``max_iter``) ends a solve early. Each cut held costs, per projection
+pass, ``O(1)`` per arc it enters (a row of ``n + 1`` per word it holds, for
+words in more than four cuts), and a row and column of the dense ``H``
 (``O(k^3)`` per Newton step for ``k`` cuts); at head-biased scores (a
-per-head offset, like a parser's at initialisation) 100 to 150 words take
-10 to 60 rounds and 20 to 60 cuts (``benchmarks/bench_tree_headbias.py``).
+per-head offset, like a parser's at initialisation: ``head_sd`` 0.08 or 0.3)
+100 to 150 words took 25 to 116 rounds and held 23 to 49 cuts at the end
+(``benchmarks/bench_tree_headbias.py``, docs/benchmarks.rst).
 
 *Certificate.* At return, the residuals are recomputed from the final ``x``
 and ``mu`` with fresh sums: the primal one is the largest of
