@@ -59,9 +59,8 @@ violated sets found by the run are added, each first
   them only, and they were most of the cuts held), and
 - uncrossed with the tight cuts held (``_uncross``: replaced by its
   intersection or union with a crossing one, whichever is more violated;
-  the cut function is submodular, so that one is violated at least as much;
-  the other is added too when it is violated), which keeps the tight family
-  laminar, as in Edmonds' algorithm;
+  the cut function is submodular, so that one is violated at least as much),
+  which keeps the tight family laminar, as in Edmonds' algorithm;
 
 cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
 solved again, warm-started. After three rounds the dual is solved loosely
@@ -1053,15 +1052,13 @@ cdef int _heads_only(char* S, const char* hd, int N) noexcept nogil:
     return c
 
 
-cdef int _uncross(Work* w, char* T, char* tmp, double tol, int* added) except -1 nogil:
+cdef void _uncross(Work* w, char* T, char* tmp) noexcept nogil:
     """Make the violated word set T laminar with the held cuts that are tight
     (mu > 0, or the root equality): while T crosses such a cut S (they meet
     and neither holds the other), T becomes the smaller-valued of T & S and
     T | S. The cut function is submodular, x(T & S) + x(T | S) <= x(T) + x(S)
     with x(S) = 1 and x(T) < 1, so the new T is violated at least as much as
-    the old, and at most k replacements are made; the other of the two, when
-    it is violated too and not held, is added as a cut at once (added[0]
-    counts them). Tight cuts that cross are
+    the old, and at most k replacements are made. Tight cuts that cross are
     what Edmonds' uncrossing removes: a laminar family has independent rows
     far more often, and the dual's Newton steps and the rounds that add one
     nearly dependent cut after another were most of the cost at head-biased
@@ -1097,26 +1094,12 @@ cdef int _uncross(Work* w, char* T, char* tmp, double tol, int* added) except -1
                 tmp[m] = T[m] or (m > 0 and _bit(w.inmask + m * W, i))
             v_or = _cut_value(w, tmp)
             if v_and <= v_or:
-                if v_or < 1.0 - tol and not _has_cut(w, tmp):
-                    _add_cut(w, tmp, False)
-                    added[0] += 1
-                    W = w.W
                 for m in range(N):
                     T[m] = T[m] and _bit(w.inmask + m * W, i)
             else:
-                if v_and < 1.0 - tol:
-                    for m in range(N):
-                        tmp[m] = T[m] and _bit(w.inmask + m * W, i)
-                    if not _has_cut(w, tmp):
-                        _add_cut(w, tmp, False)
-                        added[0] += 1
-                        W = w.W
-                    for m in range(N):
-                        tmp[m] = T[m] or (m > 0 and _bit(w.inmask + m * W, i))
                 memcpy(T, tmp, N)
             changed = True
             break
-    return 0
 
 
 cdef double _cut_value(const Work* w, const char* S) noexcept nogil:
@@ -1457,7 +1440,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
                 S = w.cores + j * N   # (see _heads_only)
             if _size(S, N) == 0 or _cut_value(w, S) >= 1.0 - tol:
                 continue
-            _uncross(w, S, w.F.found + MAX_FOUND * N, tol, &nk)
+            _uncross(w, S, w.F.found + MAX_FOUND * N)
             if _cut_value(w, S) >= 1.0 - tol or _has_cut(w, S):
                 continue
             _add_cut(w, S, False)
