@@ -3,6 +3,7 @@ references: brute force over all trees, the vertex side, NetworkX's minimum cuts
 conditions and the duality gap checked here from u alone, finite differences."""
 import itertools
 import threading
+import warnings
 
 import networkx as nx
 import numpy as np
@@ -315,6 +316,77 @@ def test_jacobian_structure():
 
 
 # -- decompose, threads ---------------------------------------------------------------
+# -- head-biased scores ----------------------------------------------------------------
+# A parser's arc scores at initialisation share a per-head offset: every word wants the
+# same few heads, and many cut constraints around them are tight at once.
+def head_biased(n, head_sd, noise_sd, seed):
+    rng = np.random.default_rng(seed)
+    return (head_sd * rng.standard_normal((n + 1, 1))
+            + noise_sd * rng.standard_normal((n + 1, n + 1)))
+
+
+@pytest.mark.parametrize("single_root", ROOTS)
+def test_head_biased_brute_force(single_root):
+    rng = np.random.default_rng(11)
+    for n in (2, 3, 4):
+        s = solver(n, single_root)
+        cases = [head_biased(n, hs, ns, seed) for hs, ns, seed in
+                 ((0.3, 0.01, 1), (1.0, 0.03, 2), (0.08, 0.01, 3))]
+        # ties: integer head offsets, two heads equal, no noise; and equal offsets
+        # with tied arcs
+        cases.append(np.repeat(rng.integers(-1, 2, size=(n + 1, 1)), n + 1, axis=1) * 0.5)
+        cases.append(np.repeat(np.array([[1.0], [1.0]] + [[0.0]] * (n - 1)), n + 1, axis=1))
+        if n == 4:
+            # each reference QP over 64 or 125 trees takes seconds: two cases
+            cases = [cases[0], cases[3]] if single_root else [cases[3]]
+        for eta in cases:
+            sol = s.solve(eta)
+            assert sol.status == 0, (n, eta)
+            np.testing.assert_allclose(sol.u, brute_force_u(eta, single_root), atol=1e-9)
+            assert max(sol.residuals) <= 1e-12
+            check_kkt(s.factor, eta, sol.u, brute_min_cut)
+
+
+@pytest.mark.parametrize("single_root", ROOTS)
+@pytest.mark.parametrize("n,head_sd,noise_sd", [(60, 0.08, 0.01), (60, 0.3, 0.03), (100, 0.3, 0.01),
+                                                (150, 0.02, 0.01), (150, 0.08, 0.03)])
+def test_head_biased_kkt(single_root, n, head_sd, noise_sd):
+    """Past the 64 cuts and 30 separation rounds the solver once stopped at: certified
+    by minimum cuts (NetworkX's up to 100 words; at 150, where 150 maximum flows take
+    seconds, the solver's Hao-Orlin routine, checked against NetworkX above) and the
+    duality gap."""
+    s = solver(n, single_root)
+    for seed in range(2):
+        eta = head_biased(n, head_sd, noise_sd, seed)
+        sol = s.solve(eta)
+        assert sol.status == 0
+        check_kkt(s.factor, eta, sol.u, networkx_min_cut if n <= 100 else solver_min_cut)
+
+
+@pytest.mark.parametrize("single_root,seed", [(False, 2), (True, 1)])
+def test_head_biased_60_words_on_the_facet_side(single_root, seed):
+    """A 60-word tree with a head offset (sd 0.08) over arc noise (sd 0.01): solved and
+    certified on the facet side within the default budget, with no warning (the
+    solver used to give up on these, and the vertex side took over)."""
+    f = sm.TreeFactor(60, single_root=single_root)
+    eta = head_biased(60, 0.08, 0.01, seed)
+    assert TreeFacetSolver(f, decline_peaked=False).solve(eta, budget=1000).status == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for method in ("facet", "auto"):
+            r = sm.solve(f, eta, method=method)
+            assert r.side == "facet" and r.converged
+            r.vjp(np.ones_like(eta))
+
+
+@pytest.mark.parametrize("single_root", ROOTS)
+@pytest.mark.parametrize("n,head_sd,noise_sd", [(100, 0.3, 0.03), (150, 0.08, 0.01)])
+def test_head_biased_jacobian_finite_differences(single_root, n, head_sd, noise_sd):
+    rng = np.random.default_rng(13)
+    s = solver(n, single_root)
+    assert fd_check(s, head_biased(n, head_sd, noise_sd, 0), rng) >= 1
+
+
 def test_decompose():
     rng = np.random.default_rng(10)
     n = 6
