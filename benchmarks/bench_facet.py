@@ -1,4 +1,4 @@
-"""The facet side as users meet it: issue 24's bar, and the fit of the switching rule.
+"""The facet side as users meet it: the bar it was built to meet, and the fit of the switching rule.
 
 Tables (``--tables``, default all), each timed in one process, side by side:
 

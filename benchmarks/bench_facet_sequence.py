@@ -23,7 +23,7 @@ declined: ``+x%``, what the attempt adds to the vertex side's time). With ``--fd
 ``s_v <= 1e-3`` also print ``|g_v| / |fd|``: the norm of the ``eta_v`` part of ``vjp``
 (of a cotangent of norm 1) against the norm of one-sided finite differences
 ``(u(eta_v + eps e_j) - u(eta_v)) / eps`` (``eps > 0``, certified facet solves) over a
-random sample of coordinates ``j``, scaled up to all of them (issue 24's check: at
+random sample of coordinates ``j``, scaled up to all of them (the facet side's acceptance check: at
 ``s_v = 0`` the vertex side's untied gradient has norm ~3.5e5, the differences 10-200).
 
 Usage::
@@ -32,7 +32,7 @@ Usage::
     python benchmarks/bench_facet_sequence.py --sizes 60 --vertex-sizes 60 --fd
     python benchmarks/bench_facet_sequence.py --no-vertex     # skip the vertex side
 
-The second is issue 24's bar (several minutes: the vertex side takes up to 20 s a
+The second is the facet side's acceptance bar (several minutes: the vertex side takes up to 20 s a
 row there). The facet side's budget of pieces is ``--budget`` (default ``2 n + 40``):
 it declines at once when the scores' estimate of its pieces exceeds twice the budget,
 after a few pieces when their rate projects past that, and at the budget.

@@ -19,7 +19,7 @@ For each root setting, number of words ``n`` and score scale, on scores
 
 and prints CPU times (``time.process_time``, torch on one thread): for each
 seed the fastest of ``--repeats`` runs, then the median over seeds, with the
-ratios facet / CRF and vertex / CRF. The bar of issue 24: at scales 0.01-0.1
+ratios facet / CRF and vertex / CRF. The facet side's acceptance bar: at scales 0.01-0.1
 and up to 120 words, facet / CRF at most 10.
 
 Usage::

@@ -1,6 +1,6 @@
 """Factor graphs where users go: any score scale, padding masks, infeasible graphs.
 
-Three tables (issue 25), each from ``sparsemap.FactorGraph.solve`` at its defaults:
+Three tables (factor graphs at any score scale), each from ``sparsemap.FactorGraph.solve`` at its defaults:
 
 * ``--scales``: an 8 x 12 grid (``XorFactor`` on each row, ``AtMostOneFactor`` on each
   column), 10 seeds per score scale, scales 1e-6 to 1e8 and the dtype's extremes

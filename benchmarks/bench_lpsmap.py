@@ -2,7 +2,7 @@
 
 Workloads, each written once against lp-sparsemap's API and run with either
 ``from lpsmap import ...`` or ``from sparsemap.lpsmap import ...``; the last seven are
-the downstream shapes of issue 25 (see ``_downstream_cases``):
+the downstream shapes lp-sparsemap's users write (see ``_downstream_cases``):
 
 * ``budget_loop``: rationale-robustness' per-sentence loop, 32 sentences of 20 to 40
   words, one TorchFactorGraph and one ``Budget(z, budget=torch.round(0.3 * n))`` each;
@@ -55,7 +55,7 @@ def _data(seed=0):
 
 
 def _downstream_data(seed=0):
-    """The downstream shapes of issue 25: square alignments (8 documents each of 10, 20 and
+    """The downstream shapes lp-sparsemap's users write: square alignments (8 documents each of 10, 20 and
     30 words), a padded batch of 4 documents (12, 25, 18 and 30 words, padded to 30 with
     the float32 minimum, as allennlp-style code does), lp-sparsemap's constrained_tree.py
     at n = 5 (its seed and scores) and its pair_seq.py."""

@@ -351,7 +351,7 @@ def test_score_spread_is_the_standard_deviation_over_the_arcs():
 
 
 @pytest.mark.parametrize("losses, stalled", [
-    # frozen: the collapsed SVM of issue 26, its epochs 5 to 10
+    # frozen: a collapsed structured SVM run's losses, its epochs 5 to 10
     ([25.3627, 25.3341, 25.3303, 25.3301, 25.33, 25.33], [4, 5, 6]),
     ([38.2, 31.4, 30.9], []),              # falling
     ([0.0, 0.0, 0.0], []),                 # a perfect fit does not move either
