@@ -23,6 +23,18 @@ cdef void state_clear(FacetState* st) noexcept nogil
 # dst <- a copy of src (dst's old arrays freed).
 cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil
 
+# Each family keeps its state in one typed layout: a header struct of ints at the
+# start of `ints` (copied in and out with memcpy, as the ints are not declared as
+# that struct), and one function that computes every offset and size from it,
+# called by the writer and by the reader alike. The reader checks the state against
+# that layout with these two before indexing (a state may come from a pickle or
+# from another solver); both raise ValueError.
+# st holds at least n_ints ints (the header): a declined solve leaves none.
+cdef int state_check_header(const FacetState* st, Py_ssize_t n_ints) except -1 nogil
+# st holds exactly the n_ints ints and n_reals doubles its layout computes.
+cdef int state_check_sizes(const FacetState* st, Py_ssize_t n_ints,
+                           Py_ssize_t n_reals) except -1 nogil
+
 
 cdef enum:
     FACET_SOLVED = 0     # u, v optimal up to round-off; the KKT residuals are reported

@@ -54,6 +54,22 @@ cdef int state_copy(FacetState* dst, const FacetState* src) except -1 nogil:
     return 0
 
 
+cdef int state_check_header(const FacetState* st, Py_ssize_t n_ints) except -1 nogil:
+    if st.n_ints < n_ints:
+        with gil:
+            raise ValueError("the facet state is empty (the solve declined)")
+    return 0
+
+
+cdef int state_check_sizes(const FacetState* st, Py_ssize_t n_ints,
+                           Py_ssize_t n_reals) except -1 nogil:
+    if st.n_ints != n_ints or st.n_reals != n_reals:
+        with gil:
+            raise ValueError(f"the facet state holds {st.n_ints} ints and {st.n_reals} "
+                             f"doubles, its header's layout {n_ints} and {n_reals}")
+    return 0
+
+
 _SOLVER_CLASSES = None
 # The solvers of the factors solved last, by the factor's id (each entry holds its
 # factor, so an id is not reused while cached): sm.solve builds a solver per call,

@@ -106,7 +106,8 @@ from scipy.linalg.cython_lapack cimport dpotf2, dpotrs
 
 from sparsemap._active_set cimport _dot, _maxabs
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
-                               state_clear, state_resize, top2)
+                               state_check_header, state_check_sizes, state_clear,
+                               state_resize, top2)
 from sparsemap._factors._base cimport HAS_BAD, HAS_NEGINF, _scan
 
 from sparsemap._factors._matching import MatchingFactor
@@ -117,9 +118,6 @@ cdef int N_REFINE = 2
 cdef int N_HALVINGS = 50
 # the largest residual accepted, in the units of u (in [0, 1]) and of the scores
 cdef double CAP = 1e-9
-# the state's ints: k, K, rs, cs, nP, then the pairs (i, j) of P, the active
-# columns (K), the pinned rows (k); its doubles: the factor (k k), 1/|P_j| (K)
-cdef int HEADER = 5
 
 
 # Peaked scores (see the module docstring): decline when at least
@@ -544,6 +542,58 @@ cdef int _certify(Work* w, double* primal, double* dual) noexcept nogil:
     return 0
 
 
+# -- the state -------------------------------------------------------------------------
+# The backward state: this header at the start of the ints, then the pairs (i, j) of
+# P, the active columns (K), the pinned rows (k); the doubles: the factor F (k k),
+# then 1/|P_j| (K). _layout is the one place that knows the offsets.
+
+cdef struct MatchingHeader:
+    int k, K, rs, cs, nP
+
+cdef struct MatchingLayout:
+    Py_ssize_t pairs, active, pinned, n_ints      # into the ints
+    Py_ssize_t F, invn, n_reals                   # into the doubles
+
+cdef Py_ssize_t HEADER = sizeof(MatchingHeader) // sizeof(int)
+
+
+cdef inline MatchingLayout _layout(const MatchingHeader* h) noexcept nogil:
+    cdef MatchingLayout l
+    l.pairs = HEADER
+    l.active = l.pairs + 2 * <Py_ssize_t> h.nP
+    l.pinned = l.active + h.K
+    l.n_ints = l.pinned + h.k
+    l.F = 0
+    l.invn = l.F + <Py_ssize_t> h.k * h.k
+    l.n_reals = l.invn + h.K
+    return l
+
+
+cdef int _view(const FacetState* st, int nr, int nc, MatchingHeader* h,
+               MatchingLayout* l) except -1 nogil:
+    """The header and layout of a state, checked against its sizes and against an
+    nr x nc factor, so that the Jacobian indexes neither past the state nor past u
+    (a state may come from a pickle)."""
+    cdef Py_ssize_t p
+    cdef const int* pairs
+    state_check_header(st, HEADER)
+    memcpy(h, st.ints, sizeof(MatchingHeader))
+    if not ((h.k == nr and h.K == nc and h.rs == nc and h.cs == 1)
+            or (h.k == nc and h.K == nr and h.rs == 1 and h.cs == nc)) \
+            or h.nP < 0 or h.nP > <Py_ssize_t> h.k * h.K:
+        with gil:
+            raise ValueError("the state does not belong to this solver's factor")
+    l[0] = _layout(h)
+    state_check_sizes(st, l.n_ints, l.n_reals)
+    pairs = st.ints + l.pairs
+    for p in range(h.nP):
+        if <unsigned int> pairs[2 * p] >= <unsigned int> h.k \
+                or <unsigned int> pairs[2 * p + 1] >= <unsigned int> h.K:
+            with gil:
+                raise ValueError("the state does not belong to this solver's factor")
+    return 0
+
+
 cdef int _finish(Work* w, double* u, FacetState* st, Py_ssize_t rs, Py_ssize_t cs,
                  double* residuals) except -1 nogil:
     """Write u, the residuals and the backward state from the certified point
@@ -558,6 +608,9 @@ cdef int _finish(Work* w, double* u, FacetState* st, Py_ssize_t rs, Py_ssize_t c
     cdef int* pairs
     cdef int* active
     cdef int* pinned
+    cdef double* invn
+    cdef MatchingHeader h
+    cdef MatchingLayout l
     for i in range(k):
         w.trial.g[i] = -1.0
     for j in range(K):
@@ -610,20 +663,19 @@ cdef int _finish(Work* w, double* u, FacetState* st, Py_ssize_t rs, Py_ssize_t c
             residuals[0] = residuals[1] = INFINITY
             return 0
     memset(u, 0, k * K * sizeof(double))
-    state_resize(st, HEADER + 2 * nP + K + k, k * k + K)
-    st.ints[0] = <int> k
-    st.ints[1] = <int> K
-    st.ints[2] = <int> rs
-    st.ints[3] = <int> cs
-    st.ints[4] = <int> nP
-    pairs = st.ints + HEADER
-    active = pairs + 2 * nP
-    pinned = active + K
+    h.k, h.K, h.rs, h.cs, h.nP = <int> k, <int> K, <int> rs, <int> cs, <int> nP
+    l = _layout(&h)
+    state_resize(st, l.n_ints, l.n_reals)
+    memcpy(st.ints, &h, sizeof(MatchingHeader))
+    pairs = st.ints + l.pairs
+    active = st.ints + l.active
+    pinned = st.ints + l.pinned
+    invn = st.reals + l.invn
     p = 0
     for j in range(K):
         zc = w.cur.Z + j * k
         active[j] = w.active[j]
-        st.reals[k * k + j] = 1.0 / w.colcnt[j] if w.active[j] else 0.0
+        invn[j] = 1.0 / w.colcnt[j] if w.active[j] else 0.0
         for i in range(k):
             if zc[i] > 0:
                 u[i * rs + j * cs] = zc[i]
@@ -632,7 +684,7 @@ cdef int _finish(Work* w, double* u, FacetState* st, Py_ssize_t rs, Py_ssize_t c
                 p += 1
     for i in range(k):
         pinned[i] = w.pinned[i]
-    memcpy(st.reals, w.F, k * k * sizeof(double))
+    memcpy(st.reals + l.F, w.F, k * k * sizeof(double))
     return 0
 
 
@@ -858,16 +910,16 @@ cdef class MatchingFacetSolver(FacetSolver):
         cdef double* c
         cdef double val
         cdef int n, one = 1, info = 0
+        cdef MatchingHeader h
+        cdef MatchingLayout l
         memset(out_u, 0, n_u * sizeof(double))
-        if st.n_ints < HEADER:
-            with gil:
-                raise ValueError("the facet state is empty (the solve declined)")
-        k, K, rs, cs, nP = st.ints[0], st.ints[1], st.ints[2], st.ints[3], st.ints[4]
-        pairs = st.ints + HEADER
-        active = pairs + 2 * nP
-        pinned = active + K
-        F = st.reals
-        invn = F + k * k
+        _view(st, self.nr, self.nc, &h, &l)
+        k, K, rs, cs, nP = h.k, h.K, h.rs, h.cs, h.nP
+        pairs = st.ints + l.pairs
+        active = st.ints + l.active
+        pinned = st.ints + l.pinned
+        F = st.reals + l.F
+        invn = st.reals + l.invn
         r = <double*> malloc((k + K) * sizeof(double))
         if r == NULL:
             with gil:

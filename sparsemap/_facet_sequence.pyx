@@ -77,7 +77,7 @@ from scipy.linalg.cython_blas cimport dgemv, dsyrk, dtrsm, dtrsv
 from scipy.linalg.cython_lapack cimport dpotrf
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
-                               state_resize)
+                               state_check_header, state_resize)
 from sparsemap._factors._base cimport Factor
 
 
@@ -1448,19 +1448,46 @@ def transition_spread(eta_u, eta_v):
 
 
 # -- the state -------------------------------------------------------------------------
-# ints: n, S, inP (n S), then per transition its arc count and arcs (a, b).
+# The backward state, ints only: this header, the flags of P (n S), then per
+# transition its arc count and its arcs (a, b). _layout is the one place that knows
+# the offsets, _arcs_size the size of a transition's block; the whole size depends on
+# the arc counts, so the reader checks it as it walks them.
+
+cdef struct SequenceHeader:
+    int n, S
+
+cdef struct SequenceLayout:
+    Py_ssize_t inP, arcs      # into the ints: the flags of P, the first transition
+
+cdef Py_ssize_t HEADER = sizeof(SequenceHeader) // sizeof(int)
+
+
+cdef inline SequenceLayout _layout(const SequenceHeader* h) noexcept nogil:
+    cdef SequenceLayout l
+    l.inP = HEADER
+    l.arcs = l.inP + <Py_ssize_t> h.n * h.S
+    return l
+
+
+cdef inline Py_ssize_t _arcs_size(int n_arcs) noexcept nogil:
+    return 1 + 2 * <Py_ssize_t> n_arcs
+
 
 cdef int _save(_W* w, FacetState* st) except -1 nogil:
-    cdef Py_ssize_t size = 2 + w.n * w.S, j
+    cdef SequenceHeader h
+    cdef SequenceLayout l
+    cdef Py_ssize_t size, j
     cdef int i, k
+    h.n, h.S = w.n, w.S
+    l = _layout(&h)
+    size = l.arcs
     for i in range(w.T):
-        size += 1 + 2 * w.na[i]
+        size += _arcs_size(w.na[i])
     state_resize(st, size, 0)
-    st.ints[0] = w.n
-    st.ints[1] = w.S
+    memcpy(st.ints, &h, sizeof(SequenceHeader))
     for j in range(w.n * w.S):
-        st.ints[2 + j] = w.inP[j]
-    j = 2 + w.n * w.S
+        st.ints[l.inP + j] = w.inP[j]
+    j = l.arcs
     for i in range(w.T):
         st.ints[j] = w.na[i]
         j += 1
@@ -1473,21 +1500,26 @@ cdef int _save(_W* w, FacetState* st) except -1 nogil:
 
 cdef int _load(_W* w, const FacetState* st) noexcept nogil:
     """The structure of a state into a fresh workspace, its trees and factor built:
-    0, or 1 if the state does not describe a valid structure."""
+    0, or 1 if the state does not describe a valid structure (its header is the
+    workspace's, checked by the caller)."""
+    cdef SequenceHeader h
+    cdef SequenceLayout l
     cdef Py_ssize_t j
     cdef int i, k, a, b, S = w.S
-    if st.n_ints < 2 + w.n * S:
+    h.n, h.S = w.n, w.S
+    l = _layout(&h)
+    if st.n_ints < l.arcs or st.n_reals != 0:
         return 1
     for j in range(w.n * S):
-        w.inP[j] = 1 if st.ints[2 + j] else 0
-    j = 2 + w.n * S
+        w.inP[j] = 1 if st.ints[l.inP + j] else 0
+    j = l.arcs
     for i in range(w.T):
         if j >= st.n_ints or st.ints[j] < 0 or st.ints[j] > w.cap:
             return 1
         k = st.ints[j]
-        j += 1
-        if j + 2 * k > st.n_ints:
+        if j + _arcs_size(k) > st.n_ints:
             return 1
+        j += 1
         while k > 0:
             a = st.ints[j]
             b = st.ints[j + 1]
@@ -1496,6 +1528,8 @@ cdef int _load(_W* w, const FacetState* st) noexcept nogil:
             _add_arc(w, i, a, b)
             j += 2
             k -= 1
+    if j != st.n_ints:
+        return 1
     for i in range(w.T):
         if _bfs(w, i):
             return 1
@@ -1762,7 +1796,10 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef int n = self.n, S = self.S, T = n - 1, i, j, x, e, y, L
         cdef _W w
         cdef double* tv
-        if st.n_ints < 2 or st.ints[0] != n or st.ints[1] != S:
+        cdef SequenceHeader h
+        state_check_header(st, HEADER)
+        memcpy(&h, st.ints, sizeof(SequenceHeader))
+        if h.n != n or h.S != S:
             with gil:
                 raise ValueError("the state does not belong to this solver's factor")
         _alloc(&w, n, S, 0)

@@ -346,6 +346,29 @@ def test_state_round_trip_and_threads():
     np.testing.assert_array_equal(copy.jvp(g), sol.jvp(g))
 
 
+def test_a_state_that_does_not_fit_its_layout_raises():
+    """The Jacobian reads the state through its header's layout, checked first: a
+    state cut short, padded, or from another factor raises instead of reading past
+    its arrays or past u."""
+    rng = np.random.default_rng(5)
+    f, sol = solve(0.01 * rng.standard_normal((4, 7)))
+    ints, reals = sol.state_arrays()
+    g = rng.standard_normal((4, 7))
+    pair = ints.copy()
+    pair[5] = 4                                       # a row past the factor's 4
+    other = MatchingFacetSolver(sm.MatchingFactor(7, 4), decline_peaked=False)
+    for state, solver, match in [((ints[:0], reals), sol.solver, "empty"),
+                                 ((ints[:-1], reals), sol.solver, "layout"),
+                                 ((ints, np.append(reals, 0.0)), sol.solver, "layout"),
+                                 ((pair, reals), sol.solver, "belong"),
+                                 ((ints, reals), other, "belong")]:
+        copy = FacetSolution.__new__(FacetSolution)
+        copy.solver = solver
+        copy.set_state(*state)
+        with pytest.raises(ValueError, match=match):
+            copy.vjp(g if solver is sol.solver else g.T)
+
+
 # -- decompose -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 3), (4, 6), (6, 4), (12, 12), (10, 25), (25, 10)],

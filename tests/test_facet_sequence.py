@@ -398,9 +398,19 @@ def test_state_round_trip():
     g = rng.standard_normal((n, S))
     for a, b in zip(sol.vjp(g), other.vjp(g)):
         np.testing.assert_array_equal(a, b)
-    other.set_state(ints[:5], reals)
-    with pytest.raises(ValueError, match="valid structure"):
+    # a state cut short or padded does not fit its layout; one of another shape does
+    # not belong to the solver
+    for bad in (ints[:5], np.append(ints, 0)):
+        other.set_state(bad, reals)
+        with pytest.raises(ValueError, match="valid structure"):
+            other.vjp(g)
+    other.set_state(ints[:0], reals)
+    with pytest.raises(ValueError, match="empty"):
         other.vjp(g)
+    f3, third = facet(n + 1, S, np.zeros((n + 1, S)))
+    third.set_state(ints, reals)
+    with pytest.raises(ValueError, match="belong"):
+        third.vjp(np.zeros((n + 1, S)))
 
 
 def test_threads_give_serial_results():
