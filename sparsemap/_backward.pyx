@@ -62,8 +62,9 @@ FACE_STATUS_CERTIFIED, FACE_STATUS_BUDGET, FACE_STATUS_UNRESOLVED, FACE_STATUS_F
 cdef double FACE_TIE = 1e-10
 # First perturbation size, relative to max(1, |score|); shrunk when a probe leaves the face.
 cdef double FACE_EPS = 1e-6
-# A probe must move a score by more than FACE_SEE tie tolerances to count; the
-# perturbation is never shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
+# The fiber check (_fibered) counts a vertex off the rows' map only if the probe
+# moves its score by more than FACE_SEE tie tolerances; the perturbation is never
+# shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
 cdef double FACE_SEE = 4.0
 cdef double FACE_MIN = 64.0
 # Most rows of a completed backward set: its Cholesky factor (cap x cap doubles, the
@@ -216,8 +217,9 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
     to d = g - J g (J: Prop. 1 on the rows, the orthogonal projector onto the
     span of their differences; so d . m_t is one constant c over the rows'
     affine hull) and MAP is called at theta + eps d. A returned vertex t that
-    still ties at theta and scores d . m_t > c beyond the tie tolerance lies in
-    the face outside the rows' affine hull: it is appended (weight 0), and d is
+    still ties at theta and is affinely independent of the rows (the Cholesky
+    test of _append_face, not the size of d . m_t - c) lies in the face
+    outside the rows' affine hull: it is appended (weight 0), and d is
     updated to stay orthogonal to the new span,
     d -= (d . m_t - c) / (w . m_t - w . m_0) w with w the part of m_t
     orthogonal to the rows' hull (one triangular solve with the factor before
@@ -249,7 +251,7 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
     cdef double* w = NULL
     cdef bint fresh = True, probed = False
     cdef _Seen seen
-    cdef int status
+    cdef int status, appended
     if fs != NULL:
         fs.s_ref = -INFINITY
     if ws.nI == 0 or n_u == 0:
@@ -308,7 +310,19 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
                 eps = eps / 4 if dt <= 0 else min(eps / 4, 0.5 * (-st) / dt)
                 if eps < FACE_MIN * tau:
                     return FACE_UNRESOLVED
-            if not (eps * dt > FACE_SEE * tau) or ws._find(ws.snew) >= 0:
+            # A tied vertex is beyond the rows' hull exactly when the Cholesky test
+            # finds it affinely independent, however little d moved its score: the
+            # size of d . m_t - c is that of d's random component along the face's
+            # missing directions, which can be small (2e-4 of max |d| was seen), so a
+            # threshold on it would certify a face the rows do not span.
+            n = ws.nI
+            if ws._find(ws.snew) >= 0:
+                appended = 0
+            elif n + 1 >= FACE_MAX_ROWS:
+                return FACE_BUDGET
+            else:
+                appended = ws._append_face(ws.snew)
+            if appended == 0:
                 if fresh:
                     return FACE_CERTIFIED
                 # an updated d has certified nothing (its entries can shrink where the
@@ -316,11 +330,6 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
                 _fresh_direction(ws, d, &rng)
                 fresh = True
                 continue
-            if ws.nI + 1 >= FACE_MAX_ROWS:
-                return FACE_BUDGET
-            n = ws.nI
-            if ws._append_face(ws.snew) == 0:
-                return FACE_CERTIFIED      # dependent after all: nothing beyond the hull
             if not probed:
                 # the rows miss part of the face: the structures the solve met and
                 # random probes append the bulk of it (no MAP calls, then no
@@ -351,7 +360,10 @@ cdef int _complete(_Workspace ws, Py_ssize_t budget, double gap, _FaceScale* fs,
             ws.f.c_score(ws.snew, w, NULL, &wt)
             ws.f.c_score(ws.S, w, NULL, &w0)
             if not (wt - w0 > 0.0):
-                return FACE_CERTIFIED
+                # round-off in w (t was found independent): no update, a fresh d
+                _fresh_direction(ws, d, &rng)
+                fresh = True
+                continue
             alpha = dt / (wt - w0)
             for j in range(n_u):
                 d[j] -= alpha * w[j]
