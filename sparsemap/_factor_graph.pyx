@@ -4,9 +4,12 @@ This module holds the public API: :class:`FactorGraph` (building a graph, checki
 user's scores, masks and forced groups, padding, the errors that name conflicting
 factors) and :class:`FactorGraphResult` (the solution, and the backward pass's Python
 side: checking the completed faces, untying ties in ``eta_v``, the conjugate gradient
-over the engine's projectors). The problem, ADMM, the polish and the certificates are
-in the engine, ``sparsemap._fg_engine`` (its docstring states the problem and the
-steps; docs/lp_sparsemap.rst derives them); graphs that are exactly one factor's
+over the engine's projectors). The engine is below it:
+``sparsemap._fg_admm`` (the problem and ADMM: its docstring states the steps,
+docs/lp_sparsemap.rst derives them), ``sparsemap._fg_certificate`` (the polish, the
+KKT check, infeasibility), ``sparsemap._fg_backward`` (the backward pass's products
+and face completion; ``_Engine``, the class the results keep), ``sparsemap._fg_structure``
+(what every solve of a graph shares); graphs that are exactly one factor's
 polytope are recognised and solved as that factor in ``sparsemap._fg_whole``.
 
 The whole-factor path calls :func:`sparsemap.solve`, so this module sits on the layer
@@ -26,10 +29,13 @@ from sparsemap._exceptions import ConvergenceError, warn
 from sparsemap._factors._base cimport Factor
 from sparsemap._factors._base import (SCAN_BAD, _as_float_array, _real_array, _typed_array,
                                      check_bool, check_positive_int, check_real, scan_values)
-# _engine_from_state: pickles of results written before the engine had a module of its
-# own name it here
-from sparsemap._fg_engine import (ENGINE_CONVERGED, ENGINE_INFEASIBLE, _MESSAGES, _Engine,
-                                  _engine_from_state, _Structure, _count_conflict)
+from sparsemap._fg_admm import ENGINE_CONVERGED, ENGINE_INFEASIBLE, _MESSAGES
+from sparsemap._fg_backward import _Engine
+from sparsemap._fg_structure import _Structure, _count_conflict
+# Pickles of results written while these lived in this module name them here.
+from sparsemap._fg_backward import _engine_from_state
+from sparsemap._fg_structure import _Faces
+from sparsemap._fg_whole import _Blocks, _Whole
 
 DEFAULT_MAX_ITER = 10_000
 # Untying ties in eta_v (FactorGraphResult._untie): the first delta, relative to the

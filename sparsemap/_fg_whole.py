@@ -12,7 +12,8 @@ factors) and the solve (:func:`solve_whole`, with masks and padding split into b
 Jacobian products back to the graph.
 
 It calls :func:`sparsemap.solve`, so it sits on that function's layer, above the
-factor graph's engine (``sparsemap._fg_engine``), which never imports it.
+factor graph's engine (``sparsemap._fg_admm`` and the modules that extend it),
+which never imports it.
 """
 
 import warnings
