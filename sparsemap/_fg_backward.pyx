@@ -6,7 +6,12 @@ pass"): ``du/deta_u`` is the orthogonal projector onto
 factor ``f``'s final face, applied by conjugate gradient over the per-factor
 projectors ``P_f`` (each the single-factor SparseMAP Jacobian at the
 final support, two triangular solves with the kept Cholesky factor).
-Before it, each factor's support is completed to its point's smallest face.
+Before it, each factor's support is completed to its point's smallest face. The
+projectors ``P_f`` and the conjugate gradient are ``_Certified``'s
+(``sparsemap._fg_certificate``): the polish solves the same affine projection. This
+module holds the products with ``eta_v`` and face completion; the conjugate gradient's
+caller, with its checks and the untying of ties in ``eta_v``, is
+``FactorGraphResult`` (``sparsemap._factor_graph``).
 
 ``_Engine`` (ADMM from ``sparsemap._fg_admm``, the certificate from
 ``sparsemap._fg_certificate``, and the products and face completion here) is
