@@ -162,7 +162,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
-                               state_resize, top2)
+                               state_check_header, state_check_sizes, state_resize, top2)
 from sparsemap._factors._base cimport Factor
 
 ctypedef unsigned long long u64
@@ -1325,7 +1325,7 @@ cdef class TreeFacetSolver(FacetSolver):
     cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
                      double* out_u, double* out_v, bint transpose) except -1 nogil:
         # J is symmetric: jvp and vjp are the same map (no eta_v)
-        _apply_J(st, in_u, out_u)
+        _apply_J(st, self.N, in_u, out_u)
         return 0
 
     def decompose(self, u, v=None):
@@ -1767,6 +1767,68 @@ cdef void _rows_hessian(const Work* w, const int* act, int na, double* L) noexce
             L[j * na + i] = L[i * na + j]
 
 
+# -- the state -------------------------------------------------------------------------
+# The backward state: this header at the start of the ints, then kept[na] (1 where the
+# row of L is kept, 0 where it was dependent and dropped), colptr[N + 1], heads[nnz],
+# then each node's mask over the kept rows: bit r of its Wa words (two ints each, low
+# then high) set iff the node is in the cut of row r; the doubles: L, na x na.
+# _layout is the one place that knows the offsets.
+
+cdef struct TreeHeader:
+    int N, nnz, na, Wa         # nodes, support entries, cut rows of L, u64 words a mask
+    int rounds, k              # diagnostics (the benchmarks read them): separation
+                               # rounds run, cuts held at the end
+
+cdef struct TreeLayout:
+    Py_ssize_t kept, colptr, heads, masks, n_ints      # into the ints
+    Py_ssize_t L, n_reals                              # into the doubles
+
+cdef Py_ssize_t HEADER = sizeof(TreeHeader) // sizeof(int)
+
+
+cdef inline TreeLayout _layout(const TreeHeader* h) noexcept nogil:
+    cdef TreeLayout l
+    l.kept = HEADER
+    l.colptr = l.kept + h.na
+    l.heads = l.colptr + h.N + 1
+    l.masks = l.heads + h.nnz
+    l.n_ints = l.masks + 2 * <Py_ssize_t> h.N * h.Wa
+    l.L = 0
+    l.n_reals = <Py_ssize_t> h.na * h.na
+    return l
+
+
+cdef int _view(const FacetState* st, int N, TreeHeader* h, TreeLayout* l) except -1 nogil:
+    """The header and layout of a state, checked against its sizes and against a
+    factor of N nodes, so that the Jacobian indexes neither past the state nor past u
+    (a state may come from a pickle)."""
+    cdef Py_ssize_t p
+    cdef const int* colptr
+    cdef const int* heads
+    state_check_header(st, HEADER)
+    memcpy(h, st.ints, sizeof(TreeHeader))
+    if h.N != N or h.na < 0 or h.Wa != (h.na + 63) >> 6 or h.nnz < 0 \
+            or h.nnz > <Py_ssize_t> N * (N - 1):
+        with gil:
+            raise ValueError("the state does not belong to this solver's factor")
+    l[0] = _layout(h)
+    state_check_sizes(st, l.n_ints, l.n_reals)
+    colptr = st.ints + l.colptr
+    heads = st.ints + l.heads
+    if colptr[0] != 0 or colptr[1] != 0 or colptr[N] != h.nnz:
+        with gil:
+            raise ValueError("the state does not belong to this solver's factor")
+    for p in range(1, N):
+        if colptr[p + 1] < colptr[p]:
+            with gil:
+                raise ValueError("the state does not belong to this solver's factor")
+    for p in range(h.nnz):
+        if <unsigned int> heads[p] >= <unsigned int> N:
+            with gil:
+                raise ValueError("the state does not belong to this solver's factor")
+    return 0
+
+
 cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     """The backward data: supports, the tight cuts' word masks, the Cholesky factor
     of B Pc B^T on them (see _apply_J for the layout).
@@ -1775,13 +1837,16 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     at u (docs/solvers.rst): the cuts with mu > 0, and also the tight ones with
     mu = 0 that the dual left out (_held_rows, _brute_rows)."""
     cdef int N = w.N, k, W, m, h, i, j, na = 0, Wa, q
-    cdef Py_ssize_t nnz = 0, off
+    cdef Py_ssize_t nnz = 0
     cdef int* act = w.fidx
     cdef double* diag0 = w.diag0
     cdef char* kept = w.kept
     cdef double* L
     cdef double* Q
     cdef int* ints
+    cdef int* heads
+    cdef TreeHeader hd
+    cdef TreeLayout lay
     cdef u64 b
     cdef bint fresh, brute
     cdef int k0 = w.k, room
@@ -1823,9 +1888,15 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     # a support cut down
     fresh = fresh or k != k0
     Wa = (na + 63) >> 6
-    state_resize(st, 6 + na + (N + 1) + nnz + 2 * <Py_ssize_t> N * Wa,
-                 <Py_ssize_t> na * na)
-    L = st.reals
+    hd.N = N
+    hd.nnz = <int> nnz
+    hd.na = na
+    hd.Wa = Wa
+    hd.rounds = w.rounds
+    hd.k = k
+    lay = _layout(&hd)
+    state_resize(st, lay.n_ints, lay.n_reals)
+    L = st.reals + lay.L
     if fresh:
         _rows_hessian(w, act, na, L)
     else:
@@ -1835,60 +1906,60 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     for i in range(na):
         diag0[i] = L[i * na + i]
     _cholesky(L, na, diag0, kept)
-    ints = st.ints
-    ints[0] = N
-    ints[1] = <int> nnz
-    ints[2] = na
-    ints[3] = Wa
-    ints[4] = w.rounds          # diagnostics only (benchmarks): separation rounds,
-    ints[5] = k                 # and cuts held at the end
+    memcpy(st.ints, &hd, sizeof(TreeHeader))
+    ints = st.ints + lay.kept
     for i in range(na):
-        ints[6 + i] = kept[i]
-    off = 6 + na
-    ints[off] = 0
-    ints[off + 1] = 0
+        ints[i] = kept[i]
+    ints = st.ints + lay.colptr
+    heads = st.ints + lay.heads
+    ints[0] = 0
+    ints[1] = 0
     nnz = 0
     for m in range(1, N):
         for h in range(N):
             if w.supp[m * N + h]:
-                ints[off + N + 1 + nnz] = h
+                heads[nnz] = h
                 nnz += 1
-        ints[off + m + 1] = <int> nnz
-    off += N + 1 + nnz
+        ints[m + 1] = <int> nnz
     # each node's mask over the active cuts, renumbered as the rows of L (dropped
     # rows left out), as Wa u64 words of two ints each (low, high)
+    ints = st.ints + lay.masks
     for m in range(N):
         for q in range(Wa):
             b = 0
             for j in range(q << 6, min(na, (q + 1) << 6)):
                 if kept[j] and _bit(w.inmask + m * W, act[j]):
                     b |= (<u64> 1) << (j & 63)
-            ints[off + 2 * (m * Wa + q)] = <int> <unsigned int> b
-            ints[off + 2 * (m * Wa + q) + 1] = <int> (b >> 32)
+            ints[2 * (m * Wa + q)] = <int> <unsigned int> b
+            ints[2 * (m * Wa + q) + 1] = <int> (b >> 32)
     return 0
 
 
-cdef int _apply_J(const FacetState* st, const double* a, double* out) except -1 nogil:
+cdef int _apply_J(const FacetState* st, int n_nodes, const double* a,
+                  double* out) except -1 nogil:
     """out = J a (J symmetric): centre each column on its support, then remove
     the active cut rows' component: out = Pc a - Pc B^T (B Pc B^T)^{-1} B Pc a.
-
-    State ints: N, nnz, na (active cuts, the rows of L), Wa (u64 words per
-    mask), two diagnostics (rounds, cuts held), kept[na] (1 where the row of L
-    is kept, 0 where it was dependent and dropped), colptr[N + 1],
-    heads[nnz], then each node's mask over the kept rows: bit r of its Wa
-    words (two ints each, low then high) set iff the node is in the cut of
-    row r. Reals: L, na x na."""
-    cdef const int* ints = st.ints
-    cdef int N = ints[0], na = ints[2], Wa = ints[3], m, h, p, p0, p1, c, i, q
-    cdef const int* kept_i = ints + 6
-    cdef const int* colptr = ints + 6 + na
-    cdef const int* heads = colptr + N + 1
-    cdef const int* masks = heads + ints[1]
+    The state's layout is TreeHeader's (checked against n_nodes by _view)."""
+    cdef TreeHeader hd
+    cdef TreeLayout lay
+    cdef int N, na, Wa, m, h, p, p0, p1, c, i, q
+    cdef const int* kept_i
+    cdef const int* colptr
+    cdef const int* heads
+    cdef const int* masks
     cdef double s, mean
     cdef double* y
     cdef char* kept
     cdef bint any_kept = False
     cdef u64* mk
+    _view(st, n_nodes, &hd, &lay)
+    N = hd.N
+    na = hd.na
+    Wa = hd.Wa
+    kept_i = st.ints + lay.kept
+    colptr = st.ints + lay.colptr
+    heads = st.ints + lay.heads
+    masks = st.ints + lay.masks
     memset(out, 0, <Py_ssize_t> N * N * sizeof(double))
     for m in range(1, N):
         p0 = colptr[m]

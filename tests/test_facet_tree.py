@@ -2,6 +2,7 @@
 references: brute force over all trees, the vertex side, NetworkX's minimum cuts, KKT
 conditions and the duality gap checked here from u alone, finite differences."""
 import itertools
+import pickle
 import threading
 import warnings
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import sparsemap as sm
+from sparsemap._facet import FacetSolution
 from sparsemap._facet_tree import TreeFacetSolver, _min_root_cut
 from sparsemap.testing import finite_difference_jvp
 
@@ -418,3 +420,33 @@ def test_threads_agree():
         t.join()
     for a, b in zip(serial, out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_that_does_not_fit_its_layout_raises():
+    """The Jacobian reads the state through its header's layout, checked first: a
+    state that is empty, cut short, padded, with a head past the tree, or from a tree
+    of another size raises instead of reading past its arrays or past u; a state
+    that fits gives the same Jacobian after a pickle round trip."""
+    rng = np.random.default_rng(5)
+    f = sm.TreeFactor(6)
+    solver = TreeFacetSolver(f, decline_peaked=False)
+    sol = solver.solve(0.01 * rng.standard_normal((7, 7)))
+    ints, reals = pickle.loads(pickle.dumps(sol.state_arrays()))
+    g = rng.standard_normal((7, 7))
+    copy = FacetSolution.__new__(FacetSolution)
+    copy.solver = solver
+    copy.set_state(ints, reals)
+    np.testing.assert_array_equal(copy.vjp(g)[0], sol.vjp(g)[0])
+    head = ints.copy()
+    head[-1 - 2 * 7 * int(ints[3])] = 7                # the last head: past the 7 nodes
+    other = TreeFacetSolver(sm.TreeFactor(7), decline_peaked=False)
+    for state, s, match in [((ints[:0], reals), solver, "empty"),
+                            ((ints[:-1], reals), solver, "layout"),
+                            ((ints, np.append(reals, 0.0)), solver, "layout"),
+                            ((head, reals), solver, "belong"),
+                            ((ints, reals), other, "belong")]:
+        copy = FacetSolution.__new__(FacetSolution)
+        copy.solver = s
+        copy.set_state(*state)
+        with pytest.raises(ValueError, match=match):
+            copy.vjp(g if s is solver else np.zeros((8, 8)))
