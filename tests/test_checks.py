@@ -12,7 +12,7 @@ def message(fn):
 
 
 def test_eta_v_list_of_the_wrong_length_numpy_and_torch():
-    torch = pytest.importorskip("torch")
+    import torch
     import sparsemap.torch as smt
     fg = sm.FactorGraph(4)
     fg.add(sm.XorFactor(3), [0, 1, 2])
@@ -24,7 +24,7 @@ def test_eta_v_list_of_the_wrong_length_numpy_and_torch():
 
 
 def test_integer_scores_torch_and_drop_in():
-    torch = pytest.importorskip("torch")
+    import torch
     import sparsemap.torch as smt
     from sparsemap.lpsmap import TorchFactorGraph
     scores = torch.zeros(3, dtype=torch.long)

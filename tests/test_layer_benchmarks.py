@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("conllu")
+import torch
+import conllu  # noqa: F401  (the treebank reader the benchmarks share needs it)
 
 from _helpers import ROOT_DIR, subprocess_env  # noqa: E402
 

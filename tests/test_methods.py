@@ -100,7 +100,7 @@ def test_auto_does_not_call_its_choice_a_fallback():
 
 
 def test_torch_info_names_the_fallback():
-    torch = pytest.importorskip("torch")
+    import torch
     import sparsemap.torch as smt
     f, eta = peaked_tree()
     flat = flat_tree(20)[1]

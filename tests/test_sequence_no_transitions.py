@@ -155,7 +155,7 @@ def test_batches_match_single_solves():
 
 @pytest.mark.parametrize("method", METHODS + ["pairwise_cg"])
 def test_torch_layer(method):
-    torch = pytest.importorskip("torch")
+    import torch
     import sparsemap.torch as smt
     rng = np.random.default_rng(4)
     n, S, B = 6, 4, 3

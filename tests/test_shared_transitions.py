@@ -69,7 +69,7 @@ def test_gradient_at_zero_is_the_limit_along_R0(n, method):
 
 @pytest.mark.parametrize("n", [20, 80])
 def test_torch_layer_and_loss_with_a_broadcast_matrix(n):
-    torch = pytest.importorskip("torch")
+    import torch
     import sparsemap.torch as smt
     f, eu, rng = problem(n)
     S = 17

@@ -3,7 +3,7 @@ with backward, vmap with batch dimensions, jacrev and jacfwd with the closed for
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 import torch.autograd.forward_ad as fwAD  # noqa: E402
 
 import sparsemap as sm  # noqa: E402

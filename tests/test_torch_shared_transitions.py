@@ -3,7 +3,7 @@ smt.sequence does, and differentiates it as the expanded per-position form."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 import sparsemap as sm  # noqa: E402
 import sparsemap.torch as smt  # noqa: E402
