@@ -1,8 +1,9 @@
 """Input checks that the NumPy, torch and drop-in (``sparsemap.lpsmap``) paths share,
 so that one mistake gets one message whichever path meets it.
 
-Imports nothing of its own (torch only inside :func:`check_float_tensor`, which only
-the torch paths call), so any module may use it.
+Imports nothing, so any layer may use it. The tensor check lives in
+:mod:`sparsemap.torch` (``_check_tensor``), the one module that imports torch; the
+drop-in's torch graph calls it there.
 """
 
 
@@ -18,12 +19,3 @@ def check_per_factor(values, n_factors, name):
                          f"got length {len(values)}")
     return list(values)
 
-
-def check_float_tensor(x, name):
-    """``x`` if it is a floating-point ``torch.Tensor``, else ValueError naming ``name``."""
-    import torch
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
-    return x

@@ -27,7 +27,6 @@ import numbers
 import numpy as np
 
 import sparsemap as sm
-from sparsemap._checks import check_float_tensor
 
 __all__ = ["FactorGraph", "TorchFactorGraph", "Xor", "Or", "AtMostOne", "Imply", "XorOut",
            "OrOut", "AndOut", "Budget", "Pair", "Sequence", "SequenceBudget", "DepTree"]
@@ -1562,7 +1561,8 @@ class TorchFactorGraph(FactorGraph):
         return torch.zeros(shape)     # float32, as lp-sparsemap
 
     def _check_scores(self, scores):
-        return check_float_tensor(scores, "scores")   # the torch layers' check and message
+        from sparsemap.torch import _check_tensor    # the torch layers' check and message
+        return _check_tensor(scores, "scores")
 
     def _ops(self):
         import torch

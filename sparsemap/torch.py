@@ -56,7 +56,7 @@ import torch
 
 import sparsemap as sm
 from sparsemap import Factor
-from sparsemap._checks import check_float_tensor, check_per_factor
+from sparsemap._checks import check_per_factor
 from sparsemap._factors._base import check_bool
 from sparsemap._solve import (_FALLBACK_NAMES, _STATUS_NAMES, _backward_padded, _check_n_jobs,
                               _helpers, _order, _padded_info, _solve_batch, _solve_padded)
@@ -73,8 +73,14 @@ __all__ = [
 
 
 # -- validation and layout ------------------------------------------------------------
-# the check the NumPy and drop-in paths share (one message for one mistake)
-_check_tensor = check_float_tensor
+def _check_tensor(x, name):
+    """``x`` if it is a floating-point ``torch.Tensor``, else ValueError naming ``name``
+    (the drop-in's torch graph calls this too: one message for one mistake)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    return x
 
 
 def _has_v(factor):
