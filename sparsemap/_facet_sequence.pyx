@@ -1074,26 +1074,40 @@ cdef int _follow_costs(_W* w, const double* eta_u, const double* C0, const doubl
                 _add_arc(w, w.seg_i1, w.seg[w.seg_i1], w.seg_end)
 
 
-cdef bint _has_ties(_W* w, const double* eta_u, const double* C0, const double* D,
-                    double t) noexcept nogil:
-    """Whether the piece's structure at t is ambiguous: a zero flow, a tight arc outside
-    the forest or a tight path outside the supports."""
+cdef bint _slack_below(_W* w, const double* eta_u, const double* C0, const double* D,
+                       double t, double flow_bar, double cost_bar, bint with_u) noexcept nogil:
+    """Whether, at t, a flow of the forest is at most flow_bar (with_u: or an entry of
+    u on its support), or a reduced cost outside the forest (an allowed arc), or minus
+    the best path score outside the supports, is at most cost_bar. With positive bars
+    (the tie tolerances) the piece's structure is ambiguous at t (_has_ties); with
+    negative ones it is not optimal there (_violated)."""
     cdef int S = w.S, i, k, a, b, ei, ex, eb
     cdef Py_ssize_t q
+    if with_u:
+        for q in range(w.n * S):
+            if w.inP[q] and w.uA[q] + t * w.uB[q] <= flow_bar:
+                return True
     for i in range(w.T):
         for k in range(w.na[i]):
-            if w.flA[i * w.cap + k] + t * w.flB[i * w.cap + k] <= TOL_X:
+            if w.flA[i * w.cap + k] + t * w.flB[i * w.cap + k] <= flow_bar:
                 return True
         for a in range(S):
             if not w.inP[i * S + a]:
                 continue
             for b in range(S):
                 q = (i * S + a) * S + b
-                if w.inP[(i + 1) * S + b] and not w.inF[q]:
+                if w.inP[(i + 1) * S + b] and not w.inF[q] and D[q] > -INFINITY:
                     if (w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
-                            + t * (w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q])) <= w.tol_d:
+                            + t * (w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q])) <= cost_bar:
                         return True
-    return _path_max(w, eta_u, C0, D, t, &ei, &ex, &eb) >= -w.tol_d
+    return _path_max(w, eta_u, C0, D, t, &ei, &ex, &eb) >= -cost_bar
+
+
+cdef inline bint _has_ties(_W* w, const double* eta_u, const double* C0, const double* D,
+                           double t) noexcept nogil:
+    """Whether the piece's structure at t is ambiguous: a zero flow, a tight arc outside
+    the forest or a tight path outside the supports."""
+    return _slack_below(w, eta_u, C0, D, t, TOL_X, w.tol_d, False)
 
 
 # -- the start: sparsemax per position, optimal transport per transition ----------------
@@ -1164,30 +1178,12 @@ cdef bint _phase1(_W* w, const double* eta_u, const double* eta_v, double scale_
     return _follow_costs(w, eta_u, NULL, eta_v, 1.0, False, budget, n_iter, stack) == RUN_OK
 
 
-cdef bint _violated(_W* w, const double* eta_u, const double* C0, const double* D,
-                    double t) noexcept nogil:
+cdef inline bint _violated(_W* w, const double* eta_u, const double* C0, const double* D,
+                           double t) noexcept nogil:
     """Whether the piece's structure is not optimal at t (beyond the tie tolerances): a
     negative u or flow, an arc outside the forest with a negative reduced cost, or a
     path outside the supports with a positive score."""
-    cdef int S = w.S, i, k, a, b, ei, ex, eb
-    cdef Py_ssize_t q
-    for q in range(w.n * S):
-        if w.inP[q] and w.uA[q] + t * w.uB[q] < -TOL_X:
-            return True
-    for i in range(w.T):
-        for k in range(w.na[i]):
-            if w.flA[i * w.cap + k] + t * w.flB[i * w.cap + k] < -TOL_X:
-                return True
-        for a in range(S):
-            if not w.inP[i * S + a]:
-                continue
-            for b in range(S):
-                q = (i * S + a) * S + b
-                if w.inP[(i + 1) * S + b] and not w.inF[q] and D[q] > -INFINITY:
-                    if (w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
-                            + t * (w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q])) < -w.tol_d:
-                        return True
-    return _path_max(w, eta_u, C0, D, t, &ei, &ex, &eb) > w.tol_d
+    return _slack_below(w, eta_u, C0, D, t, -TOL_X, -w.tol_d, True)
 
 
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
