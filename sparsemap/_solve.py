@@ -1026,11 +1026,30 @@ def _check_batch(factors, etas_u, etas_v):
             _check_factor(f, f"factors[{i}]")
     eus = _check_batch_scores(factors, shared, etas_u, "etas_u", False, B)
     evs = None
+    shared_v = [False] * B
     if etas_v is not None:
         if _batch_size("etas_v", etas_v) != B:
             raise ValueError(f"etas_v: expected {B} entries (one per problem), got {len(etas_v)}")
+        etas_v, shared_v = _expand_shared(factors, shared, etas_v, B)
         evs = _check_batch_scores(factors, shared, etas_v, "etas_v", True, B)
-    return B, factors, shared, eus, evs
+    return B, factors, shared, eus, evs, shared_v
+
+
+def _expand_shared(factors, shared, etas_v, B):
+    """``etas_v`` with each shared ``(S, S)`` transition matrix of a
+    :class:`SequenceFactor` repeated at every transition (a stacked ``(B, S, S)``
+    array for one such factor, or entries of a sequence), and which problems had one."""
+    if isinstance(etas_v, np.ndarray):
+        if shared and np.ndim(etas_v) == 3 and _is_shared(factors, etas_v[0]):
+            return (np.stack([_broadcast_shared(factors, e, f"etas_v[{i}]")
+                              for i, e in enumerate(etas_v)]), [True] * B)
+        return etas_v, [False] * B
+    items = list(etas_v)
+    flags = [_is_shared(factors if shared else factors[i], e) for i, e in enumerate(items)]
+    if any(flags):
+        items = [_broadcast_shared(factors if shared else factors[i], e, f"etas_v[{i}]")
+                 if flag else e for i, (e, flag) in enumerate(zip(items, flags))]
+    return items, flags
 
 
 def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **solve_kw):
@@ -1047,7 +1066,10 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         same shape). ``-inf`` forbids a part, as in :func:`solve`.
     etas_v : None, sequence or ndarray, optional
         The additional scores, likewise; entries of a sequence may be None
-        (zeros).
+        (zeros). For a :class:`SequenceFactor` an entry may be one ``(S, S)``
+        transition matrix shared by the positions (a stacked array is then
+        ``(B, S, S)``), as in :func:`solve`: that result's ``vjp`` returns its
+        ``(S, S)`` gradient.
     n_jobs : int, optional
         Threads to use, the calling thread included; 1 runs serially in the
         calling thread. The solves run without the GIL, so threads scale with
@@ -1122,7 +1144,7 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
     if executor is not None and not callable(getattr(executor, "submit", None)):
         raise ValueError(f"executor: expected a concurrent.futures.Executor (an object with "
                          f"submit), got {type(executor).__name__}")
-    B, factors, shared, eus, evs = _check_batch(factors, etas_u, etas_v)
+    B, factors, shared, eus, evs, shared_v = _check_batch(factors, etas_u, etas_v)
     inits = None
     if solve_kw.get("init") is not None:
         init = solve_kw["init"]
@@ -1158,7 +1180,7 @@ def _solve_batch(factors, etas_u, etas_v, n_jobs, executor, solve_kw, where):
             raise _infeasible_error(fs[i], i)
     # the scores are kept for the backward passes that need them (CG's, a fibered face's)
     results = [SparseMAPResult(f, sol, method, (_take(eus, i), _take(evs, i), max_iter),
-                               _per_position(f, evs is None or evs[i] is None))
+                               _per_position(f, evs is None or evs[i] is None), shared_v[i])
                for i, (f, sol) in enumerate(zip(fs, sols))]
     for i, r in enumerate(results):
         if r._sol.status != STATUS_CONVERGED:
@@ -1327,7 +1349,8 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
     d_etas_u : sequence of array_like, or ndarray
         A direction for each ``eta_u``.
     d_etas_v : None, sequence or ndarray, optional
-        A direction for each ``eta_v`` (None, or None entries: zeros).
+        A direction for each ``eta_v`` (None, or None entries: zeros), shaped
+        as that ``eta_v`` was: ``(S, S)`` for a shared transition matrix.
     n_jobs : int, optional
         Threads, as for :func:`solve_batch`.
 
@@ -1358,6 +1381,10 @@ def jvp_batch(results, d_etas_u, d_etas_v=None, *, n_jobs=None):
     du = _check_batch_scores(factors, False, d_etas_u, "d_etas_u", False, B, masks=False)
     dv = None
     if d_etas_v is not None:
+        if any(getattr(r, "_shared_v", False) for r in rs):
+            d_etas_v = [_broadcast_shared(r.factor, d, f"d_etas_v[{i}]")
+                        if d is not None and getattr(r, "_shared_v", False) else d
+                        for i, (r, d) in enumerate(zip(rs, d_etas_v))]
         dv = _check_batch_scores(factors, False, d_etas_v, "d_etas_v", True, B, masks=False)
     return _backward_batch(rs, du, dv, False, n_jobs)
 

@@ -28,7 +28,7 @@ import numpy as np
 from sparsemap import _batch
 from sparsemap._factors._base import Factor, _first_invalid
 from sparsemap._solve import (DEFAULT_TOL, SparseMAPResult, _check_n_jobs, _check_options,
-                              _run_batch, _solve_problem)
+                              _broadcast_shared, _is_shared, _run_batch, _solve_problem)
 
 __all__ = ["sparsemap_loss", "perceptron_loss", "structured_svm_loss", "batch_loss"]
 
@@ -136,14 +136,24 @@ def _target_columns(factor, target):
 
 
 def _setup(factor, eta_u, eta_v, target):
+    """Validated flat scores and target columns, and a function that shapes the
+    ``eta_v`` gradient as ``eta_v`` was given (summed over the positions for a
+    :class:`SequenceFactor`'s shared ``(S, S)`` transition matrix)."""
     _check_factor(factor)
+    shared = _is_shared(factor, eta_v)
+    if shared:
+        eta_v = _broadcast_shared(factor, eta_v, "eta_v")
     eu, ev = factor.check_scores(eta_u, eta_v)
     mt, nt = _target_columns(factor, target)
     for eta, col, name in ((eu, mt, "eta_u"), (ev, nt, "eta_v")):
         if np.any(np.isneginf(eta) & (col != 0)):
             raise ValueError(f"target: uses a part that {name} forbids (-inf there); the "
                              f"loss of an impossible target is infinite")
-    return eu, ev, mt, nt
+
+    def shape_v(g):
+        g = g.reshape(factor.shape_v)
+        return g.sum(0) if shared else g
+    return eu, ev, mt, nt, shape_v
 
 
 def _flat(x):
@@ -205,7 +215,9 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming cost;
         for soft targets ``loss >= plain loss`` is not guaranteed).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
+        an ``(S, S)`` matrix is one transition matrix shared by the positions
+        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
     margin : float, default 0
         Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
     **solve_kwargs
@@ -218,7 +230,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         Clipped at 0 from below, to absorb round-off of the solver.
     grad_eta_u : ndarray, shape ``factor.shape_u``
         ``u* - m_t``.
-    grad_eta_v : ndarray, shape ``factor.shape_v``
+    grad_eta_v : ndarray, shape ``factor.shape_v`` (or ``(S, S)``, as ``eta_v``)
         ``v* - n_t``.
 
     Notes
@@ -240,7 +252,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
     >>> round(loss, 6), gu
     (0.5625, array([ 0.75, -0.75,  0.  ]))
     """
-    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
+    eu, ev, mt, nt, shape_v = _setup(factor, eta_u, eta_v, target)
     margin = _check_nonneg(margin, "margin")
     if margin > 0:
         eu = eu + margin * (1.0 - mt)
@@ -254,7 +266,7 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
     gv = v - nt
     # the batch runner's kernel for the value: a batch's losses are these bits
     loss = _batch.loss_value(_flat(eu), _flat(ev), u, gu, gv)
-    return loss, gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+    return loss, gu.reshape(factor.shape_u), shape_v(gv)
 
 
 def perceptron_loss(factor, eta_u, target, eta_v=None):
@@ -270,7 +282,9 @@ def perceptron_loss(factor, eta_u, target, eta_v=None):
     target : structure, or (structures, weights), dict, or SparseMAPResult
         As in :func:`sparsemap_loss` (compact or dense structures).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
+        an ``(S, S)`` matrix is one transition matrix shared by the positions
+        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
 
     Returns
     -------
@@ -278,7 +292,7 @@ def perceptron_loss(factor, eta_u, target, eta_v=None):
         Non-negative; exactly 0 when the MAP structure is the target.
     grad_eta_u : ndarray, shape ``factor.shape_u``
         ``m_s - m_t``.
-    grad_eta_v : ndarray, shape ``factor.shape_v``
+    grad_eta_v : ndarray, shape ``factor.shape_v`` (or ``(S, S)``, as ``eta_v``)
         ``n_s - n_t``.
 
     Notes
@@ -327,7 +341,9 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
     target : structure, or (structures, weights), dict, or SparseMAPResult
         As in :func:`sparsemap_loss` (compact or dense structures).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
+        an ``(S, S)`` matrix is one transition matrix shared by the positions
+        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
     margin : float, default 1
         Scale of the Hamming cost (non-negative), as in :func:`sparsemap_loss`;
         0 gives the perceptron.
@@ -339,7 +355,7 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
         at least ``cost(s)``.
     grad_eta_u : ndarray, shape ``factor.shape_u``
         ``m_s - m_t``.
-    grad_eta_v : ndarray, shape ``factor.shape_v``
+    grad_eta_v : ndarray, shape ``factor.shape_v`` (or ``(S, S)``, as ``eta_v``)
         ``n_s - n_t``.
 
     Examples
@@ -357,14 +373,14 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
            [ 1., -1.],
            [ 0.,  0.]])
     """
-    eu, ev, mt, nt = _setup(factor, eta_u, eta_v, target)
+    eu, ev, mt, nt, shape_v = _setup(factor, eta_u, eta_v, target)
     margin = _check_nonneg(margin, "margin")
     eu_aug = eu + margin * (1.0 - mt) if margin > 0 else eu
     ms, ns = _map_columns(factor, eu_aug, ev)
     gu, gv = ms - mt, ns - nt
     # the batch runner's kernel for the value (u None: MAP's), as in sparsemap_loss
     loss = _batch.loss_value(_flat(eu_aug), _flat(ev), None, _flat(gu), _flat(gv))
-    return loss, gu.reshape(factor.shape_u), gv.reshape(factor.shape_v)
+    return loss, gu.reshape(factor.shape_u), shape_v(gv)
 
 
 # -- batches ----------------------------------------------------------------------
@@ -387,6 +403,9 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
         One target per example, in any form the loss accepts.
     etas_v : sequence of (array_like or None), ndarray, or None
         Additional scores per example; ``None`` means zeros for every example.
+        For a :class:`SequenceFactor` an entry may be one ``(S, S)`` transition
+        matrix shared by the positions (a stacked array is then ``(B, S, S)``),
+        as in ``loss_fn``.
     reduction : {"mean", "sum", "none"}, default "mean"
         What to return as the loss: the mean over the batch, the sum, or the
         per-example losses. The gradients are those *of the returned value*:
@@ -402,7 +421,8 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
         Gradient with respect to each example's ``eta_u``; a list when each
         example has its own factor.
     grads_v : ndarray of shape ``(B,) + shape_v``, or list
-        Likewise for ``eta_v``.
+        Likewise for ``eta_v``: each entry shaped as its ``eta_v`` (``(B, S, S)``
+        for shared transition matrices; a list when the shapes differ).
 
     Examples
     --------
@@ -444,7 +464,9 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
         gvs = [g / B for g in gvs]
     if shared:
         gus = np.stack(gus).reshape((B,) + factor.shape_u)
-        gvs = np.stack(gvs).reshape((B,) + factor.shape_v)
+        # each g_v has the shape of its eta_v: shape_v, or a shared matrix's (S, S)
+        if len({g.shape for g in gvs}) == 1:
+            gvs = np.stack(gvs)
     if reduction == "none":
         return losses, gus, gvs
     return float(losses.mean() if reduction == "mean" else losses.sum()), gus, gvs

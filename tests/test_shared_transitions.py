@@ -103,3 +103,54 @@ def test_torch_layer_and_loss_with_a_broadcast_matrix(n):
     with torch.no_grad():
         diff = ((smt.sequence(x, t * R0) - smt.sequence(x, zero)) * du).sum().item() / t
     assert np.isclose((g_layer * R0).sum().item(), diff, rtol=1e-6, atol=1e-9)
+
+
+def test_numpy_batches_take_a_shared_matrix():
+    """solve_batch, jvp_batch and vjp_batch take shared (S, S) matrices as solve does:
+    stacked (B, S, S) or entries of a list (mixed with per-transition ones and None)."""
+    f, eu, rng = problem(6, 4, scale=0.5)
+    eus = np.stack([eu, eu[::-1], 2 * eu])
+    Ts = 0.3 * rng.standard_normal((3, 4, 4))
+    singles = [sm.solve(f, e, T) for e, T in zip(eus, Ts)]
+    for etas_v in (Ts, list(Ts)):
+        rs = sm.solve_batch(f, eus, etas_v, n_jobs=2)
+        for r, s in zip(rs, singles):
+            np.testing.assert_array_equal(r.u, s.u)
+    du = rng.standard_normal((3,) + f.shape_u)
+    for (g_u, g_v), s, d in zip(sm.vjp_batch(rs, du), singles, du):
+        assert g_v.shape == (4, 4)
+        np.testing.assert_array_equal(g_v, s.vjp(d)[1])
+    D = rng.standard_normal((3, 4, 4))
+    for out, s, d in zip(sm.jvp_batch(rs, du, D), singles, zip(du, D)):
+        np.testing.assert_array_equal(out, s.jvp(*d))
+    # mixed: a shared matrix, a per-transition array, None
+    mixed = [Ts[0], np.broadcast_to(Ts[1], f.shape_v), None]
+    rs = sm.solve_batch(f, eus, mixed)
+    assert [g.shape for _, g in sm.vjp_batch(rs, du)] == [(4, 4), f.shape_v, f.shape_v]
+    with pytest.raises(ValueError, match=r"etas_v\[1\]: expected shape"):
+        sm.solve_batch(f, eus, [Ts[0], np.zeros((3, 4)), None])
+
+
+@pytest.mark.parametrize("loss", [sm.sparsemap_loss, sm.structured_svm_loss,
+                                  sm.perceptron_loss])
+def test_numpy_losses_take_a_shared_matrix(loss):
+    """The loss of a shared matrix equals the loss of its broadcast, and its gradient is
+    the broadcast's summed over the transitions, which central differences confirm."""
+    f, eu, rng = problem(7, 4, scale=0.5)
+    T = 0.3 * rng.standard_normal((4, 4))
+    y = rng.integers(0, 4, size=7)
+    val, g_u, g_v = loss(f, eu, y, eta_v=T)
+    val_b, g_ub, g_vb = loss(f, eu, y, eta_v=np.broadcast_to(T, f.shape_v))
+    assert val == val_b and g_v.shape == (4, 4)
+    np.testing.assert_array_equal(g_u, g_ub)
+    np.testing.assert_allclose(g_v, g_vb.sum(0), atol=1e-14)
+    D = rng.standard_normal((4, 4))
+    h = 1e-6
+    fd = (loss(f, eu, y, eta_v=T + h * D)[0] - loss(f, eu, y, eta_v=T - h * D)[0]) / (2 * h)
+    assert abs(np.sum(g_v * D) - fd) <= 1e-6 * max(1.0, abs(fd))
+    # batch_loss: stacked (B, S, S) matrices give (B, S, S) gradients
+    tot, G_u, G_v = sm.batch_loss(loss, f, np.stack([eu, -eu]), [y, y],
+                                  etas_v=np.stack([T, -T]), reduction="sum")
+    assert G_v.shape == (2, 4, 4)
+    np.testing.assert_array_equal(G_v[0], g_v)
+    assert tot == val + loss(f, -eu, y, eta_v=-T)[0]
