@@ -313,17 +313,42 @@ def _variable_of(v):
 
 # -- solving: per structure once, then per call -------------------------------------------
 def _host(x):
-    """Scores as a float64 NumPy array (a tensor is copied to the host)."""
+    """Scores as a NumPy array: a tensor read on the host (as float64 unless NumPy has
+    its dtype), anything else as float64."""
     if _is_tensor(x):
         x = x.detach()
         if x.device.type != "cpu" or x.dtype not in _HOST_DTYPES:
             import torch
             x = x.to(device="cpu", dtype=torch.float64)
-        x = x.numpy()
+        return x.numpy()
     return np.asarray(x, dtype=np.float64)
 
 
 _HOST_DTYPES = set()      # the torch dtypes NumPy reads directly (filled with torch)
+
+
+def _padded(parts, n):
+    """The arrays ``parts`` (``n`` entries in all; None: zeros of the given size) end to
+    end in one float64 array, with a 0 after them: indexed by -1 (a part a factor
+    ignores), it reads 0."""
+    out = np.empty(n + 1)
+    out[n] = 0.0
+    k = 0
+    for x, size in parts:
+        if x is None:
+            out[k:k + size] = 0.0
+        else:
+            out[k:k + size] = x.reshape(-1)
+        k += size
+    return out
+
+
+def _kept(idx):
+    """``(src, dst)``: the entries of a piece's flat ``idx`` that are variables, and those
+    variables (``src`` is every entry when the factor ignores none)."""
+    flat = idx.reshape(-1)
+    src = np.flatnonzero(flat >= 0)
+    return (slice(None) if src.size == flat.size else src), flat[src]
 
 
 def _flat(x, name, size, at_least=False):
@@ -334,14 +359,6 @@ def _flat(x, name, size, at_least=False):
         need = f"at least {size}" if at_least else f"{size}"
         raise ValueError(f"{name}: expected {need} entries, got {n}")
     return a[:size] if n > size else a
-
-
-def _gather(eta, idx):
-    """``eta[idx]``, zeros where ``idx == -1``."""
-    out = eta[np.maximum(idx, 0)]
-    if idx.min(initial=0) < 0:
-        out[idx < 0] = 0.0
-    return out
 
 
 _PLANS = {}
@@ -366,6 +383,7 @@ class _Plan:
         self.free = np.flatnonzero(count == 0)
         self.alone = bool(count.max(initial=0) <= 1)
         if self.alone:
+            self.kept = [[_kept(idx) for _, idx in pieces] for pieces, _ in self.structures]
             return
         pieces, extra, self.owner = [], [], []
         self.first, self.extra_first = [0], [0]    # each factor's pieces and extra scores
@@ -409,23 +427,26 @@ class _Call:
                 for x, n in zip(raw, self.plan.add_sizes)]
 
     def forward(self, eta, adds):
+        """``eta``: the scores as _scores_array makes them."""
         plan, decode = self.plan, self.decode
         u = np.empty(plan.V)
-        e = eta[plan.free]
-        if decode:
-            u[plan.free] = e > 0
-        else:
-            u[plan.free] = np.clip(e, 0.0, 1.0)
-            self.slope = (e >= 0) & (e <= 1)
+        if plan.free.size:          # in no factor: the box [0, 1] alone
+            e = eta[plan.free]
+            if decode:
+                u[plan.free] = e > 0
+            else:
+                u[plan.free] = np.clip(e, 0.0, 1.0)
+                self.slope = (e >= 0) & (e <= 1)
         if plan.alone:
             self.vjps = []
-            for f, (pieces, _), ids, a in zip(self.factors, plan.structures, plan.ids, adds):
-                out, vjp = f._alone(pieces, ids, eta, a, decode)
+            for f, (pieces, _), kept, ids, a in zip(self.factors, plan.structures, plan.kept,
+                                                     plan.ids, adds):
+                out, vjp = f._alone(pieces, kept, ids, eta, a, decode)
                 for idx, vals in out:
                     u[idx] = vals
                 self.vjps.append(vjp)
             return u
-        ev, eu = None, eta
+        ev, eu = None, eta[:plan.V]
         if any(a is not None for a in adds):
             ev = [None] * plan.first[-1]
             ext = np.zeros(plan.extra.shape[0])
@@ -434,7 +455,7 @@ class _Call:
                     ev[plan.first[k]:plan.first[k + 1]], \
                         ext[plan.extra_first[k]:plan.extra_first[k + 1]] = f._spread(a)
             if ext.shape[0]:
-                eu = eta.copy()
+                eu = eu.copy()
                 np.add.at(eu, plan.extra, ext)
         for k, p in enumerate(plan.parts):
             try:
@@ -450,10 +471,12 @@ class _Call:
 
     def backward(self, g):
         """The gradients of the scores and of each factor's flat additional scores
-        (None for a factor without) from that of the marginals, ``g``."""
+        (None for a factor without) from that of the marginals, ``g`` (as _padded
+        makes it)."""
         plan = self.plan
         ge = np.zeros(plan.V)
-        ge[plan.free] = np.where(self.slope, g[plan.free], 0.0)
+        if plan.free.size:
+            ge[plan.free] = np.where(self.slope, g[plan.free], 0.0)
         gadds = [None] * len(self.factors)
         if plan.alone:
             for k, vjp in enumerate(self.vjps):
@@ -463,8 +486,7 @@ class _Call:
             return ge, gadds
         gv = [None] * plan.first[-1]
         for p, r in zip(plan.parts, self.report):
-            whole = p.var.shape[0] == plan.V
-            gu, gvp = r.vjp(g if whole else g[p.var])
+            gu, gvp = r.vjp(g[:plan.V] if p.var.shape[0] == plan.V else g[p.var])
             ge[p.var] = gu
             for i, x in zip(p.pieces, gvp):
                 gv[i] = x
@@ -505,7 +527,7 @@ def _torch_function():
         @staticmethod
         def forward(ctx, call, n_vars, *inputs):
             scores, raw = inputs[:n_vars], inputs[n_vars:]
-            eta = _scores_array([_host(x) for x in scores])
+            eta = _scores_array(scores, call.plan.sizes)
             u = call.forward(eta, call.adds(raw))
             ctx.call, ctx.inputs = call, [x.detach() if _is_tensor(x) else None
                                           for x in inputs]
@@ -515,8 +537,8 @@ def _torch_function():
         @staticmethod
         def backward(ctx, *gs):
             sizes = ctx.call.plan.sizes
-            g = np.concatenate([np.zeros(n) if x is None else _host(x).reshape(-1)
-                                for x, n in zip(gs, sizes)])
+            g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
+                        ctx.call.plan.V)
             ge, gadds = ctx.call.backward(g)
             out = [None, None]
             out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
@@ -533,11 +555,10 @@ def _torch_function():
     return _DropInSolve
 
 
-def _scores_array(parts):
-    """The graph's scores, one flat array, checked (``-inf`` is a mask)."""
-    eta = parts[0].reshape(-1) if len(parts) == 1 else \
-        np.concatenate([x.reshape(-1) for x in parts])
-    top = eta.max()
+def _scores_array(scores, sizes):
+    """The graph's scores laid end to end (see _padded), checked: ``-inf`` is a mask."""
+    eta = _padded([(_host(x), n) for x, n in zip(scores, sizes)], sum(sizes))
+    top = eta[:-1].max()
     if top != top or top == np.inf:              # nan propagates through max
         raise ValueError(_NONFINITE)
     return eta
@@ -600,30 +621,29 @@ class _LPFactor:
         ``eta_v`` gradients ``gv`` and the extra unary scores' ``ge``."""
         raise NotImplementedError
 
-    def _alone(self, pieces, ids, eta, a, decode):
+    def _alone(self, pieces, kept, ids, eta, a, decode):
         """This factor's marginals (MAP when ``decode``) when no other factor shares its
         variables and each appears once here: ``[(variables, values)]``, and a function
         from the gradient of ``u`` to ``([(variables, gradient of eta)], gradient of
-        a)``. Each piece is its own SparseMAP problem."""
+        a)``. Each piece is its own SparseMAP problem. ``kept``: each piece's _kept;
+        ``eta`` (and the gradient) as _padded makes them."""
         evs = None if a is None else self._spread(a)[0]
         out, results = [], []
-        for k, (f, idx) in enumerate(pieces):
-            sel = idx >= 0
+        for k, ((f, idx), (src, dst)) in enumerate(zip(pieces, kept)):
             ev = None if evs is None else evs[k]
-            eu = _gather(eta, idx)
             if decode:
-                u, r = f.vertex(f.map(eu, ev))[0], None
+                u, r = f.vertex(f.map(eta[idx], ev))[0], None
             else:
-                r = sm.solve(f, eu, ev)
-                u = np.asarray(r.u)
-            out.append((idx[sel], u[sel]))
+                r = sm.solve(f, eta[idx], ev)
+                u = r.u
+            out.append((dst, u.reshape(-1)[src]))
             results.append(r)
 
         def vjp(g):
             grads, gvs = [], []
-            for (f, idx), r in zip(pieces, results):
-                gu, gv = r.vjp(_gather(g, idx))
-                grads.append((idx[idx >= 0], np.asarray(gu)[idx >= 0]))
+            for (f, idx), (src, dst), r in zip(pieces, kept, results):
+                gu, gv = r.vjp(g[idx])
+                grads.append((dst, gu.reshape(-1)[src]))
                 gvs.append(gv)
             return grads, (None if a is None else self._unspread(gvs, ()))
         return out, vjp
@@ -995,10 +1015,10 @@ class SequenceBudget(_LPFactor):
         g[S:n - S] = np.asarray(gv[0])[:, ::-1, ::-1].reshape(-1)
         return g
 
-    def _alone(self, pieces, ids, eta, a, decode):
+    def _alone(self, pieces, kept, ids, eta, a, decode):
         L, S = self._variables.shape
         if S != 2:
-            return _LPFactor._alone(self, pieces, ids, eta, a, decode)
+            return _LPFactor._alone(self, pieces, kept, ids, eta, a, decode)
         # one binary sequence: u[i, 1] = 1 - u[i, 0], so the QP in u[:, 0] has half the
         # curvature (scores halved) and the state-1 scores folded in
         ix = ids[0]
@@ -1395,11 +1415,11 @@ class FactorGraph:
 
     def _solve_graph(self, decode, verbose):
         what = "LP-MAP" if decode else "LP-SparseMAP"
-        if not any(v._ix.size for v in self.variables):
+        plan = _plan(self)
+        if plan.V == 0:
             if verbose:
                 print(f"sparsemap.lpsmap: {what}: no variables, nothing to solve")
             return
-        plan = _plan(self)
         call = _Call(plan, self.factors, decode)
         raw = [f._additionals for f in self.factors]
         try:
@@ -1407,7 +1427,7 @@ class FactorGraph:
                 values = _torch_function().apply(call, len(self.variables),
                                                  *[v._scores for v in self.variables], *raw)
             else:
-                eta = _scores_array([_host(v._scores) for v in self.variables])
+                eta = _scores_array([v._scores for v in self.variables], plan.sizes)
                 values = _split(call.forward(eta, call.adds(raw)), plan.sizes)
         except ValueError as exc:
             if getattr(exc, "factors", None) is None:
