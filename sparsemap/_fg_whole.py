@@ -39,10 +39,22 @@ class _Whole:
         self.factor, self.parts, self.kind, self.links = factor, parts, kind, links
         self.tied = parts >= 0
         self.at = np.maximum(parts, 0)
+        # the graph's variables in the factor's order (the common layout: a matching over
+        # a row-major grid, a factor over its variables in order): no gather, no scatter
+        self.in_order = bool(parts.shape[0] == factor.n_u
+                             and (parts == np.arange(parts.shape[0])).all())
+        self.all_tied = bool(self.tied.all())
+
+    def scores_u(self, eu):
+        """The factor's eta_u from the graph's (a view when in order)."""
+        if self.in_order:
+            return eu.reshape(self.factor.shape_u)
+        out = eu[self.at] if self.all_tied else np.where(self.tied, eu[self.at], 0.0)
+        return out.reshape(self.factor.shape_u)
 
     def scores(self, eu, ev):
         """The factor's (eta_u, eta_v) from the graph's."""
-        eta_u = np.where(self.tied, eu[self.at], 0.0).reshape(self.factor.shape_u)
+        eta_u = self.scores_u(eu)
         if self.kind == "itself":
             return eta_u, (ev[0].reshape(self.factor.shape_v) if self.factor.n_v else None)
         if self.kind == "chain":
@@ -53,6 +65,8 @@ class _Whole:
 
     def to_graph(self, x, n_variables):
         """A vector over the factor's parts, as one over the graph's variables."""
+        if self.in_order:
+            return np.array(x, dtype=np.float64).reshape(-1)
         out = np.zeros(n_variables)
         out[self.parts[self.tied]] = np.asarray(x).reshape(-1)[self.tied]
         return out
@@ -244,7 +258,8 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
     errors). ``max_iter``: the graph's iteration budget, which bounds the factor's
     solver too.
 
-    ``fixed``: variables held at 0 (masks, and padding: -inf in the factor's scores);
+    ``fixed``: variables held at 0 (masks, and padding: -inf in the factor's scores;
+    None: ``eu`` has no -inf either);
     ``soft``: those of them held for a huge negative score, which must be 0 at the
     solution of the scores as given too (as _masks_hold checks on the graph's path): no
     structure may beat the support at the given scores minus u, one MAP call."""
@@ -253,7 +268,7 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
         eu = np.where(fixed, -np.inf, eu)
     eta_u, eta_v = whole.scores(eu, ev)
     blocks = None
-    if whole.kind == "matching" and np.isneginf(eu).any():
+    if whole.kind == "matching" and fixed is not None and np.isneginf(eu).any():
         # masks and padding: the free variables' blocks, each an unmasked matching (a
         # mask that makes a column full by counting is not a constraint the matching's
         # own solver sees), or uniform (padding)
