@@ -378,6 +378,7 @@ class _Plan:
         self.ids = [f._ids(offsets) for f in graph.factors]
         self.structures = [f._structure(i) for f, i in zip(graph.factors, self.ids)]
         self.add_sizes = [f._additionals_size() for f in graph.factors]
+        self.with_adds = [k for k, n in enumerate(self.add_sizes) if n is not None]
         flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in self.ids]
         count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
         self.free = np.flatnonzero(count == 0)
@@ -400,9 +401,19 @@ class _Plan:
 def _plan(graph):
     """The graph's :class:`_Plan`, from the cache when a graph of the same structure was
     solved before (the common case: one graph built per document or per batch)."""
+    # the key: the variables' shapes, then per factor its class, its arguments besides
+    # the scores, and per argument the variable and the indices it is on (one loop, no
+    # call per factor: this runs on every solve)
     names = {id(v): k for k, v in enumerate(graph.variables)}
-    key = (tuple(v.shape for v in graph.variables),) + tuple(
-        f._key(names) for f in graph.factors)
+    key = [tuple(v.shape for v in graph.variables)]
+    for f in graph.factors:
+        key.append(type(f))
+        key.append(f._signature())
+        vs = f._variables
+        for v in (vs if type(vs) is tuple else (vs,)):
+            ix = v._ix
+            key += (names[id(getattr(v, "_base_var", v))], ix.shape, ix.tobytes())
+    key = tuple(key)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) > 256:
@@ -422,9 +433,13 @@ class _Call:
         self.report = []
 
     def adds(self, raw):
-        """The factors' flat additional scores (None for a factor without)."""
-        return [None if n is None else _flat(x, "additionals", *n)
-                for x, n in zip(raw, self.plan.add_sizes)]
+        """The factors' flat additional scores (None for a factor without), from those
+        of the factors that have them, as given (``raw``, in ``plan.with_adds``'s
+        order)."""
+        out = [None] * len(self.factors)
+        for k, x in zip(self.plan.with_adds, raw):
+            out[k] = _flat(x, "additionals", *self.plan.add_sizes[k])
+        return out
 
     def forward(self, eta, adds):
         """``eta``: the scores as _scores_array makes them."""
@@ -447,7 +462,7 @@ class _Call:
                 self.vjps.append(vjp)
             return u
         ev, eu = None, eta[:plan.V]
-        if any(a is not None for a in adds):
+        if plan.with_adds:
             ev = [None] * plan.first[-1]
             ext = np.zeros(plan.extra.shape[0])
             for k, (f, a) in enumerate(zip(self.factors, adds)):
@@ -542,8 +557,9 @@ def _torch_function():
             ge, gadds = ctx.call.backward(g)
             out = [None, None]
             out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
-            for a, t in zip(gadds, ctx.inputs[ctx.n_vars:]):
-                if a is None or t is None:
+            for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
+                a = gadds[k]
+                if t is None:
                     out.append(None)
                     continue
                 full = np.zeros(t.numel())
@@ -589,12 +605,6 @@ class _LPFactor:
     def _ids(self, offsets):
         """Global variable indices of the factor's variables (one array per argument)."""
         return tuple(v._ix + offsets[id(_variable_of(v))] for v in self._vars())
-
-    def _key(self, names):
-        """What the graph's structure takes from this factor: its class, its arguments
-        besides the scores, and the variables it is on (``names``: a variable's place)."""
-        return (type(self), self._signature()) + tuple(
-            (names[id(_variable_of(v))], v._ix.shape, v._ix.tobytes()) for v in self._vars())
 
     def _signature(self):
         """The construction arguments other than the variables and additional scores."""
@@ -1421,7 +1431,7 @@ class FactorGraph:
                 print(f"sparsemap.lpsmap: {what}: no variables, nothing to solve")
             return
         call = _Call(plan, self.factors, decode)
-        raw = [f._additionals for f in self.factors]
+        raw = [self.factors[k]._additionals for k in plan.with_adds]
         try:
             if self._torch and not decode:
                 values = _torch_function().apply(call, len(self.variables),
