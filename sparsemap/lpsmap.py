@@ -23,6 +23,7 @@ graphs are cached by structure, so repeated graph shapes cost little to set up.
 """
 import math
 import numbers
+import weakref
 
 import numpy as np
 
@@ -189,8 +190,19 @@ def _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose)
     raise ValueError(f"verbose: expected an int or bool, got {verbose!r}")
 
 
+_PLAIN_INDEX = frozenset((int, slice, type(None), type(Ellipsis)))
+
+
 def _index_key(key):
     """A NumPy index from one that may hold tensors."""
+    if type(key) in _PLAIN_INDEX:
+        return key
+    if type(key) is tuple:
+        for k in key:
+            if type(k) not in _PLAIN_INDEX:
+                break
+        else:
+            return key              # the common z[i, :]: nothing to convert
     if isinstance(key, tuple):
         return tuple(_index_key(k) for k in key)
     if _is_tensor(key):
@@ -228,7 +240,9 @@ class Variable:
     """
 
     def __init__(self, graph, scores):
-        self._graph = graph
+        # weak: graph -> variable -> graph would be a cycle, and every graph built per
+        # call (the common use) would wait for the garbage collector to be freed
+        self._graph = weakref.ref(graph)
         self._scores = scores
         self.shape = tuple(scores.shape)
         self._ix = np.arange(math.prod(self.shape)).reshape(self.shape)
@@ -379,6 +393,7 @@ class _Plan:
         self.structures = [f._structure(i) for f, i in zip(graph.factors, self.ids)]
         self.add_sizes = [f._additionals_size() for f in graph.factors]
         self.with_adds = [k for k, n in enumerate(self.add_sizes) if n is not None]
+        self.spreads = [(type(f), f._dims()) for f in graph.factors]
         flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in self.ids]
         count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
         self.free = np.flatnonzero(count == 0)
@@ -426,22 +441,24 @@ class _Call:
     """One solve of a graph by its plan, in NumPy: :meth:`forward` from the scores and
     the factors' flat additional scores to every variable's marginals (MAP when
     ``decode``), :meth:`backward` its exact transpose for the torch layer. ``report``:
-    the native graphs' results (for ``verbose``)."""
+    the native graphs' results (for ``verbose``). It keeps no factor (the torch layer's
+    backward node keeps it, and a factor's variables keep their values, which keep that
+    node: a cycle that only the garbage collector would free)."""
 
-    def __init__(self, plan, factors, decode):
-        self.plan, self.factors, self.decode = plan, factors, decode
+    def __init__(self, plan, decode):
+        self.plan, self.decode = plan, decode
         self.report = []
 
     def adds(self, raw):
         """The factors' flat additional scores (None for a factor without), from those
         of the factors that have them, as given (``raw``, in ``plan.with_adds``'s
         order)."""
-        out = [None] * len(self.factors)
+        out = [None] * len(self.plan.add_sizes)
         for k, x in zip(self.plan.with_adds, raw):
             out[k] = _flat(x, "additionals", *self.plan.add_sizes[k])
         return out
 
-    def forward(self, eta, adds):
+    def forward(self, factors, eta, adds):
         """``eta``: the scores as _scores_array makes them."""
         plan, decode = self.plan, self.decode
         u = np.empty(plan.V)
@@ -454,7 +471,7 @@ class _Call:
                 self.slope = (e >= 0) & (e <= 1)
         if plan.alone:
             self.vjps = []
-            for f, (pieces, _), kept, ids, a in zip(self.factors, plan.structures, plan.kept,
+            for f, (pieces, _), kept, ids, a in zip(factors, plan.structures, plan.kept,
                                                      plan.ids, adds):
                 out, vjp = f._alone(pieces, kept, ids, eta, a, decode)
                 for idx, vals in out:
@@ -465,22 +482,26 @@ class _Call:
         if plan.with_adds:
             ev = [None] * plan.first[-1]
             ext = np.zeros(plan.extra.shape[0])
-            for k, (f, a) in enumerate(zip(self.factors, adds)):
+            for k, a in enumerate(adds):
                 if a is not None:
                     ev[plan.first[k]:plan.first[k + 1]], \
-                        ext[plan.extra_first[k]:plan.extra_first[k + 1]] = f._spread(a)
+                        ext[plan.extra_first[k]:plan.extra_first[k + 1]] = \
+                        plan.spreads[k][0]._spread(plan.spreads[k][1], a)
             if ext.shape[0]:
                 eu = eu.copy()
                 np.add.at(eu, plan.extra, ext)
         for k, p in enumerate(plan.parts):
+            whole = p.var.shape[0] == plan.V       # one part over every variable
             try:
                 r = (p.graph.solve_map if decode else p.graph.solve)(
-                    eu if p.var.shape[0] == plan.V else eu[p.var],
+                    eu if whole else eu[p.var],
                     None if ev is None else [ev[i] for i in p.pieces])
             except ValueError as exc:
                 exc.part = k
                 raise
             self.report.append(r)
+            if whole:
+                return r.u
             u[p.var] = r.u
         return u
 
@@ -492,7 +513,7 @@ class _Call:
         ge = np.zeros(plan.V)
         if plan.free.size:
             ge[plan.free] = np.where(self.slope, g[plan.free], 0.0)
-        gadds = [None] * len(self.factors)
+        gadds = [None] * len(plan.add_sizes)
         if plan.alone:
             for k, vjp in enumerate(self.vjps):
                 grads, gadds[k] = vjp(g)
@@ -501,15 +522,23 @@ class _Call:
             return ge, gadds
         gv = [None] * plan.first[-1]
         for p, r in zip(plan.parts, self.report):
-            gu, gvp = r.vjp(g[:plan.V] if p.var.shape[0] == plan.V else g[p.var])
-            ge[p.var] = gu
-            for i, x in zip(p.pieces, gvp):
-                gv[i] = x
+            whole = p.var.shape[0] == plan.V
+            gu, gvp = r.vjp(g[:plan.V] if whole else g[p.var])
+            if whole:
+                ge = gu
+            else:
+                ge[p.var] = gu
+            if plan.with_adds:
+                for i, x in zip(p.pieces, gvp):
+                    gv[i] = x
+        if not plan.with_adds:
+            return ge, gadds
         gext = ge[plan.extra]
-        for k, (f, n) in enumerate(zip(self.factors, plan.add_sizes)):
-            if n is not None:
-                gadds[k] = f._unspread(gv[plan.first[k]:plan.first[k + 1]],
-                                       gext[plan.extra_first[k]:plan.extra_first[k + 1]])
+        for k in plan.with_adds:
+            cls, dims = plan.spreads[k]
+            gadds[k] = cls._unspread(
+                dims, gv[plan.first[k]:plan.first[k + 1]],
+                gext[plan.extra_first[k]:plan.extra_first[k + 1]])
         return ge, gadds
 
 
@@ -540,10 +569,10 @@ def _torch_function():
 
     class _DropInSolve(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, call, n_vars, *inputs):
+        def forward(ctx, call, factors, n_vars, *inputs):
             scores, raw = inputs[:n_vars], inputs[n_vars:]
             eta = _scores_array(scores, call.plan.sizes)
-            u = call.forward(eta, call.adds(raw))
+            u = call.forward(factors, eta, call.adds(raw))
             ctx.call, ctx.inputs = call, [x.detach() if _is_tensor(x) else None
                                           for x in inputs]
             ctx.n_vars = n_vars
@@ -555,7 +584,7 @@ def _torch_function():
             g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
                         ctx.call.plan.V)
             ge, gadds = ctx.call.backward(g)
-            out = [None, None]
+            out = [None, None, None]
             out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
             for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
                 a = gadds[k]
@@ -593,9 +622,11 @@ def _split(u, sizes):
 class _LPFactor:
     """Base of the factors: ``_variables`` (a Variable, Slice or tuple of them).
 
-    What the graph's structure fixes (``_signature``, ``_structure``) is read once per
-    structure (see :class:`_Plan`); per call, only the additional scores are read
-    (``_spread``, and its transpose ``_unspread`` for the backward pass)."""
+    What the graph's structure fixes (``_signature``, ``_structure``, ``_dims``) is read
+    once per structure (see :class:`_Plan`); per call, only the additional scores are
+    read (``_spread``, and its transpose ``_unspread`` for the backward pass: static, on
+    ``_dims``, so that the backward pass keeps no factor, whose variables hold the
+    values that hold the backward pass)."""
 
     _additionals = None
 
@@ -621,12 +652,18 @@ class _LPFactor:
         none; ``at_least``: longer arrays are accepted and their tail ignored)."""
         return None
 
-    def _spread(self, a):
+    def _dims(self):
+        """The sizes _spread and _unspread need."""
+        return ()
+
+    @staticmethod
+    def _spread(dims, a):
         """From the flat additional scores ``a``: each piece's ``eta_v`` (None for none)
         and the extra unary scores, in the order of ``_structure``."""
         raise NotImplementedError
 
-    def _unspread(self, gv, ge):
+    @staticmethod
+    def _unspread(dims, gv, ge):
         """The transpose of :meth:`_spread`: the gradient of ``a`` from the pieces'
         ``eta_v`` gradients ``gv`` and the extra unary scores' ``ge``."""
         raise NotImplementedError
@@ -637,7 +674,8 @@ class _LPFactor:
         from the gradient of ``u`` to ``([(variables, gradient of eta)], gradient of
         a)``. Each piece is its own SparseMAP problem. ``kept``: each piece's _kept;
         ``eta`` (and the gradient) as _padded makes them."""
-        evs = None if a is None else self._spread(a)[0]
+        cls, dims = type(self), self._dims()
+        evs = None if a is None else cls._spread(dims, a)[0]
         out, results = [], []
         for k, ((f, idx), (src, dst)) in enumerate(zip(pieces, kept)):
             ev = None if evs is None else evs[k]
@@ -655,7 +693,7 @@ class _LPFactor:
                 gu, gv = r.vjp(g[idx])
                 grads.append((dst, gu.reshape(-1)[src]))
                 gvs.append(gv)
-            return grads, (None if a is None else self._unspread(gvs, ()))
+            return grads, (None if a is None else cls._unspread(dims, gvs, ()))
         return out, vjp
 
     def __repr__(self):
@@ -856,10 +894,15 @@ class Pair(_LPFactor):
     def _additionals_size(self):
         return self._n, False
 
-    def _spread(self, a):
-        return [a[k:k + 1] for k in range(self._n)], ()
+    def _dims(self):
+        return (self._n,)
 
-    def _unspread(self, gv, ge):
+    @staticmethod
+    def _spread(dims, a):
+        return [a[k:k + 1] for k in range(dims[0])], ()
+
+    @staticmethod
+    def _unspread(dims, gv, ge):
         return np.concatenate([np.asarray(g).reshape(-1) for g in gv])
 
 
@@ -907,11 +950,16 @@ class Sequence(_LPFactor):
         L, S = self._variables.shape
         return (L - 1) * S * S, False
 
-    def _spread(self, a):
-        L, S = self._variables.shape
+    def _dims(self):
+        return self._variables.shape
+
+    @staticmethod
+    def _spread(dims, a):
+        L, S = dims
         return [a.reshape(L - 1, S, S)], ()
 
-    def _unspread(self, gv, ge):
+    @staticmethod
+    def _unspread(dims, gv, ge):
         return np.asarray(gv[0]).reshape(-1)
 
 
@@ -1003,11 +1051,15 @@ class SequenceBudget(_LPFactor):
         return ([(self._native(L), ix[:, 0].copy())] + [(xor, ix[i].copy()) for i in range(L)],
                 [ix[0, 0], ix[L - 1, 0]])
 
-    def _spread(self, a):
+    def _dims(self):
+        return self._variables.shape
+
+    @staticmethod
+    def _spread(dims, a):
         """S = 2: the native factor's "position in state 0" transitions are AD3's with
         both states flipped; the start and end scores become extra unary scores of the
         first and last positions (state 0 against state 1)."""
-        L, S = self._variables.shape
+        L, S = dims
         if S != 2:
             return [a], ()
         n = a.shape[0]
@@ -1015,11 +1067,12 @@ class SequenceBudget(_LPFactor):
         return ([trans[:, ::-1, ::-1].copy()] + [None] * L,
                 (a[0] - a[1], a[n - 2] - a[n - 1]))
 
-    def _unspread(self, gv, ge):
-        L, S = self._variables.shape
+    @staticmethod
+    def _unspread(dims, gv, ge):
+        L, S = dims
         if S != 2:
             return np.asarray(gv[0]).reshape(-1)
-        g = np.empty(self._additionals_size()[0])
+        g = np.empty(2 * S + (L - 1) * S * S)
         n = g.shape[0]
         g[0], g[1], g[n - 2], g[n - 1] = ge[0], -ge[0], ge[1], -ge[1]
         g[S:n - S] = np.asarray(gv[0])[:, ::-1, ::-1].reshape(-1)
@@ -1032,7 +1085,8 @@ class SequenceBudget(_LPFactor):
         # one binary sequence: u[i, 1] = 1 - u[i, 0], so the QP in u[:, 0] has half the
         # curvature (scores halved) and the state-1 scores folded in
         ix = ids[0]
-        evs, (first, last) = self._spread(a)
+        dims = self._dims()
+        evs, (first, last) = SequenceBudget._spread(dims, a)
         ev = evs[0]
         eu = eta[ix[:, 0]] - eta[ix[:, 1]]
         eu[0] += first
@@ -1048,7 +1102,8 @@ class SequenceBudget(_LPFactor):
             gu, gv = r.vjp(g[ix[:, 0]] - g[ix[:, 1]])
             gu = 0.5 * np.asarray(gu)
             return ([(ix[:, 0], gu), (ix[:, 1], -gu)],
-                    self._unspread([0.5 * np.asarray(gv)] + [None] * L, (gu[0], gu[L - 1])))
+                    SequenceBudget._unspread(dims, [0.5 * np.asarray(gv)] + [None] * L,
+                                             (gu[0], gu[L - 1])))
         return [(ix[:, 0], u0), (ix[:, 1], 1.0 - u0)], vjp
 
 
@@ -1411,7 +1466,7 @@ class FactorGraph:
                              f"{type(factor).__name__}")
         vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
         for v in vs:
-            if _variable_of(v)._graph is not self:
+            if _variable_of(v)._graph() is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 
@@ -1430,15 +1485,15 @@ class FactorGraph:
             if verbose:
                 print(f"sparsemap.lpsmap: {what}: no variables, nothing to solve")
             return
-        call = _Call(plan, self.factors, decode)
+        call = _Call(plan, decode)
         raw = [self.factors[k]._additionals for k in plan.with_adds]
         try:
             if self._torch and not decode:
-                values = _torch_function().apply(call, len(self.variables),
+                values = _torch_function().apply(call, self.factors, len(self.variables),
                                                  *[v._scores for v in self.variables], *raw)
             else:
                 eta = _scores_array([v._scores for v in self.variables], plan.sizes)
-                values = _split(call.forward(eta, call.adds(raw)), plan.sizes)
+                values = _split(call.forward(self.factors, eta, call.adds(raw)), plan.sizes)
         except ValueError as exc:
             if getattr(exc, "factors", None) is None:
                 raise
