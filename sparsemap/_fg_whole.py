@@ -292,11 +292,33 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
     if soft is not None and soft.any():
         f = whole.factor
         adj = eta_u - r.u
-        top = f.score(f.map(adj, eta_v), adj, eta_v)
         given = whole.scores(np.where(soft, eu_given, eu), ev)[0] - r.u
-        best = f.score(f.map(given, eta_v), given, eta_v)
         scale = max(1.0, float(np.abs(adj[np.isfinite(adj)]).max(initial=0.0)))
-        if not best <= top + 1e-9 * scale:
-            return None
+        if not (whole.kind == "matching" and _rows_bound(adj, given, 1e-9 * scale)):
+            top = f.score(f.map(adj, eta_v), adj, eta_v)
+            best = f.score(f.map(given, eta_v), given, eta_v)
+            if not best <= top + 1e-9 * scale:
+                return None
     return r, eu
+
+
+def _rows_bound(adj, given, tol):
+    """Whether no matching that uses a soft entry (finite in ``given``, -inf in ``adj``)
+    scores above the best matching at ``adj`` (+ ``tol``), by a bound instead of two MAP
+    calls; ``adj`` must admit a matching (the solve that calls this found one). Every
+    row is matched (rows <= columns), so a matching's score is a sum of
+    one entry per row: the best one's at ``adj`` is at least the sum of the rows'
+    smallest finite entries, and one that uses the soft entry (i, j) scores at most
+    given[i, j] plus the other rows' largest entries. False when the bound cannot tell
+    (the MAP calls then decide)."""
+    fin = np.isfinite(adj)
+    if not fin.any(axis=1).all():
+        return False
+    low = np.where(fin, adj, np.inf).min(axis=1).sum()
+    top_rows = np.where(np.isfinite(given), given, -np.inf).max(axis=1)
+    soft = np.isfinite(given) & ~fin
+    if not np.isfinite(top_rows).all():
+        return False
+    worst = (given - top_rows[:, None])[soft].max(initial=-np.inf)
+    return bool(top_rows.sum() + worst <= low + tol)
 

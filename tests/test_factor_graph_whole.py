@@ -175,3 +175,31 @@ def test_an_explicit_max_iter_runs_admm():
     eu = np.random.default_rng(0).standard_normal(20)
     assert isinstance(fg.solve(eu), _WholeResult)
     assert not isinstance(fg.solve(eu, max_iter=1000), _WholeResult)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_soft_mask_bound_never_passes_what_enumeration_refuses(seed):
+    """The bound that replaces the two MAP calls of the padded-matching check: whenever
+    it says no matching through a soft entry beats the best one that avoids them, the
+    enumeration of every matching agrees, when some matching avoids the soft entries
+    (as in the solve that calls it; the bound may refuse more: then the MAP calls
+    decide)."""
+    import itertools
+    from sparsemap._fg_whole import _rows_bound
+    rng = np.random.default_rng(seed)
+    nc = int(rng.integers(3, 5))
+    nr = int(rng.integers(1, nc + 1))
+    adj = rng.normal(size=(nr, nc)) * rng.choice([0.1, 1.0, 10.0])
+    soft = rng.random((nr, nc)) < 0.3
+    given = adj.copy()
+    # soft entries: from barely below the others to the padding fill
+    given[soft] = -10.0 ** rng.uniform(-1, 38, size=soft.sum())
+    adj = np.where(soft, -np.inf, adj)
+    tol = 1e-9
+    said = _rows_bound(adj, given, tol)
+
+    def best(x):
+        return max(sum(x[i, p[i]] for i in range(nr))
+                   for p in itertools.permutations(range(nc), nr))
+    if said and np.isfinite(best(adj)):       # the bound's premise: a matching avoids them
+        assert best(given) <= best(adj) + tol
