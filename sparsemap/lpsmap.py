@@ -571,11 +571,11 @@ def _torch_function():
         @staticmethod
         def forward(ctx, call, factors, n_vars, *inputs):
             scores, raw = inputs[:n_vars], inputs[n_vars:]
-            eta = _scores_array(scores, call.plan.sizes)
+            eta = _scores_array(scores, call.plan.sizes, call.plan.V)
             u = call.forward(factors, eta, call.adds(raw))
-            ctx.call, ctx.inputs = call, [x.detach() if _is_tensor(x) else None
-                                          for x in inputs]
-            ctx.n_vars = n_vars
+            ctx.call, ctx.n_vars = call, n_vars
+            ctx.inputs = [x.detach() for x in scores] + [
+                x.detach() if _is_tensor(x) else None for x in raw]
             return tuple(like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores))
 
         @staticmethod
@@ -600,9 +600,10 @@ def _torch_function():
     return _DropInSolve
 
 
-def _scores_array(scores, sizes):
-    """The graph's scores laid end to end (see _padded), checked: ``-inf`` is a mask."""
-    eta = _padded([(_host(x), n) for x, n in zip(scores, sizes)], sum(sizes))
+def _scores_array(scores, sizes, n):
+    """The graph's scores laid end to end (see _padded; ``n`` entries), checked:
+    ``-inf`` is a mask."""
+    eta = _padded([(_host(x), k) for x, k in zip(scores, sizes)], n)
     top = eta[:-1].max()
     if top != top or top == np.inf:              # nan propagates through max
         raise ValueError(_NONFINITE)
@@ -734,7 +735,7 @@ class _Logic(_LPFactor):
 
     def __init__(self, variables):
         self._variables = _check_vars(variables, "variables")
-        n = math.prod(self._variables.shape)
+        n = self._variables._ix.size
         if n < self._min:
             raise ValueError(f"variables: {type(self).__name__} needs at least {self._min} "
                              f"variables, got {n}")
@@ -1492,7 +1493,7 @@ class FactorGraph:
                 values = _torch_function().apply(call, self.factors, len(self.variables),
                                                  *[v._scores for v in self.variables], *raw)
             else:
-                eta = _scores_array([v._scores for v in self.variables], plan.sizes)
+                eta = _scores_array([v._scores for v in self.variables], plan.sizes, plan.V)
                 values = _split(call.forward(self.factors, eta, call.adds(raw)), plan.sizes)
         except ValueError as exc:
             if getattr(exc, "factors", None) is None:
