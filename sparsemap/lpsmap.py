@@ -419,15 +419,19 @@ def _plan(graph):
     # the key: the variables' shapes, then per factor its class, its arguments besides
     # the scores, and per argument the variable and the indices it is on (one loop, no
     # call per factor: this runs on every solve)
-    names = {id(v): k for k, v in enumerate(graph.variables)}
+    names = {id(v): k for k, v in enumerate(graph.variables)} \
+        if len(graph.variables) > 1 else None
     key = [tuple(v.shape for v in graph.variables)]
+    add = key.extend
     for f in graph.factors:
-        key.append(type(f))
-        key.append(f._signature())
         vs = f._variables
-        for v in (vs if type(vs) is tuple else (vs,)):
+        if type(vs) is not tuple:
+            vs = (vs,)
+        add((type(f), f._signature()))
+        for v in vs:
             ix = v._ix
-            key += (names[id(getattr(v, "_base_var", v))], ix.shape, ix.tobytes())
+            add((0 if names is None else names[id(getattr(v, "_base_var", v))], ix.shape,
+                 ix.tobytes()))
     key = tuple(key)
     plan = _PLANS.get(key)
     if plan is None:
