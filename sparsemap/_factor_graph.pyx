@@ -570,15 +570,31 @@ def _mask_candidates(eu, ev, hard):
     evmax = float(np.abs(ev).max(initial=0.0)) if isinstance(ev, np.ndarray) else \
         max([0.0] + [float(np.abs(e).max(initial=0.0)) for e in ev])
     rest = max(1.0, float(eu[~hard & (eu >= 0)].max(initial=0.0)), evmax)
-    order = neg[np.argsort(-eu[neg])]             # smallest magnitude first
-    mags = -eu[order]
-    below = np.empty(mags.size)
-    below[0] = rest
-    below[1:] = mags[:mags.size - 1]
+    # in order of magnitude, the first score that dwarfs (by MASK_GAP) every smaller one
+    # and rest starts the masks; none of those within MASK_GAP of rest can, so only the
+    # others are sorted, and not at all when the smallest of them already does (the
+    # padding fill, one value) or they are all equal
+    mags = -eu[neg]
+    big = mags / MASK_GAP > rest
+    if not big.any():
+        return out
+    cand, b = neg[big], mags[big]
+    base = max(rest, float(mags[~big].max(initial=0.0)))
+    lo = float(b.min())
+    if lo / MASK_GAP > base:
+        out[cand] = True
+        return out
+    if lo == float(b.max()):
+        return out
+    order = np.argsort(b)                         # smallest magnitude first
+    b = b[order]
+    below = np.empty(b.size)
+    below[0] = base
+    below[1:] = b[:b.size - 1]
     np.maximum.accumulate(below, out=below)
-    gap = np.flatnonzero(mags / MASK_GAP > below)
+    gap = np.flatnonzero(b / MASK_GAP > below)
     if gap.size:
-        out[order[gap[0]:]] = True
+        out[cand[order[gap[0]:]]] = True
     return out
 
 
@@ -606,11 +622,10 @@ def _cancel_forced(st, eu, soft):
         return eu, soft, np.zeros(0, bool)
     eu = eu.copy()
     done = np.zeros(st.n_groups, bool)
-    links = np.flatnonzero(st.group >= 0)
-    g, v = st.group[links], st.var[links]
+    g, v, size, first = _forced_links(st)
     while True:
         cand = np.bincount(g, weights=soft[v], minlength=st.n_groups)
-        full = (cand == np.bincount(g, minlength=st.n_groups)) & (cand > 0)
+        full = (cand == size) & (cand > 0)
         if not full.any():
             break
         sel = full[g]
@@ -622,12 +637,26 @@ def _cancel_forced(st, eu, soft):
         if not take.any():
             take = np.zeros(st.n_groups, bool)
             take[np.flatnonzero(full)[0]] = True
-        top = np.full(st.n_groups, -np.inf)
-        np.maximum.at(top, g[take[g]], eu[v[take[g]]])
-        np.add.at(eu, v[take[g]], -top[g[take[g]]])
+        top = np.maximum.reduceat(eu[v], first)       # per group: its links are contiguous
+        sel = take[g]
+        np.subtract.at(eu, v[sel], top[g[sel]])
         done |= take
         soft = soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
     return eu, soft, done
+
+
+def _forced_links(st):
+    """The links of the forced groups, ordered by group: ``(group, variable)`` per link,
+    each group's size and its first link; once per structure."""
+    out = st.__dict__.get("_forced_links")
+    if out is None:
+        links = np.flatnonzero(st.group >= 0)
+        links = links[np.argsort(st.group[links], kind="stable")]
+        g = st.group[links]
+        size = np.bincount(g, minlength=st.n_groups)       # every group has a link
+        out = st._forced_links = (g, st.var[links].astype(np.intp), size,
+                                  np.cumsum(size) - size)
+    return out
 
 
 def _padding_border(st, padding, done):

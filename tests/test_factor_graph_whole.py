@@ -203,3 +203,26 @@ def test_soft_mask_bound_never_passes_what_enumeration_refuses(seed):
                    for p in itertools.permutations(range(nc), nr))
     if said and np.isfinite(best(adj)):       # the bound's premise: a matching avoids them
         assert best(given) <= best(adj) + tol
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_mask_candidates_are_the_scores_beyond_the_first_gap(seed):
+    """The finite scores tried as masks: those at or beyond the first magnitude that
+    dwarfs (by MASK_GAP) every smaller negative score's and the largest other magnitude
+    (1, the positive scores, eta_v's), by their definition, one score at a time."""
+    from sparsemap._factor_graph import MASK_GAP, _mask_candidates
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    # magnitudes in clusters a few gaps apart (padding fills, several of them, ties)
+    eu = -10.0 ** rng.choice([-1.0, 0.5, 3.0, 7.0, 13.0, 20.0, 38.0], size=n)
+    eu[rng.random(n) < 0.3] = rng.normal(size=n)[:1]
+    hard = rng.random(n) < 0.1
+    eu[hard] = -np.inf
+    ev = [rng.normal(size=2) * rng.choice([1.0, 1e4])]
+    rest = max([1.0] + [x for x, h in zip(eu, hard) if not h and x >= 0]
+               + [float(np.abs(ev[0]).max())])
+    mags = [-x for x, h in zip(eu, hard) if not h and x < 0]
+    starts = [m for m in mags if m / MASK_GAP > max([rest] + [x for x in mags if x < m])]
+    want = np.array([not h and x < 0 and bool(starts) and -x >= min(starts)
+                     for x, h in zip(eu, hard)])
+    np.testing.assert_array_equal(_mask_candidates(eu, ev, hard), want)
