@@ -184,6 +184,12 @@ def _matching(st):
     return _Whole(MatchingFactor(int(A.size), int(B.size)), parts.reshape(-1), "matching")
 
 
+def _ix(rows, cols):
+    """``np.ix_`` for two integer arrays, without its checks (a block is read and
+    written several times per solve)."""
+    return rows[:, None], cols[None, :]
+
+
 def _matching_blocks(whole, eu, fixed):
     """A matching whose fixed variables (masks, padding) split it into complete blocks:
     [(rows, cols, kind)] with kind "solve" (a MatchingFactor of the block) or "uniform"
@@ -209,7 +215,7 @@ def _matching_blocks(whole, eu, fixed):
         rows, cols = np.asarray(g), np.flatnonzero(free[g[0]])
         if rows.size > cols.size:
             return None
-        vals = eu[grid[np.ix_(rows, cols)]]
+        vals = eu[grid[_ix(rows, cols)]]
         blocks.append((rows, cols, "uniform" if (vals == vals.flat[0]).all() else "solve"))
     return blocks
 
@@ -226,7 +232,7 @@ class _Blocks:
         nr, nc = whole.factor.n_rows, whole.factor.n_cols
         self.u = np.zeros((nr, nc))
         for (rows, cols, kind), r in zip(blocks, results):
-            self.u[np.ix_(rows, cols)] = r.u if kind == "solve" else 1.0 / cols.size
+            self.u[_ix(rows, cols)] = r.u if kind == "solve" else 1.0 / cols.size
         self.v = np.zeros(0)
         self.n_iter = sum(int(r.n_iter) for r in results if r is not None)
         self.n_map = sum(int(getattr(r, "n_map", 0) or 0) for r in results if r is not None)
@@ -237,14 +243,14 @@ class _Blocks:
         d = np.asarray(d).reshape(self.u.shape)
         out = np.zeros(self.u.shape)
         for (rows, cols, kind), r in zip(self.blocks, self.results):
-            x = d[np.ix_(rows, cols)]
+            x = d[_ix(rows, cols)]
             if kind == "solve":
-                out[np.ix_(rows, cols)] = r.jvp(x)
+                out[_ix(rows, cols)] = r.jvp(x)
                 continue
             y = x - x.mean(axis=1, keepdims=True)
             if rows.size == cols.size:
                 y -= y.mean(axis=0, keepdims=True)
-            out[np.ix_(rows, cols)] = y
+            out[_ix(rows, cols)] = y
         return out
 
     def vjp(self, g):
@@ -282,7 +288,7 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
                 r = solve(whole.factor, eta_u, eta_v, max_iter=max_iter)
             else:
                 r = _Blocks(whole, blocks, [
-                    solve(MatchingFactor(rows.size, cols.size), eta_u[np.ix_(rows, cols)],
+                    solve(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
                           max_iter=max_iter) if kind == "solve" else None
                     for rows, cols, kind in blocks], eta_u)
     except ValueError:
