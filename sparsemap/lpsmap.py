@@ -289,9 +289,11 @@ class Slice:
     array([0.7, 0.3])
     """
 
+    __slots__ = ("_base_var", "_ix")
+
     def __init__(self, var, ix):
         self._base_var = var
-        self._ix = np.asarray(ix)
+        self._ix = ix if type(ix) is np.ndarray else np.asarray(ix)
 
     def __getitem__(self, key):
         return Slice(self._base_var, self._ix[_index_key(key)])
@@ -1471,7 +1473,7 @@ class FactorGraph:
                              f"{type(factor).__name__}")
         vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
         for v in vs:
-            if _variable_of(v)._graph() is not self:
+            if getattr(v, "_base_var", v)._graph() is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 
