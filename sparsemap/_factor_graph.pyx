@@ -50,6 +50,16 @@ def _describe(f, factor):
     return f"factor {f} ({factor!r})"
 
 
+# The zeros of a factor without additional scores (shape_v (0,)): empty, so one array
+# serves them all.
+_NO_V = np.zeros(0)
+
+
+def _zeros_v(factor):
+    """Flat zeros of the factor's additional scores."""
+    return np.zeros(factor.n_v) if factor.n_v else _NO_V
+
+
 def _check_per_factor(factors, values, name, bint zeros):
     """``eta_v`` (or a direction on it): one flat float64 array per factor.
 
@@ -58,14 +68,16 @@ def _check_per_factor(factors, values, name, bint zeros):
     factors without additional scores: zeros if ``zeros``, else None.
     """
     F = len(factors)
-    values = [None] * F if values is None else check_per_factor(values, F, name)
+    if values is None:
+        return [_zeros_v(factor) if zeros else None for factor in factors]
+    values = check_per_factor(values, F, name)
     out = []
     for f, (factor, e) in enumerate(zip(factors, values)):
         if e is not None and factor.n_v == 0 and np.size(e) != 0:
             raise ValueError(f"{name}[{f}]: {_describe(f, factor)} has no additional "
                              f"scores; pass None")
         if e is None or factor.n_v == 0:
-            out.append(np.zeros(factor.n_v) if zeros else None)
+            out.append(_zeros_v(factor) if zeros else None)
         else:
             out.append(_as_float_array(e, f"{name}[{f}]", factor.shape_v).reshape(-1))
     return out
@@ -321,13 +333,13 @@ class FactorGraph:
         tol = check_real(tol, "tol")
         rho = None if rho is None else check_real(rho, "rho", positive=True)
         polish = check_bool(polish, "polish")
-        flat = np.concatenate(ev + [np.zeros(1)])
         lo = float(eu.min(initial=0.0))
         whole = self._structure().whole if whole and polish else None
         if whole is not None and lo >= -MASK_GAP:
             result = _solve_whole(self, whole, eu, ev)
             if result is not None:
                 return result
+        flat = np.concatenate(ev + [np.zeros(1)])
         if lo >= -MASK_GAP:           # the common case: no mask, no huge negative score
             engine = self._engine(eu, flat, max_iter, tol, rho, polish, None)
             soft = None
@@ -558,15 +570,31 @@ def _mask_candidates(eu, ev, hard):
     evmax = float(np.abs(ev).max(initial=0.0)) if isinstance(ev, np.ndarray) else \
         max([0.0] + [float(np.abs(e).max(initial=0.0)) for e in ev])
     rest = max(1.0, float(eu[~hard & (eu >= 0)].max(initial=0.0)), evmax)
-    order = neg[np.argsort(-eu[neg])]             # smallest magnitude first
-    mags = -eu[order]
-    below = np.empty(mags.size)
-    below[0] = rest
-    below[1:] = mags[:mags.size - 1]
+    # in order of magnitude, the first score that dwarfs (by MASK_GAP) every smaller one
+    # and rest starts the masks; none of those within MASK_GAP of rest can, so only the
+    # others are sorted, and not at all when the smallest of them already does (the
+    # padding fill, one value) or they are all equal
+    mags = -eu[neg]
+    big = mags / MASK_GAP > rest
+    if not big.any():
+        return out
+    cand, b = neg[big], mags[big]
+    base = max(rest, float(mags[~big].max(initial=0.0)))
+    lo = float(b.min())
+    if lo / MASK_GAP > base:
+        out[cand] = True
+        return out
+    if lo == float(b.max()):
+        return out
+    order = np.argsort(b)                         # smallest magnitude first
+    b = b[order]
+    below = np.empty(b.size)
+    below[0] = base
+    below[1:] = b[:b.size - 1]
     np.maximum.accumulate(below, out=below)
-    gap = np.flatnonzero(mags / MASK_GAP > below)
+    gap = np.flatnonzero(b / MASK_GAP > below)
     if gap.size:
-        out[order[gap[0]:]] = True
+        out[cand[order[gap[0]:]]] = True
     return out
 
 
@@ -594,11 +622,10 @@ def _cancel_forced(st, eu, soft):
         return eu, soft, np.zeros(0, bool)
     eu = eu.copy()
     done = np.zeros(st.n_groups, bool)
-    links = np.flatnonzero(st.group >= 0)
-    g, v = st.group[links], st.var[links]
+    g, v, size, first = _forced_links(st)
     while True:
         cand = np.bincount(g, weights=soft[v], minlength=st.n_groups)
-        full = (cand == np.bincount(g, minlength=st.n_groups)) & (cand > 0)
+        full = (cand == size) & (cand > 0)
         if not full.any():
             break
         sel = full[g]
@@ -610,12 +637,26 @@ def _cancel_forced(st, eu, soft):
         if not take.any():
             take = np.zeros(st.n_groups, bool)
             take[np.flatnonzero(full)[0]] = True
-        top = np.full(st.n_groups, -np.inf)
-        np.maximum.at(top, g[take[g]], eu[v[take[g]]])
-        np.add.at(eu, v[take[g]], -top[g[take[g]]])
+        top = np.maximum.reduceat(eu[v], first)       # per group: its links are contiguous
+        sel = take[g]
+        np.subtract.at(eu, v[sel], top[g[sel]])
         done |= take
         soft = soft & (eu < 0) & _mask_candidates(eu, [], np.isneginf(eu))
     return eu, soft, done
+
+
+def _forced_links(st):
+    """The links of the forced groups, ordered by group: ``(group, variable)`` per link,
+    each group's size and its first link; once per structure."""
+    out = st.__dict__.get("_forced_links")
+    if out is None:
+        links = np.flatnonzero(st.group >= 0)
+        links = links[np.argsort(st.group[links], kind="stable")]
+        g = st.group[links]
+        size = np.bincount(g, minlength=st.n_groups)       # every group has a link
+        out = st._forced_links = (g, st.var[links].astype(np.intp), size,
+                                  np.cumsum(size) - size)
+    return out
 
 
 def _padding_border(st, padding, done):
@@ -1174,7 +1215,8 @@ class _WholeResult(FactorGraphResult):
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
         u = whole.to_graph(single.u, graph.n_variables)
-        np.clip(u, 0.0, 1.0, out=u)
+        np.maximum(u, 0.0, out=u)             # round-off outside [0, 1]
+        np.minimum(u, 1.0, out=u)
         self.u = u
         self.converged = True
         self.polished = True
@@ -1184,12 +1226,15 @@ class _WholeResult(FactorGraphResult):
         self.rho = float("nan")
         self.n_map = int(getattr(single, "n_map", 0) or 0)
         self.n_inner_unconverged = 0
-        self.message = (f"converged: solved as {whole.factor!r} (the graph is exactly its "
-                        f"polytope), certified by its duality gap {float(single.gap):.2g}")
         self._status = ENGINE_CONVERGED
         self._parts = None
         self.backward_info = None
         self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None
+
+    @property
+    def message(self):
+        return (f"converged: solved as {self._whole.factor!r} (the graph is exactly its "
+                f"polytope), certified by its duality gap {float(self._single.gap):.2g}")
 
     @property
     def scale(self):
@@ -1248,9 +1293,8 @@ class _WholeResult(FactorGraphResult):
 
     def vjp(self, du):
         g = _as_float_array(du, "du", (self.n_variables,))
-        gu, _ = self._whole.scores(g, [np.zeros(f.n_v) for f in self.factors])
-        out_u, out_v = self._single.vjp(gu)
+        out_u, out_v = self._single.vjp(self._whole.scores_u(g))
         self.backward_info = {"cg_iterations": 0, "relative_residual": 0.0}
         gv = self._whole.eta_v_list(out_v, self.factors) if out_v is not None and \
-            np.size(out_v) else [np.zeros(f.shape_v) for f in self.factors]
+            np.size(out_v) else [_zeros_v(f) for f in self.factors]
         return self._whole.to_graph(out_u, self.n_variables), gv

@@ -39,10 +39,22 @@ class _Whole:
         self.factor, self.parts, self.kind, self.links = factor, parts, kind, links
         self.tied = parts >= 0
         self.at = np.maximum(parts, 0)
+        # the graph's variables in the factor's order (the common layout: a matching over
+        # a row-major grid, a factor over its variables in order): no gather, no scatter
+        self.in_order = bool(parts.shape[0] == factor.n_u
+                             and (parts == np.arange(parts.shape[0])).all())
+        self.all_tied = bool(self.tied.all())
+
+    def scores_u(self, eu):
+        """The factor's eta_u from the graph's (a view when in order)."""
+        if self.in_order:
+            return eu.reshape(self.factor.shape_u)
+        out = eu[self.at] if self.all_tied else np.where(self.tied, eu[self.at], 0.0)
+        return out.reshape(self.factor.shape_u)
 
     def scores(self, eu, ev):
         """The factor's (eta_u, eta_v) from the graph's."""
-        eta_u = np.where(self.tied, eu[self.at], 0.0).reshape(self.factor.shape_u)
+        eta_u = self.scores_u(eu)
         if self.kind == "itself":
             return eta_u, (ev[0].reshape(self.factor.shape_v) if self.factor.n_v else None)
         if self.kind == "chain":
@@ -53,6 +65,8 @@ class _Whole:
 
     def to_graph(self, x, n_variables):
         """A vector over the factor's parts, as one over the graph's variables."""
+        if self.in_order:
+            return np.array(x, dtype=np.float64).reshape(-1)
         out = np.zeros(n_variables)
         out[self.parts[self.tied]] = np.asarray(x).reshape(-1)[self.tied]
         return out
@@ -170,6 +184,12 @@ def _matching(st):
     return _Whole(MatchingFactor(int(A.size), int(B.size)), parts.reshape(-1), "matching")
 
 
+def _ix(rows, cols):
+    """``np.ix_`` for two integer arrays, without its checks (a block is read and
+    written several times per solve)."""
+    return rows[:, None], cols[None, :]
+
+
 def _matching_blocks(whole, eu, fixed):
     """A matching whose fixed variables (masks, padding) split it into complete blocks:
     [(rows, cols, kind)] with kind "solve" (a MatchingFactor of the block) or "uniform"
@@ -195,7 +215,7 @@ def _matching_blocks(whole, eu, fixed):
         rows, cols = np.asarray(g), np.flatnonzero(free[g[0]])
         if rows.size > cols.size:
             return None
-        vals = eu[grid[np.ix_(rows, cols)]]
+        vals = eu[grid[_ix(rows, cols)]]
         blocks.append((rows, cols, "uniform" if (vals == vals.flat[0]).all() else "solve"))
     return blocks
 
@@ -212,7 +232,7 @@ class _Blocks:
         nr, nc = whole.factor.n_rows, whole.factor.n_cols
         self.u = np.zeros((nr, nc))
         for (rows, cols, kind), r in zip(blocks, results):
-            self.u[np.ix_(rows, cols)] = r.u if kind == "solve" else 1.0 / cols.size
+            self.u[_ix(rows, cols)] = r.u if kind == "solve" else 1.0 / cols.size
         self.v = np.zeros(0)
         self.n_iter = sum(int(r.n_iter) for r in results if r is not None)
         self.n_map = sum(int(getattr(r, "n_map", 0) or 0) for r in results if r is not None)
@@ -223,14 +243,14 @@ class _Blocks:
         d = np.asarray(d).reshape(self.u.shape)
         out = np.zeros(self.u.shape)
         for (rows, cols, kind), r in zip(self.blocks, self.results):
-            x = d[np.ix_(rows, cols)]
+            x = d[_ix(rows, cols)]
             if kind == "solve":
-                out[np.ix_(rows, cols)] = r.jvp(x)
+                out[_ix(rows, cols)] = r.jvp(x)
                 continue
             y = x - x.mean(axis=1, keepdims=True)
             if rows.size == cols.size:
                 y -= y.mean(axis=0, keepdims=True)
-            out[np.ix_(rows, cols)] = y
+            out[_ix(rows, cols)] = y
         return out
 
     def vjp(self, g):
@@ -244,7 +264,8 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
     errors). ``max_iter``: the graph's iteration budget, which bounds the factor's
     solver too.
 
-    ``fixed``: variables held at 0 (masks, and padding: -inf in the factor's scores);
+    ``fixed``: variables held at 0 (masks, and padding: -inf in the factor's scores;
+    None: ``eu`` has no -inf either);
     ``soft``: those of them held for a huge negative score, which must be 0 at the
     solution of the scores as given too (as _masks_hold checks on the graph's path): no
     structure may beat the support at the given scores minus u, one MAP call."""
@@ -253,7 +274,7 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
         eu = np.where(fixed, -np.inf, eu)
     eta_u, eta_v = whole.scores(eu, ev)
     blocks = None
-    if whole.kind == "matching" and np.isneginf(eu).any():
+    if whole.kind == "matching" and fixed is not None and np.isneginf(eu).any():
         # masks and padding: the free variables' blocks, each an unmasked matching (a
         # mask that makes a column full by counting is not a constraint the matching's
         # own solver sees), or uniform (padding)
@@ -267,7 +288,7 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
                 r = solve(whole.factor, eta_u, eta_v, max_iter=max_iter)
             else:
                 r = _Blocks(whole, blocks, [
-                    solve(MatchingFactor(rows.size, cols.size), eta_u[np.ix_(rows, cols)],
+                    solve(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
                           max_iter=max_iter) if kind == "solve" else None
                     for rows, cols, kind in blocks], eta_u)
     except ValueError:
@@ -277,11 +298,33 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
     if soft is not None and soft.any():
         f = whole.factor
         adj = eta_u - r.u
-        top = f.score(f.map(adj, eta_v), adj, eta_v)
         given = whole.scores(np.where(soft, eu_given, eu), ev)[0] - r.u
-        best = f.score(f.map(given, eta_v), given, eta_v)
         scale = max(1.0, float(np.abs(adj[np.isfinite(adj)]).max(initial=0.0)))
-        if not best <= top + 1e-9 * scale:
-            return None
+        if not (whole.kind == "matching" and _rows_bound(adj, given, 1e-9 * scale)):
+            top = f.score(f.map(adj, eta_v), adj, eta_v)
+            best = f.score(f.map(given, eta_v), given, eta_v)
+            if not best <= top + 1e-9 * scale:
+                return None
     return r, eu
+
+
+def _rows_bound(adj, given, tol):
+    """Whether no matching that uses a soft entry (finite in ``given``, -inf in ``adj``)
+    scores above the best matching at ``adj`` (+ ``tol``), by a bound instead of two MAP
+    calls; ``adj`` must admit a matching (the solve that calls this found one). Every
+    row is matched (rows <= columns), so a matching's score is a sum of
+    one entry per row: the best one's at ``adj`` is at least the sum of the rows'
+    smallest finite entries, and one that uses the soft entry (i, j) scores at most
+    given[i, j] plus the other rows' largest entries. False when the bound cannot tell
+    (the MAP calls then decide)."""
+    fin = np.isfinite(adj)
+    if not fin.any(axis=1).all():
+        return False
+    low = np.where(fin, adj, np.inf).min(axis=1).sum()
+    top_rows = np.where(np.isfinite(given), given, -np.inf).max(axis=1)
+    soft = np.isfinite(given) & ~fin
+    if not np.isfinite(top_rows).all():
+        return False
+    worst = (given - top_rows[:, None])[soft].max(initial=-np.inf)
+    return bool(top_rows.sum() + worst <= low + tol)
 

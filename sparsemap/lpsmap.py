@@ -18,11 +18,16 @@ How a call runs: each factor is translated to native factors attached to
 variable indices (``sparsemap.FactorGraph.add``). When no variable is shared
 between factors, every factor is its own SparseMAP problem, solved directly
 (variables in no factor are clipped to ``[0, 1]``); otherwise the native
-:class:`sparsemap.FactorGraph` solves the whole graph. Native factors and
-graphs are cached by structure, so repeated graph shapes cost little to set up.
+:class:`sparsemap.FactorGraph` of each connected part solves it. All of that
+is worked out once per graph structure (the variables' shapes, the factors and
+the variables they are on) and cached, so a graph rebuilt per call costs a
+lookup, the solves and the mapping back; on a :class:`TorchFactorGraph` the
+solve is one autograd node whatever the graph, its forward and exact backward
+in NumPy.
 """
 import math
 import numbers
+import weakref
 
 import numpy as np
 
@@ -78,8 +83,6 @@ def _factor(cls, *args, **kwargs):
     return f
 
 
-_GRAPHS = {}
-
 
 class _Part:
     """One connected part of a drop-in graph as a native FactorGraph: its variables
@@ -93,12 +96,7 @@ class _Part:
 def _native_parts(n_variables, pieces):
     """The native FactorGraphs of a structure, one per connected part (factors that share
     no variable, directly or through others, are separate problems: a padded batch of
-    documents in one graph is one problem per document); cached by the factors and
-    index arrays."""
-    key = (n_variables,) + tuple((id(p.factor), p.idx.tobytes(), p.idx.shape) for p in pieces)
-    hit = _GRAPHS.get(key)
-    if hit is not None:
-        return hit[0]
+    documents in one graph is one problem per document). ``pieces``: ``[(factor, idx)]``."""
     # union-find over variables, joined through each piece's variables
     parent = np.arange(n_variables)
 
@@ -108,7 +106,7 @@ def _native_parts(n_variables, pieces):
             i = parent[i]
         return i
 
-    flat = [p.idx.reshape(-1)[p.idx.reshape(-1) >= 0] for p in pieces]
+    flat = [idx.reshape(-1)[idx.reshape(-1) >= 0] for _, idx in pieces]
     for ids in flat:
         if ids.size > 1:
             r0 = root(ids[0])
@@ -126,12 +124,9 @@ def _native_parts(n_variables, pieces):
         local[var] = np.arange(var.size)
         g = sm.FactorGraph(max(var.size, 1))
         for k in ks:
-            idx = pieces[k].idx
-            g.add(pieces[k].factor, np.where(idx >= 0, local[np.maximum(idx, 0)], -1))
+            f, idx = pieces[k]
+            g.add(f, np.where(idx >= 0, local[np.maximum(idx, 0)], -1))
         parts.append(_Part(g, var, ks))
-    if len(_GRAPHS) > 256:
-        _GRAPHS.clear()
-    _GRAPHS[key] = (parts, [p.factor for p in pieces])   # keep the factors alive with the key
     return parts
 
 
@@ -199,8 +194,19 @@ def _check_solver_args(max_iter, max_inner_iter, tol, step_size, adapt, verbose)
     raise ValueError(f"verbose: expected an int or bool, got {verbose!r}")
 
 
+_PLAIN_INDEX = frozenset((int, slice, type(None), type(Ellipsis)))
+
+
 def _index_key(key):
     """A NumPy index from one that may hold tensors."""
+    if type(key) in _PLAIN_INDEX:
+        return key
+    if type(key) is tuple:
+        for k in key:
+            if type(k) not in _PLAIN_INDEX:
+                break
+        else:
+            return key              # the common z[i, :]: nothing to convert
     if isinstance(key, tuple):
         return tuple(_index_key(k) for k in key)
     if _is_tensor(key):
@@ -238,7 +244,9 @@ class Variable:
     """
 
     def __init__(self, graph, scores):
-        self._graph = graph
+        # weak: graph -> variable -> graph would be a cycle, and every graph built per
+        # call (the common use) would wait for the garbage collector to be freed
+        self._graph = weakref.ref(graph)
         self._scores = scores
         self.shape = tuple(scores.shape)
         self._ix = np.arange(math.prod(self.shape)).reshape(self.shape)
@@ -285,9 +293,11 @@ class Slice:
     array([0.7, 0.3])
     """
 
+    __slots__ = ("_base_var", "_ix")
+
     def __init__(self, var, ix):
         self._base_var = var
-        self._ix = np.asarray(ix)
+        self._ix = ix if type(ix) is np.ndarray else np.asarray(ix)
 
     def __getitem__(self, key):
         return Slice(self._base_var, self._ix[_index_key(key)])
@@ -321,300 +331,382 @@ def _variable_of(v):
     return v if isinstance(v, Variable) else v._base_var
 
 
-# -- native pieces -----------------------------------------------------------------------
-class _Piece:
-    """A native factor attached to variable indices, with its additional scores."""
-    __slots__ = ("factor", "idx", "eta_v")
+# -- solving: per structure once, then per call -------------------------------------------
+def _host(x):
+    """Scores as a NumPy array: a tensor read on the host (as float64 unless NumPy has
+    its dtype), anything else as float64."""
+    if _is_tensor(x):
+        x = x.detach()
+        if x.device.type != "cpu" or x.dtype not in _HOST_DTYPES:
+            import torch
+            x = x.to(device="cpu", dtype=torch.float64)
+        return x.numpy()
+    return np.asarray(x, dtype=np.float64)
 
-    def __init__(self, factor, idx, eta_v=None):
-        self.factor, self.idx, self.eta_v = factor, idx, eta_v
+
+_HOST_DTYPES = set()      # the torch dtypes NumPy reads directly (filled with torch)
 
 
-class _Ops:
-    """NumPy (``torch=None``) or PyTorch arithmetic on scores, float64."""
-
-    def __init__(self, torch=None, device=None):
-        self.torch, self.device = torch, device
-
-    def array(self, x, name):
-        if self.torch is None:
-            if _is_tensor(x):
-                x = x.detach().cpu().numpy()
-            a = np.asarray(x, dtype=np.float64)
+def _padded(parts, n):
+    """The arrays ``parts`` (``n`` entries in all; None: zeros of the given size) end to
+    end in one float64 array, with a 0 after them: indexed by -1 (a part a factor
+    ignores), it reads 0."""
+    out = np.empty(n + 1)
+    out[n] = 0.0
+    k = 0
+    for x, size in parts:
+        if x is None:
+            out[k:k + size] = 0.0
         else:
-            t = self.torch
-            a = (x if _is_tensor(x) else t.as_tensor(np.asarray(x, dtype=np.float64)))
-            a = a.to(dtype=t.float64, device=self.device)
-        return a
+            out[k:k + size] = x.reshape(-1)
+        k += size
+    return out
 
-    def flat(self, x, name, size, at_least=False):
-        a = self.array(x, name).reshape(-1)
-        n = a.shape[0]
-        if n < size or (n > size and not at_least):
-            need = f"at least {size}" if at_least else f"{size}"
-            raise ValueError(f"{name}: expected {need} entries, got {n}")
-        return a[:size] if n > size else a
 
-    def gather(self, eta, idx):
-        """``eta[idx]``, zeros where ``idx == -1``."""
-        if self.torch is None:
-            out = eta[np.maximum(idx, 0)]
-            if idx.min(initial=0) < 0:
-                out = np.where(idx >= 0, out, 0.0)
-            return out
-        t = self.torch
-        out = eta[t.as_tensor(np.maximum(idx, 0), device=eta.device)]
-        if idx.min(initial=0) < 0:
-            out = out * t.as_tensor(idx >= 0, dtype=out.dtype, device=eta.device)
+def _kept(idx):
+    """``(src, dst)``: the entries of a piece's flat ``idx`` that are variables, and those
+    variables (``src`` is every entry when the factor ignores none)."""
+    flat = idx.reshape(-1)
+    src = np.flatnonzero(flat >= 0)
+    return (slice(None) if src.size == flat.size else src), flat[src]
+
+
+def _flat(x, name, size, at_least=False):
+    """The first ``size`` entries of ``x`` as a flat float64 array."""
+    a = _host(x).reshape(-1)
+    n = a.shape[0]
+    if n < size or (n > size and not at_least):
+        need = f"at least {size}" if at_least else f"{size}"
+        raise ValueError(f"{name}: expected {need} entries, got {n}")
+    return a[:size] if n > size else a
+
+
+_PLANS = {}
+
+
+class _Plan:
+    """What a graph's structure (its variables' shapes, its factors' kinds and arguments
+    and the variables each is on) fixes, worked out once per structure: the variables'
+    layout, each factor's native pieces, which variables no factor uses, and either the
+    independent factors or the native graphs of the connected parts. A call then only
+    reads scores, solves and maps back (:class:`_Call`)."""
+
+    def __init__(self, graph):
+        offsets, V = graph._layout()
+        self.V = V
+        self.sizes = [v._ix.size for v in graph.variables]
+        self.ids = [f._ids(offsets) for f in graph.factors]
+        self.structures = [f._structure(i) for f, i in zip(graph.factors, self.ids)]
+        self.add_sizes = [f._additionals_size() for f in graph.factors]
+        self.with_adds = [k for k, n in enumerate(self.add_sizes) if n is not None]
+        self.spreads = [(type(f), f._dims()) for f in graph.factors]
+        flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in self.ids]
+        count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
+        self.free = np.flatnonzero(count == 0)
+        self.alone = bool(count.max(initial=0) <= 1)
+        if self.alone:
+            self.kept = [[_kept(idx) for _, idx in pieces] for pieces, _ in self.structures]
+            return
+        pieces, extra, self.owner = [], [], []
+        self.first, self.extra_first = [0], [0]    # each factor's pieces and extra scores
+        for k, (p, e) in enumerate(self.structures):
+            pieces += p
+            extra += e
+            self.owner += [k] * len(p)
+            self.first.append(len(pieces))
+            self.extra_first.append(len(extra))
+        self.extra = np.asarray(extra, dtype=np.intp)
+        self.parts = _native_parts(V, pieces)
+
+
+def _plan(graph):
+    """The graph's :class:`_Plan`, from the cache when a graph of the same structure was
+    solved before (the common case: one graph built per document or per batch)."""
+    # the key: the variables' shapes, then per factor its class, its arguments besides
+    # the scores, and per argument the variable and the indices it is on (one loop, no
+    # call per factor: this runs on every solve)
+    names = {id(v): k for k, v in enumerate(graph.variables)} \
+        if len(graph.variables) > 1 else None
+    key = [tuple(v.shape for v in graph.variables)]
+    add = key.extend
+    for f in graph.factors:
+        vs = f._variables
+        if type(vs) is not tuple:
+            vs = (vs,)
+        add((type(f), f._signature()))
+        for v in vs:
+            ix = v._ix
+            add((0 if names is None else names[id(getattr(v, "_base_var", v))], ix.shape,
+                 ix.tobytes()))
+    key = tuple(key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(graph)
+    return plan
+
+
+class _Call:
+    """One solve of a graph by its plan, in NumPy: :meth:`forward` from the scores and
+    the factors' flat additional scores to every variable's marginals (MAP when
+    ``decode``), :meth:`backward` its exact transpose for the torch layer. ``report``:
+    the native graphs' results (for ``verbose``). It keeps no factor (the torch layer's
+    backward node keeps it, and a factor's variables keep their values, which keep that
+    node: a cycle that only the garbage collector would free)."""
+
+    def __init__(self, plan, decode):
+        self.plan, self.decode = plan, decode
+        self.report = []
+
+    def adds(self, raw):
+        """The factors' flat additional scores (None for a factor without), from those
+        of the factors that have them, as given (``raw``, in ``plan.with_adds``'s
+        order)."""
+        out = [None] * len(self.plan.add_sizes)
+        for k, x in zip(self.plan.with_adds, raw):
+            out[k] = _flat(x, "additionals", *self.plan.add_sizes[k])
         return out
 
-    def clip(self, eta):
-        if self.torch is None:
-            return np.clip(eta, 0.0, 1.0)
-        return eta.clamp(0.0, 1.0)
-
-    def positive(self, eta):
-        if self.torch is None:
-            return (eta > 0).astype(np.float64)
-        return (eta.detach() > 0).to(eta.dtype)
-
-    def add_at(self, eta, ids, vals):
-        if self.torch is None:
-            eta = eta.copy()
-            np.add.at(eta, ids, vals)
-            return eta
-        t = self.torch
-        return eta.index_add(0, t.as_tensor(ids, device=eta.device), t.stack(list(vals)))
-
-    def assemble(self, n, parts):
-        """A length-n vector from ``[(ids, values)]`` covering every index once."""
-        if self.torch is None:
-            out = np.empty(n)
-            for ids, vals in parts:
-                out[ids] = vals
-            return out
-        t = self.torch
-        if len(parts) == 1 and parts[0][0].shape[0] == n and \
-                (parts[0][0] == np.arange(n)).all():
-            return parts[0][1].reshape(-1)       # one part, in order: no copy, no index
-        ids = np.concatenate([p[0] for p in parts])
-        vals = t.cat([p[1].reshape(-1) for p in parts])
-        inv = np.empty(n, dtype=np.int64)
-        inv[ids] = np.arange(n)
-        return vals[t.as_tensor(inv, device=vals.device)]
-
-    def solve(self, factor, eta_u, eta_v):
-        if self.torch is None:
-            return sm.solve(factor, eta_u, eta_v).u
-        return _solo_function().apply(factor, eta_u, eta_v)
-
-    def map(self, factor, eta_u, eta_v):
-        if self.torch is None:
-            return factor.vertex(factor.map(eta_u, eta_v))[0]
-        t = self.torch
-        hu = eta_u.detach().cpu().numpy()
-        hv = None if eta_v is None else eta_v.detach().cpu().numpy()
-        m = factor.vertex(factor.map(hu, hv))[0]
-        return t.as_tensor(m, dtype=eta_u.dtype, device=eta_u.device)
-
-    def graph(self, parts, eta_u, eta_v, report):
-        """Each part's LP-SparseMAP marginals ``[(variables, u)]``; the native results are
-        appended to ``report``."""
-        if self.torch is None:
-            out = []
-            for k, p in enumerate(parts):
-                ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
-                try:
-                    r = p.graph.solve(eta_u[p.var], ev)
-                except ValueError as exc:
-                    exc.part = k
-                    raise
-                report.append(r)
-                out.append((p.var, r.u))
-            return out
-        import sparsemap.torch as smt
-        t = self.torch
-        if len(parts) == 1:
-            p = parts[0]
-            ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
-            eu = eta_u if p.var.size == eta_u.shape[0] else eta_u[t.as_tensor(p.var,
-                                                                             device=eta_u.device)]
-            tensors = [] if ev is None else [e for e in ev if e is not None]
-            slots = [] if ev is None else [f for f, e in enumerate(ev) if e is not None]
-            try:
-                u = _solo_function(graph=True).apply(p.graph, slots, report, eu, *tensors)
-            except ValueError as exc:
-                exc.part = 0
-                raise
-            return [(p.var, u)]
-        # several parts: one ragged batch of graphs, solved in the layer's threads
-        width = max(p.var.size for p in parts)
-        pad = np.full((len(parts), width), eta_u.shape[0], dtype=np.int64)
-        for k, p in enumerate(parts):
-            pad[k, :p.var.size] = p.var
-        ext = t.cat([eta_u, eta_u.new_zeros(1)])
-        eu = ext[t.as_tensor(pad, device=eta_u.device)]
-        ev = None if eta_v is None else [[eta_v[i] for i in p.pieces] for p in parts]
-        try:
-            u = smt.factor_graph([p.graph for p in parts], eu, ev, _report=report)
-        except ValueError as exc:
-            exc.part = getattr(exc, "batch_element", 0)
-            raise
-        return [(p.var, u[k, :p.var.size]) for k, p in enumerate(parts)]
-
-    def graph_map(self, parts, eta_u, eta_v, report):
-        out = []
-        for k, p in enumerate(parts):
-            ev = None if eta_v is None else [eta_v[i] for i in p.pieces]
-            if self.torch is None:
-                hu, hv = eta_u[p.var], ev
+    def forward(self, factors, eta, adds):
+        """``eta``: the scores as _scores_array makes them."""
+        plan, decode = self.plan, self.decode
+        u = np.empty(plan.V)
+        if plan.free.size:          # in no factor: the box [0, 1] alone
+            e = eta[plan.free]
+            if decode:
+                u[plan.free] = e > 0
             else:
-                hu = eta_u.detach().cpu().numpy()[p.var]
-                hv = None if ev is None else [None if e is None else e.detach().cpu().numpy()
-                                              for e in ev]
+                u[plan.free] = np.clip(e, 0.0, 1.0)
+                self.slope = (e >= 0) & (e <= 1)
+        if plan.alone:
+            self.vjps = []
+            for f, (pieces, _), kept, ids, a in zip(factors, plan.structures, plan.kept,
+                                                     plan.ids, adds):
+                out, vjp = f._alone(pieces, kept, ids, eta, a, decode)
+                for idx, vals in out:
+                    u[idx] = vals
+                self.vjps.append(vjp)
+            return u
+        ev, eu = None, eta[:plan.V]
+        if plan.with_adds:
+            ev = [None] * plan.first[-1]
+            ext = np.zeros(plan.extra.shape[0])
+            for k, a in enumerate(adds):
+                if a is not None:
+                    ev[plan.first[k]:plan.first[k + 1]], \
+                        ext[plan.extra_first[k]:plan.extra_first[k + 1]] = \
+                        plan.spreads[k][0]._spread(plan.spreads[k][1], a)
+            if ext.shape[0]:
+                eu = eu.copy()
+                np.add.at(eu, plan.extra, ext)
+        for k, p in enumerate(plan.parts):
+            whole = p.var.shape[0] == plan.V       # one part over every variable
             try:
-                r = p.graph.solve_map(hu, hv)
+                r = (p.graph.solve_map if decode else p.graph.solve)(
+                    eu if whole else eu[p.var],
+                    None if ev is None else [ev[i] for i in p.pieces])
             except ValueError as exc:
                 exc.part = k
                 raise
-            report.append(r)
-            u = r.u if self.torch is None else self.torch.as_tensor(
-                r.u, dtype=eta_u.dtype, device=eta_u.device)
-            out.append((p.var, u))
-        return out
+            self.report.append(r)
+            if whole:
+                return r.u
+            u[p.var] = r.u
+        return u
+
+    def backward(self, g):
+        """The gradients of the scores and of each factor's flat additional scores
+        (None for a factor without) from that of the marginals, ``g`` (as _padded
+        makes it)."""
+        plan = self.plan
+        ge = np.zeros(plan.V)
+        if plan.free.size:
+            ge[plan.free] = np.where(self.slope, g[plan.free], 0.0)
+        gadds = [None] * len(plan.add_sizes)
+        if plan.alone:
+            for k, vjp in enumerate(self.vjps):
+                grads, gadds[k] = vjp(g)
+                for idx, vals in grads:
+                    ge[idx] = vals
+            return ge, gadds
+        gv = [None] * plan.first[-1]
+        for p, r in zip(plan.parts, self.report):
+            whole = p.var.shape[0] == plan.V
+            gu, gvp = r.vjp(g[:plan.V] if whole else g[p.var])
+            if whole:
+                ge = gu
+            else:
+                ge[p.var] = gu
+            if plan.with_adds:
+                for i, x in zip(p.pieces, gvp):
+                    gv[i] = x
+        if not plan.with_adds:
+            return ge, gadds
+        gext = ge[plan.extra]
+        for k in plan.with_adds:
+            cls, dims = plan.spreads[k]
+            gadds[k] = cls._unspread(
+                dims, gv[plan.first[k]:plan.first[k + 1]],
+                gext[plan.extra_first[k]:plan.extra_first[k + 1]])
+        return ge, gadds
 
 
-_SOLO = []
+_TORCH = []
 
 
-def _solo_function(graph=False):
-    """The autograd Function of one SparseMAP problem (``graph``: of one native factor
-    graph), made on first use (imports torch).
-
-    :func:`sparsemap.torch.sparsemap` and :func:`sparsemap.torch.factor_graph` handle
-    batches, padding, threads and double backward; one small problem per call (the
-    drop-in's common case: a budget per sentence, one document's alignment) only needs
-    :func:`sparsemap.solve` or :meth:`sparsemap.FactorGraph.solve` and their exact
-    ``vjp``, at a fraction of the per-call overhead."""
-    if _SOLO:
-        return _SOLO[1 if graph else 0]
+def _torch_function():
+    """The autograd Function of a drop-in solve, made on first use (imports torch): the
+    variables' scores and the factors' additional scores in, as given (any shape, dtype
+    and device), every variable's value out, in one node whatever the graph. Its forward
+    and backward are :class:`_Call`'s, in NumPy: a chain of small tensor operations
+    (gathers, casts, scatters) costs more than a small graph's solve."""
+    if _TORCH:
+        return _TORCH[0]
     import torch
-
-    def host(x):
-        t = x.detach()
-        if t.device.type == "cpu" and t.dtype in (torch.float64, torch.float32):
-            return np.array(t.numpy(), dtype=np.float64)
-        return t.to(device="cpu", dtype=torch.float64).numpy()
-
+    _HOST_DTYPES.update((torch.float64, torch.float32, torch.float16))
     numpy_dtypes = {torch.float64: np.float64, torch.float32: np.float32,
                     torch.float16: np.float16}
 
     def like(a, t):
+        """``a`` as a tensor of ``t``'s shape, dtype and device."""
+        a = np.asarray(a).reshape(t.shape)
         if t.dtype in numpy_dtypes:
             out = torch.from_numpy(np.asarray(a, dtype=numpy_dtypes[t.dtype]))
             return out if t.device.type == "cpu" else out.to(t.device)
         return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dtype=t.dtype,
                                                                      device=t.device)
 
-    class _SoloSparseMAP(torch.autograd.Function):
+    class _DropInSolve(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, factor, eta_u, eta_v):
-            eu = host(eta_u)          # -inf is a mask; sm.solve refuses nan and +inf
-            r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
-            ctx.r, ctx.eta_u, ctx.eta_v = r, eta_u.detach(), (
-                None if eta_v is None else eta_v.detach())
-            return like(r.u, eta_u)
-
-        @staticmethod
-        def backward(ctx, g):
-            gu, gv = ctx.r.vjp(host(g))
-            return (None, like(gu, ctx.eta_u),
-                    None if ctx.eta_v is None else like(gv, ctx.eta_v))
-
-    class _SoloGraph(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, native, slots, report, eta_u, *eta_v):
-            ev = None
-            if slots:
-                ev = [None] * len(native.factors)
-                for f, e in zip(slots, eta_v):
-                    ev[f] = host(e).reshape(native.factors[f].shape_v)
-            r = native.solve(host(eta_u), ev)
-            report.append(r)
-            ctx.r, ctx.slots = r, slots
-            ctx.eta_u, ctx.eta_v = eta_u.detach(), [e.detach() for e in eta_v]
-            return like(r.u, eta_u)
+        def forward(ctx, call, factors, n_vars, *inputs):
+            scores, raw = inputs[:n_vars], inputs[n_vars:]
+            eta = _scores_array(scores, call.plan.sizes, call.plan.V)
+            u = call.forward(factors, eta, call.adds(raw))
+            ctx.call, ctx.n_vars = call, n_vars
+            ctx.inputs = [x.detach() for x in scores] + [
+                x.detach() if _is_tensor(x) else None for x in raw]
+            return tuple(like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores))
 
         @staticmethod
-        def backward(ctx, g):
-            gu, gv = ctx.r.vjp(host(g))
-            return (None, None, None, like(gu, ctx.eta_u),
-                    *[like(gv[f].reshape(e.shape), e) for f, e in zip(ctx.slots, ctx.eta_v)])
+        @torch.autograd.function.once_differentiable   # no silent second derivative
+        def backward(ctx, *gs):
+            sizes = ctx.call.plan.sizes
+            g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
+                        ctx.call.plan.V)
+            ge, gadds = ctx.call.backward(g)
+            out = [None, None, None]
+            out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
+            for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
+                a = gadds[k]
+                if t is None:
+                    out.append(None)
+                    continue
+                full = np.zeros(t.numel())
+                full[:a.shape[0]] = a       # an "at least" array's tail is not read
+                out.append(like(full, t))
+            return tuple(out)
 
-    class _SoloIndexed(torch.autograd.Function):
-        """One factor whose parts cover every variable of the graph once (a DepTree over
-        its whole variable): the gather of its scores, the solve and the scatter of its
-        marginals in one node, in NumPy, instead of a chain of small tensor operations
-        (each one costs more than the 5-word tree's solve)."""
+    _TORCH.append(_DropInSolve)
+    return _DropInSolve
 
-        @staticmethod
-        def forward(ctx, factor, idx, eta, eta_v):
-            sel = idx >= 0
-            e = host(eta)
-            eu = np.where(sel, e[np.maximum(idx, 0)], 0.0)
-            r = sm.solve(factor, eu, None if eta_v is None else host(eta_v))
-            out = np.empty(e.shape[0])
-            out[idx[sel]] = np.asarray(r.u)[sel]
-            ctx.r, ctx.idx, ctx.eta, ctx.eta_v = r, idx, eta.detach(), (
-                None if eta_v is None else eta_v.detach())
-            return like(out, eta)
 
-        @staticmethod
-        def backward(ctx, g):
-            idx = ctx.idx
-            sel = idx >= 0
-            gu, gv = ctx.r.vjp(np.where(sel, host(g)[np.maximum(idx, 0)], 0.0))
-            out = np.zeros(ctx.eta.shape[0])
-            out[idx[sel]] = np.asarray(gu)[sel]
-            return (None, None, like(out, ctx.eta),
-                    None if ctx.eta_v is None else like(gv, ctx.eta_v))
+def _scores_array(scores, sizes, n):
+    """The graph's scores laid end to end (see _padded; ``n`` entries), checked:
+    ``-inf`` is a mask."""
+    eta = _padded([(_host(x), k) for x, k in zip(scores, sizes)], n)
+    top = eta[:-1].max()
+    if top != top or top == np.inf:              # nan propagates through max
+        raise ValueError(_NONFINITE)
+    return eta
 
-    _SOLO.extend([_SoloSparseMAP, _SoloGraph, _SoloIndexed])
-    return _SOLO[1 if graph else 0]
+
+def _split(u, sizes):
+    """``u`` cut into the variables' pieces."""
+    out, k = [], 0
+    for n in sizes:
+        out.append(u[k:k + n])
+        k += n
+    return out
 
 
 # -- factors -------------------------------------------------------------------------------
 class _LPFactor:
-    """Base of the factors: ``_variables`` (a Variable, Slice or tuple of them)."""
+    """Base of the factors: ``_variables`` (a Variable, Slice or tuple of them).
+
+    What the graph's structure fixes (``_signature``, ``_structure``, ``_dims``) is read
+    once per structure (see :class:`_Plan`); per call, only the additional scores are
+    read (``_spread``, and its transpose ``_unspread`` for the backward pass: static, on
+    ``_dims``, so that the backward pass keeps no factor, whose variables hold the
+    values that hold the backward pass)."""
+
+    _additionals = None
+
+    def _vars(self):
+        return self._variables if isinstance(self._variables, tuple) else (self._variables,)
 
     def _ids(self, offsets):
         """Global variable indices of the factor's variables (one array per argument)."""
-        vs = self._variables if isinstance(self._variables, tuple) else (self._variables,)
-        return tuple(v._ix + offsets[id(_variable_of(v))] for v in vs)
+        return tuple(v._ix + offsets[id(_variable_of(v))] for v in self._vars())
 
-    def _pieces(self, ids, ops):
-        """Native pieces and extra unary scores ``[(variable, score)]`` for the graph."""
+    def _signature(self):
+        """The construction arguments other than the variables and additional scores."""
+        return ()
+
+    def _structure(self, ids):
+        """Native pieces ``[(factor, idx)]`` over the global variable indices ``ids`` (one
+        array per argument; ``idx`` shaped like the factor's ``shape_u``, -1 where it
+        ignores a part), and the variables that get extra unary scores from ``_spread``."""
         raise NotImplementedError
 
-    def _plain(self):
-        """The native factor whose parts are this factor's variables in C order (no
-        additional scores, negation or ignored parts), or None."""
+    def _additionals_size(self):
+        """``(size, at_least)`` of the flat additional scores (None: the factor has
+        none; ``at_least``: longer arrays are accepted and their tail ignored)."""
         return None
 
-    def _alone(self, ids, eta, ops, decode):
-        """Marginals (MAP when ``decode``) of this factor's variables, in the order of
-        ``np.concatenate([i.ravel() for i in ids])``, when no other factor shares them and
-        each appears once here."""
-        pieces, extra = self._pieces(ids, ops)
-        assert not extra
-        out_ids, out_vals = [], []
-        for p in pieces:
-            sel = p.idx >= 0
-            u = (ops.map if decode else ops.solve)(p.factor, ops.gather(eta, p.idx), p.eta_v)
-            out_ids.append(p.idx[sel])
-            out_vals.append(u[ops.torch.as_tensor(sel, device=u.device)]
-                            if ops.torch is not None else u[sel])
-        return out_ids, out_vals
+    def _dims(self):
+        """The sizes _spread and _unspread need."""
+        return ()
+
+    @staticmethod
+    def _spread(dims, a):
+        """From the flat additional scores ``a``: each piece's ``eta_v`` (None for none)
+        and the extra unary scores, in the order of ``_structure``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _unspread(dims, gv, ge):
+        """The transpose of :meth:`_spread`: the gradient of ``a`` from the pieces'
+        ``eta_v`` gradients ``gv`` and the extra unary scores' ``ge``."""
+        raise NotImplementedError
+
+    def _alone(self, pieces, kept, ids, eta, a, decode):
+        """This factor's marginals (MAP when ``decode``) when no other factor shares its
+        variables and each appears once here: ``[(variables, values)]``, and a function
+        from the gradient of ``u`` to ``([(variables, gradient of eta)], gradient of
+        a)``. Each piece is its own SparseMAP problem. ``kept``: each piece's _kept;
+        ``eta`` (and the gradient) as _padded makes them."""
+        cls, dims = type(self), self._dims()
+        evs = None if a is None else cls._spread(dims, a)[0]
+        out, results = [], []
+        for k, ((f, idx), (src, dst)) in enumerate(zip(pieces, kept)):
+            ev = None if evs is None else evs[k]
+            if decode:
+                u, r = f.vertex(f.map(eta[idx], ev))[0], None
+            else:
+                r = sm.solve(f, eta[idx], ev)
+                u = r.u
+            out.append((dst, u.reshape(-1)[src]))
+            results.append(r)
+
+        def vjp(g):
+            grads, gvs = [], []
+            for (f, idx), (src, dst), r in zip(pieces, kept, results):
+                gu, gv = r.vjp(g[idx])
+                grads.append((dst, gu.reshape(-1)[src]))
+                gvs.append(gv)
+            return grads, (None if a is None else cls._unspread(dims, gvs, ()))
+        return out, vjp
 
     def __repr__(self):
         return f"{type(self).__name__}(shape={getattr(self._variables, 'shape', None)})"
@@ -654,17 +746,13 @@ class _Logic(_LPFactor):
 
     def __init__(self, variables):
         self._variables = _check_vars(variables, "variables")
-        n = math.prod(self._variables.shape)
+        n = self._variables._ix.size
         if n < self._min:
             raise ValueError(f"variables: {type(self).__name__} needs at least {self._min} "
                              f"variables, got {n}")
 
-    def _pieces(self, ids, ops):
-        idx = ids[0].reshape(-1)
-        return [_Piece(self._plain(), idx)], []
-
-    def _plain(self):
-        return _factor(self._native, math.prod(self._variables.shape))
+    def _structure(self, ids):
+        return [(_factor(self._native, ids[0].size), ids[0].reshape(-1))], []
 
 
 class Xor(_Logic):
@@ -760,12 +848,12 @@ class Budget(_LPFactor):
         if n < 1:
             raise ValueError("variables: Budget needs at least one variable")
 
-    def _pieces(self, ids, ops):
-        return [_Piece(self._plain(), ids[0].reshape(-1))], []
+    def _signature(self):
+        return (self.budget, self.force_budget)
 
-    def _plain(self):
-        return _factor(sm.BudgetFactor, math.prod(self._variables.shape), self.budget,
-                       exact=self.force_budget)
+    def _structure(self, ids):
+        f = _factor(sm.BudgetFactor, ids[0].size, self.budget, exact=self.force_budget)
+        return [(f, ids[0].reshape(-1))], []
 
 
 class Pair(_LPFactor):
@@ -810,12 +898,24 @@ class Pair(_LPFactor):
         self._additionals = additionals
         self._n = ni
 
-    def _pieces(self, ids, ops):
-        a = ops.flat(self._additionals, "additionals", self._n)
-        ii, jj = ids[0].reshape(-1), ids[1].reshape(-1)
+    def _structure(self, ids):
         f = _factor(sm.PairFactor)
-        return [_Piece(f, np.array([ii[k], jj[k]]), a[k:k + 1])
-                for k in range(self._n)], []
+        pairs = np.stack([ids[0].reshape(-1), ids[1].reshape(-1)], axis=1)
+        return [(f, pairs[k]) for k in range(self._n)], []
+
+    def _additionals_size(self):
+        return self._n, False
+
+    def _dims(self):
+        return (self._n,)
+
+    @staticmethod
+    def _spread(dims, a):
+        return [a[k:k + 1] for k in range(dims[0])], ()
+
+    @staticmethod
+    def _unspread(dims, gv, ge):
+        return np.concatenate([np.asarray(g).reshape(-1) for g in gv])
 
 
 class Sequence(_LPFactor):
@@ -855,10 +955,24 @@ class Sequence(_LPFactor):
                              f"{self._variables.shape}")
         self._additionals = additionals
 
-    def _pieces(self, ids, ops):
+    def _structure(self, ids):
+        return [(_factor(sm.SequenceFactor, *self._variables.shape), ids[0])], []
+
+    def _additionals_size(self):
         L, S = self._variables.shape
-        a = ops.flat(self._additionals, "additionals", (L - 1) * S * S).reshape(L - 1, S, S)
-        return [_Piece(_factor(sm.SequenceFactor, L, S), ids[0], a)], []
+        return (L - 1) * S * S, False
+
+    def _dims(self):
+        return self._variables.shape
+
+    @staticmethod
+    def _spread(dims, a):
+        L, S = dims
+        return [a.reshape(L - 1, S, S)], ()
+
+    @staticmethod
+    def _unspread(dims, gv, ge):
+        return np.asarray(gv[0]).reshape(-1)
 
 
 class SequenceBudget(_LPFactor):
@@ -930,59 +1044,79 @@ class SequenceBudget(_LPFactor):
             raise ValueError(f"budget: with one state every position is in state 0, so at "
                              f"most {self._budget} of {L} is infeasible")
 
-    def _split(self, ops):
-        L, S = self._variables.shape
-        a = ops.flat(self._additionals, "additionals", 2 * S + (L - 1) * S * S, at_least=True)
-        return a[:S], a[S:S + (L - 1) * S * S].reshape(L - 1, S, S), a[S + (L - 1) * S * S:]
+    def _signature(self):
+        return (self._budget, self._force_budget)
 
-    def _binary(self, ops, eta0, eta1, scale):
-        """Native scores on "position in state 0" for S = 2: (eta_u, eta_v)."""
-        start, trans, end = self._split(ops)
-        L = self._variables.shape[0]
-        if ops.torch is None:
-            fold = np.zeros(L)
-            fold[0] += start[0] - start[1]
-            fold[-1] += end[0] - end[1]
-            ev = trans[:, ::-1, ::-1]
-        else:
-            t = ops.torch
-            fold = t.zeros(L, dtype=t.float64, device=start.device)
-            fold = fold.index_add(0, t.tensor([0, L - 1], device=start.device),
-                                  t.stack([start[0] - start[1], end[0] - end[1]]))
-            ev = trans.flip(1, 2)
-        return (eta0 - eta1 + fold) * scale, ev * scale
+    def _additionals_size(self):
+        L, S = self._variables.shape
+        return 2 * S + (L - 1) * S * S, True
 
     def _native(self, L):
         return _factor(sm.SequenceBudgetFactor, L, min(self._budget, L), exact=self._force_budget)
 
-    def _pieces(self, ids, ops):
+    def _structure(self, ids):
         L, S = self._variables.shape
         ix = ids[0]
         if S != 2:
-            f = _oracle_sequence_budget(L, S, self._budget, self._force_budget)
-            ev = ops.flat(self._additionals, "additionals", f.shape_v[0], at_least=True)
-            return [_Piece(f, ix, ev)], []
-        start, trans, end = self._split(ops)
-        pieces = [_Piece(self._native(L), ix[:, 0].copy(), trans.flip(1, 2)
-                         if ops.torch is not None else trans[:, ::-1, ::-1].copy())]
+            return [(_oracle_sequence_budget(L, S, self._budget, self._force_budget), ix)], []
         xor = _factor(sm.XorFactor, 2)
-        pieces += [_Piece(xor, ix[i].copy()) for i in range(L)]
-        extra = [(ix[0, 0], start[0] - start[1]), (ix[L - 1, 0], end[0] - end[1])]
-        return pieces, extra
+        return ([(self._native(L), ix[:, 0].copy())] + [(xor, ix[i].copy()) for i in range(L)],
+                [ix[0, 0], ix[L - 1, 0]])
 
-    def _alone(self, ids, eta, ops, decode):
+    def _dims(self):
+        return self._variables.shape
+
+    @staticmethod
+    def _spread(dims, a):
+        """S = 2: the native factor's "position in state 0" transitions are AD3's with
+        both states flipped; the start and end scores become extra unary scores of the
+        first and last positions (state 0 against state 1)."""
+        L, S = dims
+        if S != 2:
+            return [a], ()
+        n = a.shape[0]
+        trans = a[S:n - S].reshape(L - 1, S, S)
+        return ([trans[:, ::-1, ::-1].copy()] + [None] * L,
+                (a[0] - a[1], a[n - 2] - a[n - 1]))
+
+    @staticmethod
+    def _unspread(dims, gv, ge):
+        L, S = dims
+        if S != 2:
+            return np.asarray(gv[0]).reshape(-1)
+        g = np.empty(2 * S + (L - 1) * S * S)
+        n = g.shape[0]
+        g[0], g[1], g[n - 2], g[n - 1] = ge[0], -ge[0], ge[1], -ge[1]
+        g[S:n - S] = np.asarray(gv[0])[:, ::-1, ::-1].reshape(-1)
+        return g
+
+    def _alone(self, pieces, kept, ids, eta, a, decode):
         L, S = self._variables.shape
         if S != 2:
-            return _LPFactor._alone(self, ids, eta, ops, decode)
+            return _LPFactor._alone(self, pieces, kept, ids, eta, a, decode)
+        # one binary sequence: u[i, 1] = 1 - u[i, 0], so the QP in u[:, 0] has half the
+        # curvature (scores halved) and the state-1 scores folded in
         ix = ids[0]
-        e0, e1 = ops.gather(eta, ix[:, 0]), ops.gather(eta, ix[:, 1])
+        dims = self._dims()
+        evs, (first, last) = SequenceBudget._spread(dims, a)
+        ev = evs[0]
+        eu = eta[ix[:, 0]] - eta[ix[:, 1]]
+        eu[0] += first
+        eu[L - 1] += last
+        f = self._native(L)
         if decode:
-            eu, ev = self._binary(ops, e0, e1, 1.0)
-            u0 = ops.map(self._native(L), eu, ev)
-        else:
-            eu, ev = self._binary(ops, e0 + 0.5, e1 - 0.5, 0.5)
-            u0 = ops.solve(self._native(L), eu, ev)
-        return [ix[:, 0], ix[:, 1]], [u0, 1.0 - u0]
+            u0 = f.vertex(f.map(eu, ev))[0]
+            return [(ix[:, 0], u0), (ix[:, 1], 1.0 - u0)], None
+        r = sm.solve(f, 0.5 * (eu + 1.0), 0.5 * ev)
+        u0 = np.asarray(r.u)
+
+        def vjp(g):
+            gu, gv = r.vjp(g[ix[:, 0]] - g[ix[:, 1]])
+            gu = 0.5 * np.asarray(gu)
+            return ([(ix[:, 0], gu), (ix[:, 1], -gu)],
+                    SequenceBudget._unspread(dims, [0.5 * np.asarray(gv)] + [None] * L,
+                                             (gu[0], gu[L - 1])))
+        return [(ix[:, 0], u0), (ix[:, 1], 1.0 - u0)], vjp
 
 
 def _oracle_sequence_budget(L, S, budget, exact):
@@ -1108,17 +1242,29 @@ class DepTree(_LPFactor):
         self.packed = _check_flag(packed, "packed")
         self.projective = _check_flag(projective, "projective")
 
-    def _pieces(self, ids, ops):
+    def _signature(self):
+        return (self.packed, self.projective)
+
+    def _structure(self, ids):
         n = self._variables.shape[0]
         f = _factor(sm.TreeFactor, n, projective=self.projective, single_root=self.projective)
-        return [_Piece(f, _tree_index(ids[0], self.packed))], []
+        return [(f, _tree_index(ids[0], self.packed))], []
 
 
 # -- graphs -----------------------------------------------------------------------------------
-def _how_solved(parts, report, decode):
-    """What ``verbose`` prints for a graph: how many connected parts, and how each solve
-    went (iterations, certified or not, the largest constraint violation)."""
-    n = len(parts)
+def _how_solved(plan, report, decode):
+    """What ``verbose`` prints for a graph: independent factors, each its own problem, or
+    how many connected parts and how each solve went (iterations, certified or not, the
+    largest constraint violation)."""
+    if plan.alone:
+        if len(plan.structures) == 1 and len(plan.structures[0][0]) == 1 and \
+                not plan.free.size:
+            return (f"plain {'MAP' if decode else 'SparseMAP'} of "
+                    f"{plan.structures[0][0][0][0]!r} (the active set, certified by its "
+                    f"duality gap)")
+        return (f"{len(plan.structures)} independent factors (no variable is shared), each "
+                f"by its own {'MAP oracle' if decode else 'SparseMAP solve'}")
+    n = len(plan.parts)
     head = (f"{n} connected parts, each" if n > 1 else "one connected graph,")
     if decode:
         exact = sum(bool(r.exact) for r in report)
@@ -1332,14 +1478,11 @@ class FactorGraph:
                              f"{type(factor).__name__}")
         vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
         for v in vs:
-            if _variable_of(v)._graph is not self:
+            if getattr(v, "_base_var", v)._graph() is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 
     # -- solving ------------------------------------------------------------------
-    def _ops(self):
-        return _Ops()
-
     def _layout(self):
         offsets, n = {}, 0
         for v in self.variables:
@@ -1348,86 +1491,41 @@ class FactorGraph:
         return offsets, n
 
     def _solve_graph(self, decode, verbose):
-        ops = self._ops()
-        offsets, V = self._layout()
         what = "LP-MAP" if decode else "LP-SparseMAP"
-        if V == 0:
+        plan = _plan(self)
+        if plan.V == 0:
             if verbose:
                 print(f"sparsemap.lpsmap: {what}: no variables, nothing to solve")
             return
-        if len(self.factors) == 1 and not decode and self.factors[0]._variables is \
-                self.variables[0] and len(self.variables) == 1:
-            # one factor over a whole variable, in order: plain SparseMAP on the raw scores
-            native = self.factors[0]._plain()
-            if native is not None:
-                var = self.variables[0]
-                self._scores(ops)           # the checks (nan, +inf) of every path
-                u = ops.solve(native, var._scores.reshape(native.shape_u), None)
-                var.value = u.reshape(var.shape)
-                if verbose:
-                    print(f"sparsemap.lpsmap: {what} of {V} variables and 1 factor: plain "
-                          f"SparseMAP of {native!r} (the active set, certified by its "
-                          f"duality gap)")
-                return
-        ids = [f._ids(offsets) for f in self.factors]
-        eta = self._scores(ops)
-        flat = [np.concatenate([i.reshape(-1) for i in fid]) for fid in ids]
-        count = np.bincount(np.concatenate(flat), minlength=V) if flat else np.zeros(V, int)
-        free = np.flatnonzero(count == 0)
-        parts = []
-        if free.size:
-            e = ops.gather(eta, free)
-            parts.append((free, ops.positive(e) if decode else ops.clip(e)))
-        report = []
-        if count.max(initial=0) <= 1 and not decode and ops.torch is not None and \
-                len(self.factors) == 1 and not free.size:
-            # one factor on every variable: a single autograd node (see _SoloIndexed)
-            pieces, extra = self.factors[0]._pieces(ids[0], ops)
-            if len(pieces) == 1 and not extra:
-                p = pieces[0]
-                _solo_function()                 # makes the three Functions
-                self._set_values(_SOLO[2].apply(p.factor, p.idx, eta, p.eta_v), offsets)
-                if verbose:
-                    print(f"sparsemap.lpsmap: {what} of {V} variables and 1 factor: "
-                          f"SparseMAP of {p.factor!r}")
-                return
-        if count.max(initial=0) <= 1:
-            how = (f"{len(self.factors)} independent factors (no variable is shared), each "
-                   f"by its own {'MAP oracle' if decode else 'SparseMAP solve'}")
-            for f, fid in zip(self.factors, ids):
-                out_ids, out_vals = f._alone(fid, eta, ops, decode)
-                parts += list(zip(out_ids, out_vals))
-        else:
-            pieces, extra, owner = [], [], []
-            for k, (f, fid) in enumerate(zip(self.factors, ids)):
-                p, e = f._pieces(fid, ops)
-                pieces += p
-                extra += e
-                owner += [k] * len(p)
-            native = _native_parts(V, pieces)
-            eu = ops.add_at(eta, [e[0] for e in extra], [e[1] for e in extra]) if extra else eta
-            ev = [p.eta_v if p.factor.n_v else None for p in pieces]
-            if all(e is None for e in ev):
-                ev = None
-            try:
-                parts += (ops.graph_map if decode else ops.graph)(native, eu, ev, report)
-            except ValueError as exc:
-                if getattr(exc, "factors", None) is None:
-                    raise
-                raise ValueError(self._conflict(exc, native, owner)) from None
-            except sm.ConvergenceError as exc:
-                # the native advice (raise max_iter) cannot be followed here: this
-                # max_iter is lp-sparsemap's, accepted and ignored
-                raise sm.ConvergenceError(
-                    f"{str(exc).split('. Raise max_iter')[0]}. This solve() ignores "
-                    f"max_iter (lp-sparsemap's setting); to allow more iterations, build "
-                    f"the graph as a sparsemap.FactorGraph and call its solve(max_iter=...) "
-                    f"(see the migration guide, 'The low-level API').") from None
-            how = "" if not verbose else _how_solved(native, report, decode)
+        call = _Call(plan, decode)
+        raw = [self.factors[k]._additionals for k in plan.with_adds]
+        try:
+            if self._torch and not decode:
+                values = _torch_function().apply(call, self.factors, len(self.variables),
+                                                 *[v._scores for v in self.variables], *raw)
+            else:
+                eta = _scores_array([v._scores for v in self.variables], plan.sizes, plan.V)
+                values = _split(call.forward(self.factors, eta, call.adds(raw)), plan.sizes)
+        except ValueError as exc:
+            if getattr(exc, "factors", None) is None:
+                raise
+            raise ValueError(self._conflict(exc, plan.parts, plan.owner)) from None
+        except sm.ConvergenceError as exc:
+            # the native advice (raise max_iter) cannot be followed here: this
+            # max_iter is lp-sparsemap's, accepted and ignored
+            raise sm.ConvergenceError(
+                f"{str(exc).split('. Raise max_iter')[0]}. This solve() ignores "
+                f"max_iter (lp-sparsemap's setting); to allow more iterations, build "
+                f"the graph as a sparsemap.FactorGraph and call its solve(max_iter=...) "
+                f"(see the migration guide, 'The low-level API').") from None
+        for v, x in zip(self.variables, values):
+            v.value = self._value(x, v)
         if verbose:
-            print(f"sparsemap.lpsmap: {what} of {V} variables and {len(self.factors)} "
-                  f"factors: {how}")
-        self._set_values(ops.assemble(V, parts), offsets)
+            print(f"sparsemap.lpsmap: {what} of {plan.V} variables and {len(self.factors)} "
+                  f"factors: {_how_solved(plan, call.report, decode)}")
+
+    def _value(self, x, var):
+        return x.reshape(var.shape)
 
     def _conflict(self, exc, native, owner):
         """The native solver's infeasibility error in this graph's terms: which of its
@@ -1443,14 +1541,6 @@ class FactorGraph:
                 f"these factors together{masked}: {'; '.join(shown)}{more}{where}. "
                 f"lp-sparsemap returns a point that breaks them instead (see the migration "
                 f"guide, 'Infeasible graphs').")
-
-    def _scores(self, ops):
-        return np.concatenate([v._scores.reshape(-1) for v in self.variables])
-
-    def _set_values(self, u, offsets):
-        for v in self.variables:
-            k = offsets[id(v)]
-            v.value = u[k:k + v._ix.size].reshape(v.shape)
 
     def solve(self, max_iter=1000, max_inner_iter=10, tol=1e-6, step_size=0.1, adapt=True,
               verbose=False):
@@ -1564,23 +1654,9 @@ class TorchFactorGraph(FactorGraph):
         from sparsemap.torch import _check_tensor    # the torch layers' check and message
         return _check_tensor(scores, "scores")
 
-    def _ops(self):
+    def _value(self, x, var):
+        if _is_tensor(x):
+            return x                # from the autograd node, shaped and typed like the scores
         import torch
-        dev = self.variables[0]._scores.device if self.variables else None
-        return _Ops(torch, dev)
-
-    def _scores(self, ops):
-        t = ops.torch
-        parts = [v._scores.reshape(-1).to(dtype=t.float64, device=ops.device)
-                 for v in self.variables]
-        eta = parts[0] if len(parts) == 1 else t.cat(parts)
-        d = eta.detach()
-        if bool((t.isnan(d) | t.isposinf(d)).any()):
-            raise ValueError(_NONFINITE)
-        return eta
-
-    def _set_values(self, u, offsets):
-        for v in self.variables:
-            k = offsets[id(v)]
-            s = v._scores
-            v.value = u[k:k + v._ix.size].reshape(v.shape).to(dtype=s.dtype, device=s.device)
+        s = var._scores
+        return torch.as_tensor(x.reshape(var.shape)).to(dtype=s.dtype, device=s.device)

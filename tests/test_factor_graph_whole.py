@@ -175,3 +175,54 @@ def test_an_explicit_max_iter_runs_admm():
     eu = np.random.default_rng(0).standard_normal(20)
     assert isinstance(fg.solve(eu), _WholeResult)
     assert not isinstance(fg.solve(eu, max_iter=1000), _WholeResult)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_soft_mask_bound_never_passes_what_enumeration_refuses(seed):
+    """The bound that replaces the two MAP calls of the padded-matching check: whenever
+    it says no matching through a soft entry beats the best one that avoids them, the
+    enumeration of every matching agrees, when some matching avoids the soft entries
+    (as in the solve that calls it; the bound may refuse more: then the MAP calls
+    decide)."""
+    import itertools
+    from sparsemap._fg_whole import _rows_bound
+    rng = np.random.default_rng(seed)
+    nc = int(rng.integers(3, 5))
+    nr = int(rng.integers(1, nc + 1))
+    adj = rng.normal(size=(nr, nc)) * rng.choice([0.1, 1.0, 10.0])
+    soft = rng.random((nr, nc)) < 0.3
+    given = adj.copy()
+    # soft entries: from barely below the others to the padding fill
+    given[soft] = -10.0 ** rng.uniform(-1, 38, size=soft.sum())
+    adj = np.where(soft, -np.inf, adj)
+    tol = 1e-9
+    said = _rows_bound(adj, given, tol)
+
+    def best(x):
+        return max(sum(x[i, p[i]] for i in range(nr))
+                   for p in itertools.permutations(range(nc), nr))
+    if said and np.isfinite(best(adj)):       # the bound's premise: a matching avoids them
+        assert best(given) <= best(adj) + tol
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_mask_candidates_are_the_scores_beyond_the_first_gap(seed):
+    """The finite scores tried as masks: those at or beyond the first magnitude that
+    dwarfs (by MASK_GAP) every smaller negative score's and the largest other magnitude
+    (1, the positive scores, eta_v's), by their definition, one score at a time."""
+    from sparsemap._factor_graph import MASK_GAP, _mask_candidates
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    # magnitudes in clusters a few gaps apart (padding fills, several of them, ties)
+    eu = -10.0 ** rng.choice([-1.0, 0.5, 3.0, 7.0, 13.0, 20.0, 38.0], size=n)
+    eu[rng.random(n) < 0.3] = rng.normal(size=n)[:1]
+    hard = rng.random(n) < 0.1
+    eu[hard] = -np.inf
+    ev = [rng.normal(size=2) * rng.choice([1.0, 1e4])]
+    rest = max([1.0] + [x for x, h in zip(eu, hard) if not h and x >= 0]
+               + [float(np.abs(ev[0]).max())])
+    mags = [-x for x, h in zip(eu, hard) if not h and x < 0]
+    starts = [m for m in mags if m / MASK_GAP > max([rest] + [x for x in mags if x < m])]
+    want = np.array([not h and x < 0 and bool(starts) and -x >= min(starts)
+                     for x, h in zip(eu, hard)])
+    np.testing.assert_array_equal(_mask_candidates(eu, ev, hard), want)
