@@ -106,6 +106,7 @@ cdef class _Admm:
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil
     cdef bint _facet_step(self, _FacetSlot s, Py_ssize_t f) except -1 nogil
     cdef double* _point(self, _Workspace ws, Py_ssize_t f) noexcept nogil
+    cdef bint _any_facet(self) noexcept nogil
     cdef unsigned long long _support_hash(self) noexcept nogil
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil
     cdef int _run_nogil(self, Py_ssize_t max_iter, double tol) except -1 nogil

@@ -71,6 +71,11 @@ cdef double INNER_TOL = 1e-12
 cdef double POLISH_START = 1e-4
 cdef Py_ssize_t POLISH_STABLE = 5
 cdef Py_ssize_t POLISH_GAP_MAX = 40
+# With a factor on the facet side, from iteration POLISH_STABLE_FACET on, and when the
+# supports and pieces stayed the same for one iteration: a facet-side step costs as much
+# as a polish round, and the polish's rounds move the pieces themselves (its check
+# solves at the polished scores and hands the piece it finds to the next round).
+cdef Py_ssize_t POLISH_STABLE_FACET = 1
 
 # When the loop runs the infeasibility check (_Certified._farkas, sparsemap._fg_certificate):
 # after FARKAS_FIRST iterations, then every FARKAS_EVERY (one MAP call per factor: a fifth
@@ -331,6 +336,13 @@ cdef class _Admm:
             return (<_FacetSlot> self.fsp[f]).u
         return ws.u
 
+    cdef bint _any_facet(self) noexcept nogil:
+        cdef Py_ssize_t f
+        for f in range(self.F):
+            if self.side[f] == FACET:
+                return True
+        return False
+
     cdef unsigned long long _support_hash(self) noexcept nogil:
         cdef Py_ssize_t f
         cdef unsigned long long h = 0
@@ -342,6 +354,7 @@ cdef class _Admm:
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil:
         cdef Py_ssize_t it, f, j, i, next_check = FARKAS_FIRST
         cdef Py_ssize_t n_same = 0, next_polish = POLISH_STABLE, polish_gap = POLISH_STABLE
+        cdef Py_ssize_t n_stable = 2
         cdef double rho = self.rho, rp, rd, r, yr, polish_at = POLISH_START
         cdef int v
         cdef unsigned long long h, h_prev = 0
@@ -387,8 +400,11 @@ cdef class _Admm:
             # same for a while (at large scales they settle long before ADMM converges)
             h = self._support_hash()
             n_same = n_same + 1 if h == h_prev else 0
+            if it == 0 and self._any_facet():
+                next_polish = polish_gap = POLISH_STABLE_FACET
+                n_stable = 1
             if self.try_polish and n_same > 0 and (rp <= polish_at or
-                                                   (n_same >= 2 and it >= next_polish)):
+                                                   (n_same >= n_stable and it >= next_polish)):
                 if self._polish():
                     self.status = CONVERGED
                     return 0
@@ -463,6 +479,14 @@ cdef class _Admm:
         S, y, _ = ws._export()
         return v, S, y
 
+    def facet_counts(self):
+        """Per factor, its facet-side steps tried and declined (zeros without a solver)."""
+        out = np.zeros((self.F, 2), dtype=np.intp)
+        for f, s in enumerate(self.slots):
+            if s is not None:
+                out[f] = (<_FacetSlot> s).n_solve, (<_FacetSlot> s).n_declined
+        return out
+
     def factor_sides(self):
         """Per factor, the side of its last step: True where the facet side."""
         return np.asarray(self._arrays["side"][:self.F]) == FACET
@@ -511,3 +535,4 @@ _MESSAGES = {
 # The statuses as Python ints, for the API module (FactorGraph reads engine.status and
 # sets it when a graph is infeasible by counting).
 ENGINE_CONVERGED, ENGINE_MAX_ITER, ENGINE_INFEASIBLE = CONVERGED, MAX_ITER, INFEASIBLE
+
