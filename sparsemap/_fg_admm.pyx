@@ -40,6 +40,7 @@ from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._facet cimport FACET_SOLVED, state_clear
 from sparsemap._facet import facet_solver
 from sparsemap._factors._matching import MatchingFactor
+from sparsemap._factors._sequence import SequenceFactor
 from sparsemap._factors._tree import TreeFactor
 
 
@@ -86,16 +87,17 @@ cdef double FARKAS_MIN_RESIDUAL = 1e-6
 
 cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
 
-# The families whose factor steps try the facet side (at the scores where sm.solve would
-# choose it: the solver declines peaked ones at once, and the step then runs on the vertex
-# side). Trees and matchings: at flat scores their vertex side needs hundreds of
-# structures per step, their facet side one solve. Sequences stay on the vertex side: a
-# facet-side sequence solve (a homotopy, with no warm start) costs as much in every ADMM
-# step as the sequence alone, while the warm-started active set moves a few structures
-# per step (SequenceFactor(40, 17) with an AtMostOneFactor, 0.05 randn scores: ADMM with
-# facet-side steps took 3.5 times as long as with vertex-side ones; benchmarks/
-# bench_factor_graph.py --graphs seq40).
-FACET_FAMILIES = (TreeFactor, MatchingFactor)
+# The families whose factor steps try the facet side, at the scores where sm.solve would
+# choose it: the solver declines peaked ones (and a sequence's spread transitions) at
+# once, and the step then runs on the vertex side. At flat scores a tree's or a
+# matching's vertex side needs hundreds of structures per step, a sequence's tens; their
+# facet side one solve, and the polish's check one more (benchmarks/bench_factor_graph.py,
+# --graphs tree60b,seq40: ADMM with facet-side steps is 20 to 1000 times faster there).
+# Where a sequence's transitions are nearly as spread as its unary scores and its solver
+# still takes them, its steps cost as much as the sequence alone and the warm-started
+# active set's can be cheaper (SequenceFactor(40, 17) and an AtMostOneFactor at 0.05
+# randn eta_u and eta_v: about twice as long as on the vertex side).
+FACET_FAMILIES = (TreeFactor, MatchingFactor, SequenceFactor)
 # A facet-side step's iteration budget; past it the solver declines (vertex side).
 cdef Py_ssize_t FACET_BUDGET = 1000
 
