@@ -91,12 +91,11 @@ cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
 # choose it: the solver declines peaked ones (and a sequence's spread transitions) at
 # once, and the step then runs on the vertex side. At flat scores a tree's or a
 # matching's vertex side needs hundreds of structures per step, a sequence's tens; their
-# facet side one solve, and the polish's check one more (benchmarks/bench_factor_graph.py,
-# --graphs tree60b,seq40: ADMM with facet-side steps is 20 to 1000 times faster there).
-# Where a sequence's transitions are nearly as spread as its unary scores and its solver
-# still takes them, its steps cost as much as the sequence alone and the warm-started
-# active set's can be cheaper (SequenceFactor(40, 17) and an AtMostOneFactor at 0.05
-# randn eta_u and eta_v: about twice as long as on the vertex side).
+# facet side one solve (benchmarks/bench_fg_facet.py: a tree, a matching and a sequence,
+# each with a small factor, at 0.01 to 0.1 randn, 3 to 4,000 times faster). Where a
+# sequence's transitions are nearly as spread as its unary scores and its solver still
+# takes them, its steps cost as much as the sequence alone and the warm-started active
+# set's can be cheaper (eta_v at 0.05 randn there: twice as long as the vertex side).
 FACET_FAMILIES = (TreeFactor, MatchingFactor, SequenceFactor)
 # A facet-side step's iteration budget; past it the solver declines (vertex side).
 cdef Py_ssize_t FACET_BUDGET = 1000
