@@ -4,6 +4,34 @@
 from cpython.ref cimport PyObject
 
 from sparsemap._active_set cimport _Workspace
+from sparsemap._facet cimport FacetSolver, FacetState
+
+# Which side a factor's last step ran on (_Admm.side): the factor holds its point by its
+# workspace's structures, or by its facet solver's state (a _FacetSlot).
+cdef enum:
+    VERTEX = 0
+    FACET = 1
+
+
+cdef class _FacetSlot:
+    """A factor's facet side in one solve: its solver, the state of its last step (the
+    piece whose Jacobian c_apply applies) and that step's point; a second state and
+    point for the polish's check at the polished scores."""
+    cdef FacetSolver solver
+    cdef FacetState st, st2
+    cdef Py_ssize_t n_u, n_v
+    cdef double* u               # the last step's point (n_u), v (n_v)
+    cdef double* v
+    cdef double* u2              # the check's point and v
+    cdef double* v2
+    cdef double* th              # scratch: the check's scores (n_u)
+    cdef double* ju              # scratch: c_apply's outputs (n_u, n_v)
+    cdef double* jv
+    cdef object _block           # the NumPy array behind the pointers above
+    cdef unsigned long long hash  # of the state's ints (the piece)
+    cdef Py_ssize_t n_solve, n_declined
+    cdef void _swap(self) noexcept nogil
+
 
 cdef enum:
     RUNNING = 0
@@ -18,6 +46,9 @@ cdef class _Admm:
     cdef readonly object structure   # the graph's _Structure (shared by its solves)
     cdef readonly object _arrays  # the NumPy arrays behind the pointers below
     cdef PyObject** wsp          # borrowed: self.workspaces owns them
+    cdef readonly list slots     # per factor: its _FacetSlot, or None (vertex side only)
+    cdef PyObject** fsp          # borrowed from slots (NULL: none)
+    cdef char* side              # per factor: VERTEX or FACET, the side of its last step
     cdef Py_ssize_t* uoff        # F + 1 offsets into the link arrays
     cdef Py_ssize_t* voff        # F + 1 offsets into the eta_v arrays
     cdef int* var                # per link: its variable, -1 where the factor ignores the part
@@ -73,6 +104,9 @@ cdef class _Admm:
     cdef bint _start(self) except -1 nogil
     cdef bint _start_factor(self, _Workspace ws, Py_ssize_t f) except -1 nogil
     cdef int _factor_step(self, _Workspace ws, Py_ssize_t f) except -1 nogil
+    cdef bint _facet_step(self, _FacetSlot s, Py_ssize_t f) except -1 nogil
+    cdef double* _point(self, _Workspace ws, Py_ssize_t f) noexcept nogil
+    cdef bint _any_facet(self) noexcept nogil
     cdef unsigned long long _support_hash(self) noexcept nogil
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil
     cdef int _run_nogil(self, Py_ssize_t max_iter, double tol) except -1 nogil

@@ -8,9 +8,12 @@ negated). The problem (docs/lp_sparsemap.rst, "The problem") is
     s.t.        M_f p_f = l_f(u),  p_f in the simplex      (every factor f)
                 0 <= u_i <= 1                              (variables in no factor)
 
-and is solved by ADMM, split so that every factor step is a plain, warm-started
-SparseMAP call on the factor's own active-set workspace, so any factor works at
-its native cost (docs/lp_sparsemap.rst derives the steps and says why). In the
+and is solved by ADMM, split so that every factor step is a plain SparseMAP call
+on the factor alone, so any factor works at its native cost (docs/lp_sparsemap.rst
+derives the steps and says why): a warm-started one on the factor's own active-set
+workspace (the vertex side), or, for a factor with a facet-side solver
+(``sparsemap._facet``) where that side is the cheaper one, its solver's (the factor
+then holds its point by its tight constraints; see FACET_FAMILIES). In the
 variable space (a link's value ``y^_j = sigma_j (y_j - s_j)``, its multiplier
 ``lam^_j``), with over-relaxed values ``r_j = alpha y^_j + (1 - alpha) u_i``:
 
@@ -34,6 +37,11 @@ from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _dot, _iterate
 from sparsemap._active_set import STATUS_CONVERGED
+from sparsemap._facet cimport FACET_SOLVED, state_clear
+from sparsemap._facet import facet_solver
+from sparsemap._factors._matching import MatchingFactor
+from sparsemap._factors._sequence import SequenceFactor
+from sparsemap._factors._tree import TreeFactor
 
 
 def default_rho(scale):
@@ -64,6 +72,11 @@ cdef double INNER_TOL = 1e-12
 cdef double POLISH_START = 1e-4
 cdef Py_ssize_t POLISH_STABLE = 5
 cdef Py_ssize_t POLISH_GAP_MAX = 40
+# With a factor on the facet side, from iteration POLISH_STABLE_FACET on, and when the
+# supports and pieces stayed the same for one iteration: a facet-side step costs as much
+# as a polish round, and the polish's rounds move the pieces themselves (its check
+# solves at the polished scores and hands the piece it finds to the next round).
+cdef Py_ssize_t POLISH_STABLE_FACET = 1
 
 # When the loop runs the infeasibility check (_Certified._farkas, sparsemap._fg_certificate):
 # after FARKAS_FIRST iterations, then every FARKAS_EVERY (one MAP call per factor: a fifth
@@ -73,6 +86,68 @@ cdef Py_ssize_t FARKAS_EVERY = 4
 cdef double FARKAS_MIN_RESIDUAL = 1e-6
 
 cdef int INNER_CONVERGED = STATUS_CONVERGED    # the active set's own code
+
+# The families whose factor steps try the facet side, at the scores where sm.solve would
+# choose it: the solver declines peaked ones (and a sequence's spread transitions) at
+# once, and the step then runs on the vertex side. At flat scores a tree's or a
+# matching's vertex side needs hundreds of structures per step, a sequence's tens; their
+# facet side one solve (benchmarks/bench_fg_facet.py: a tree, a matching and a sequence,
+# each with a small factor, at 0.01 to 0.1 randn, 3 to 4,000 times faster). Where a
+# sequence's transitions are nearly as spread as its unary scores and its solver still
+# takes them, its steps cost as much as the sequence alone and the warm-started active
+# set's can be cheaper (eta_v at 0.05 randn there: twice as long as the vertex side).
+FACET_FAMILIES = (TreeFactor, MatchingFactor, SequenceFactor)
+# A facet-side step's iteration budget; past it the solver declines (vertex side).
+cdef Py_ssize_t FACET_BUDGET = 1000
+
+
+cdef class _FacetSlot:
+    def __cinit__(self, solver):
+        factor = solver.factor
+        self.solver = solver
+        self.n_u, self.n_v = factor.n_u, factor.n_v
+        nu, nv = max(self.n_u, 1), max(self.n_v, 1)
+        self._block = np.zeros(4 * nu + 3 * nv)
+        b = self._block
+        self.u, self.u2 = <double*> _ptr(b[0:nu]), <double*> _ptr(b[nu:2 * nu])
+        self.th, self.ju = <double*> _ptr(b[2 * nu:3 * nu]), <double*> _ptr(b[3 * nu:4 * nu])
+        o = 4 * nu
+        self.v, self.v2 = <double*> _ptr(b[o:o + nv]), <double*> _ptr(b[o + nv:o + 2 * nv])
+        self.jv = <double*> _ptr(b[o + 2 * nv:o + 3 * nv])
+
+    def __dealloc__(self):
+        state_clear(&self.st)
+        state_clear(&self.st2)
+
+    cdef void _swap(self) noexcept nogil:
+        """The check's state and point become the slot's (and the other way round)."""
+        cdef FacetState t = self.st
+        cdef double* p = self.u
+        self.st = self.st2
+        self.st2 = t
+        self.u = self.u2
+        self.u2 = p
+        p = self.v
+        self.v = self.v2
+        self.v2 = p
+        self.hash = _state_hash(&self.st)
+
+
+cdef unsigned long long _state_hash(const FacetState* st) noexcept nogil:
+    """FNV-1a over the state's ints: the piece (positive coordinates, active rows)."""
+    cdef Py_ssize_t i
+    cdef unsigned long long h = 1469598103934665603ULL
+    for i in range(st.n_ints):
+        h = (h ^ <unsigned int> st.ints[i]) * 1099511628211ULL
+    return h
+
+
+def _facet_slot(factor):
+    """The factor's _FacetSlot when its steps try the facet side, else None."""
+    if type(factor) not in FACET_FAMILIES:
+        return None
+    solver = facet_solver(factor, True)
+    return None if solver is None else _FacetSlot(solver)
 
 
 cdef class _Admm:
@@ -99,7 +174,8 @@ cdef class _Admm:
         self.factors = st.factors
         a = dict(uoff=st.uoff, voff=st.voff, var=st.var, sig=st.sig, sh=st.sh,
                  zu=np.zeros(st.max_nu), zv=np.zeros(st.max_nv),
-                 wsp=np.zeros(F + 1, dtype=np.intp))
+                 wsp=np.zeros(F + 1, dtype=np.intp), fsp=np.zeros(F + 1, dtype=np.intp),
+                 side=np.zeros(F + 1, dtype=np.int8))
         if fixed is None:
             a["fix"], a["deg"], a["cvar"], a["lmask"] = st.nofix, st.deg, st.var, st.nomask
         else:
@@ -147,6 +223,8 @@ cdef class _Admm:
         self.deg = <int*> _ptr(a["deg"])
         self.fix = <char*> _ptr(a["fix"])
         self.wsp = <PyObject**> _ptr(a["wsp"])
+        self.fsp = <PyObject**> _ptr(a["fsp"])
+        self.side = <char*> _ptr(a["side"])
         self.sig, self.sh, self.ev, self.evs = _d(a, "sig"), _d(a, "sh"), _d(a, "ev"), _d(a, "evs")
         self.eta, self.eta0 = _d(a, "eta"), _d(a, "eta0")
         self.u, self.uprev = _d(a, "u"), _d(a, "uprev")
@@ -162,8 +240,10 @@ cdef class _Admm:
         self.eps = 1.0 / scale
         self.structure = st
         self.workspaces = [_Workspace(fac, 16) for fac in st.factors]
+        self.slots = [_facet_slot(fac) for fac in st.factors]
         for f in range(F):
             self.wsp[f] = <PyObject*> self.workspaces[f]
+            self.fsp[f] = <PyObject*> self.slots[f] if self.slots[f] is not None else NULL
         self.n_iter = 0
         self.n_inner_fail = 0
         self.n_polish = 0
@@ -220,25 +300,62 @@ cdef class _Admm:
         called here and nowhere else in the loop)."""
         cdef Py_ssize_t j, a = self.uoff[f], n_it
         cdef double gap, obj
+        cdef double* x
         self._set_scores(f)
-        ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
-        if _iterate(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) != INNER_CONVERGED:
-            self.n_inner_fail += 1
+        if self.fsp[f] != NULL and self._facet_step(<_FacetSlot> self.fsp[f], f):
+            self.side[f] = FACET
+        else:
+            # no facet solver, or it declined: the warm-started active set (its support
+            # is the one it left at its last step)
+            self.side[f] = VERTEX
+            ws._rescore(self.scores + a, self.evs + self.voff[f] if ws.n_v else NULL)
+            if _iterate(ws, INNER_MAX_ITER, INNER_TOL, NULL, &n_it, &gap, &obj) \
+                    != INNER_CONVERGED:
+                self.n_inner_fail += 1
         # _iterate leaves ws.u = M_f p_f (its last gap was computed at the returned weights)
+        x = self._point(ws, f)
         for j in range(a, self.uoff[f + 1]):
-            self.yh[j] = self.sig[j] * (ws.u[j - a] - self.sh[j]) if self.var[j] >= 0 else 0.0
+            self.yh[j] = self.sig[j] * (x[j - a] - self.sh[j]) if self.var[j] >= 0 else 0.0
         return 0
+
+    cdef bint _facet_step(self, _FacetSlot s, Py_ssize_t f) except -1 nogil:
+        """Factor f's step on the facet side, at the scores _set_scores left: whether its
+        solver solved it (then s holds the point and the piece)."""
+        cdef Py_ssize_t n_it = 0
+        cdef double res[2]
+        s.n_solve += 1
+        if s.solver.c_solve(self.scores + self.uoff[f], self.evs + self.voff[f] if s.n_v else NULL,
+                            s.u, s.v, &s.st, FACET_BUDGET, &n_it, res) != FACET_SOLVED:
+            s.n_declined += 1
+            return False
+        s.hash = _state_hash(&s.st)
+        return True
+
+    cdef double* _point(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
+        """Factor f's literal values M_f p_f, from the side of its last step."""
+        if self.side[f] == FACET:
+            return (<_FacetSlot> self.fsp[f]).u
+        return ws.u
+
+    cdef bint _any_facet(self) noexcept nogil:
+        cdef Py_ssize_t f
+        for f in range(self.F):
+            if self.side[f] == FACET:
+                return True
+        return False
 
     cdef unsigned long long _support_hash(self) noexcept nogil:
         cdef Py_ssize_t f
         cdef unsigned long long h = 0
         for f in range(self.F):
-            h = h * 1000003ULL + (<_Workspace> self.wsp[f]).hash
+            h = h * 1000003ULL + ((<_FacetSlot> self.fsp[f]).hash if self.side[f] == FACET
+                                  else (<_Workspace> self.wsp[f]).hash)
         return h
 
     cdef int _admm(self, Py_ssize_t max_iter, double tol) except -1 nogil:
         cdef Py_ssize_t it, f, j, i, next_check = FARKAS_FIRST
         cdef Py_ssize_t n_same = 0, next_polish = POLISH_STABLE, polish_gap = POLISH_STABLE
+        cdef Py_ssize_t n_stable = 2
         cdef double rho = self.rho, rp, rd, r, yr, polish_at = POLISH_START
         cdef int v
         cdef unsigned long long h, h_prev = 0
@@ -284,8 +401,11 @@ cdef class _Admm:
             # same for a while (at large scales they settle long before ADMM converges)
             h = self._support_hash()
             n_same = n_same + 1 if h == h_prev else 0
+            if it == 0 and self._any_facet():
+                next_polish = polish_gap = POLISH_STABLE_FACET
+                n_stable = 1
             if self.try_polish and n_same > 0 and (rp <= polish_at or
-                                                   (n_same >= 2 and it >= next_polish)):
+                                                   (n_same >= n_stable and it >= next_polish)):
                 if self._polish():
                     self.status = CONVERGED
                     return 0
@@ -331,9 +451,10 @@ cdef class _Admm:
     cdef double _factor_residual(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
         cdef Py_ssize_t j, a = self.uoff[f]
         cdef double rp = 0.0
+        cdef double* x = self._point(ws, f)
         for j in range(a, self.uoff[f + 1]):
             if self.var[j] >= 0:
-                rp = max(rp, fabs(self.sh[j] + self.sig[j] * self.u[self.var[j]] - ws.u[j - a]))
+                rp = max(rp, fabs(self.sh[j] + self.sig[j] * self.u[self.var[j]] - x[j - a]))
         return rp
 
     # -- results -------------------------------------------------------------------------------
@@ -347,10 +468,29 @@ cdef class _Admm:
     def factor_result(self, Py_ssize_t f):
         """(v, structures, weights) of factor f."""
         cdef _Workspace ws = self.workspaces[f]
+        cdef _FacetSlot s
+        if self.side[f] == FACET:
+            # the point is held by constraints: its structures are a decomposition of it
+            s = self.slots[f]
+            u, v = self.factor_u(f), np.array(<double[:s.n_v]> s.v) if s.n_v else np.zeros(0)
+            S, y = s.solver.decompose(u.reshape(ws.f.shape_u), v.reshape(ws.f.shape_v))
+            return v, np.asarray(S, dtype=np.intc).reshape(len(y), -1), np.asarray(y)
         ws._compute_u(ws.y, True)
         v = np.array(<double[:ws.n_v]> ws.v) if ws.n_v else np.zeros(0)
         S, y, _ = ws._export()
         return v, S, y
+
+    def facet_counts(self):
+        """Per factor, its facet-side steps tried and declined (zeros without a solver)."""
+        out = np.zeros((self.F, 2), dtype=np.intp)
+        for f, s in enumerate(self.slots):
+            if s is not None:
+                out[f] = (<_FacetSlot> s).n_solve, (<_FacetSlot> s).n_declined
+        return out
+
+    def factor_sides(self):
+        """Per factor, the side of its last step: True where the facet side."""
+        return np.asarray(self._arrays["side"][:self.F]) == FACET
 
     def n_map(self):
         return sum([(<_Workspace> ws).n_map for ws in self.workspaces])
@@ -362,6 +502,9 @@ cdef class _Admm:
     def factor_u(self, Py_ssize_t f):
         """M_f y_f: factor f's literal values from its support, flat."""
         cdef _Workspace ws = self.workspaces[f]
+        if self.side[f] == FACET:
+            return np.array(<double[:ws.n_u]> (<_FacetSlot> self.fsp[f]).u) if ws.n_u \
+                else np.zeros(0)
         ws._compute_u(ws.y, False)
         return np.array(<double[:ws.n_u]> ws.u) if ws.n_u else np.zeros(0)
 
@@ -393,3 +536,4 @@ _MESSAGES = {
 # The statuses as Python ints, for the API module (FactorGraph reads engine.status and
 # sets it when a graph is infeasible by counting).
 ENGINE_CONVERGED, ENGINE_MAX_ITER, ENGINE_INFEASIBLE = CONVERGED, MAX_ITER, INFEASIBLE
+

@@ -25,6 +25,8 @@ from libc.math cimport fabs, INFINITY
 from sparsemap._active_set cimport _Workspace, _maxabs
 from sparsemap._backward cimport _complete, FACE_CERTIFIED
 from sparsemap._factors._base cimport Factor
+from sparsemap._facet cimport state_resize
+from sparsemap._fg_admm cimport FACET, _FacetSlot
 from sparsemap._fg_certificate cimport _Certified
 from sparsemap._fg_structure import _Structure
 
@@ -41,14 +43,14 @@ cdef class _Engine(_Certified):
 
     # -- pickling: a result travels with its engine, which its backward pass needs -----------
     def __reduce__(self):
-        """The construction, then every array, counter and workspace support (structures,
-        weights, Cholesky factor, ``w2``), bitwise: ``jvp`` / ``vjp`` after the trip are
-        those before it, with no new solve."""
+        """The construction, then every array, counter, workspace support (structures,
+        weights, Cholesky factor, ``w2``) and facet-side state, bitwise: ``jvp`` / ``vjp``
+        after the trip are those before it, with no new solve."""
         a = self._arrays
         st = self.structure
-        # wsp: this process's pointers; the structure's arrays are rebuilt from the graph
+        # wsp, fsp: this process's pointers; the structure's arrays are rebuilt from the graph
         arrays = {k: v for k, v in a.items()
-                  if k not in ("wsp", "uoff", "voff", "var", "sig", "sh")}
+                  if k not in ("wsp", "fsp", "uoff", "voff", "var", "sig", "sh")}
         scalars = dict(res_primal=self.res_primal, res_dual=self.res_dual, n_iter=self.n_iter,
                        n_inner_fail=self.n_inner_fail, status=self.status,
                        polished=self.polished, n_polish=self.n_polish,
@@ -56,9 +58,10 @@ cdef class _Engine(_Certified):
         return (_engine_from_state,
                 (st.factors, st.variables, st.negated, self.V, a["eta0"][:self.V], a["ev0"],
                  self.rho, self.try_polish, arrays, scalars,
-                 [_workspace_state(ws) for ws in self.workspaces]))
+                 [_workspace_state(ws) for ws in self.workspaces],
+                 [None if s is None else _slot_state(s) for s in self.slots]))
 
-    def _restore(self, dict arrays, dict scalars, list workspaces):
+    def _restore(self, dict arrays, dict scalars, list workspaces, list slots=None):
         cdef Py_ssize_t f
         cdef Factor fac
         for k, v in arrays.items():
@@ -76,6 +79,8 @@ cdef class _Engine(_Certified):
             fac = self.factors[f]
             _workspace_restore(self.workspaces[f], workspaces[f], self.scores + self.uoff[f],
                                self.evs + self.voff[f] if fac.n_v else NULL)
+            if slots is not None and slots[f] is not None and self.slots[f] is not None:
+                _slot_restore(self.slots[f], slots[f])
 
     # -- backward --------------------------------------------------------------------------------
     def project(self, g):
@@ -86,7 +91,8 @@ cdef class _Engine(_Certified):
         cdef double[::1] z = np.zeros(L), r = np.zeros(L), p = np.zeros(L), q = np.zeros(L)
         cdef double[::1] tmp = np.zeros(L), a = np.zeros(self.V + 1)
         for ws in self.workspaces:
-            max_s = max(max_s, (<_Workspace> ws).nI)
+            # a facet-side factor's c_apply writes n_u + n_v doubles there
+            max_s = max(max_s, (<_Workspace> ws).nI, (<_Workspace> ws).n_u + (<_Workspace> ws).n_v)
         cdef double[::1] buf = np.empty(max_s)
         cdef double res = 0.0
         with nogil:
@@ -103,11 +109,11 @@ cdef class _Engine(_Certified):
     def add_eta_v_direction(self, Py_ssize_t f, const double[::1] dv, double[::1] out):
         """out (V) += C~_f^T M_S D N_S^T dv: factor f's eta_v direction, mapped to the variables."""
         cdef _Workspace ws = self.workspaces[f]
-        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] b = np.empty(max(ws.nI, ws.n_u + ws.n_v, 1))
         cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
         cdef Py_ssize_t j, a = self.uoff[f]
         with nogil:
-            self._prop1(ws, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
+            self._jac(ws, f, NULL, &dv[0], &lit[0], NULL, &b[0], NULL)
             for j in range(a, self.uoff[f + 1]):
                 if self.cvar[j] >= 0:
                     out[self.cvar[j]] += self.sig[j] * lit[j - a]
@@ -115,7 +121,7 @@ cdef class _Engine(_Certified):
     def eta_v_gradient(self, Py_ssize_t f, const double[::1] y):
         """N_S D M_S^T C~_f y: the gradient of factor f's eta_v, given Proj_S g = y."""
         cdef _Workspace ws = self.workspaces[f]
-        cdef double[::1] b = np.empty(max(ws.nI, 1))
+        cdef double[::1] b = np.empty(max(ws.nI, ws.n_u + ws.n_v, 1))
         cdef double[::1] s = np.empty(max(ws.n_u, 1))
         cdef double[::1] gv = np.zeros(ws.n_v)
         cdef double[::1] lit = np.zeros(max(ws.n_u, 1))
@@ -123,7 +129,7 @@ cdef class _Engine(_Certified):
         with nogil:
             for j in range(a, self.uoff[f + 1]):
                 lit[j - a] = self.sig[j] * y[self.cvar[j]] if self.cvar[j] >= 0 else 0.0
-            self._prop1(ws, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
+            self._jac(ws, f, &lit[0], NULL, NULL, &gv[0], &b[0], &s[0])
         return np.asarray(gv)
 
     def complete_faces(self, faces, Py_ssize_t budget):
@@ -166,7 +172,9 @@ cdef class _Engine(_Certified):
         cdef Py_ssize_t n0 = ws.nI
         cdef double big = 1.0, val, size
         status[0] = FACE_CERTIFIED
-        if ws.nI == 0 or nu == 0:
+        if ws.nI == 0 or nu == 0 or self.side[f] == FACET:
+            # a facet-side factor's Jacobian is its solver's, from the constraints tight at
+            # its point: its face needs no structures
             return 0
         ws._compute_u(ws.y, True)
         for j in range(nu):
@@ -232,13 +240,42 @@ cdef class _Engine(_Certified):
 
 
 def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, rho, polish,
-                       arrays, scalars, workspaces):
+                       arrays, scalars, workspaces, slots=None):
     """Unpickle an :class:`_Engine` (see ``_Engine.__reduce__``)."""
     fixed = arrays["fix"][:n_variables] != 0
     engine = _Engine(_Structure(factors, variables, negated, n_variables), eta_u, eta_v, rho,
                      polish, fixed if fixed.any() else None)
-    engine._restore(arrays, scalars, workspaces)
+    engine._restore(arrays, scalars, workspaces, slots)
     return engine
+
+
+cdef tuple _slot_state(_FacetSlot s):
+    """A facet slot's point (u, v), its state's ints and doubles, and its counters."""
+    u = np.array(<double[:s.n_u]> s.u) if s.n_u else np.zeros(0)
+    v = np.array(<double[:s.n_v]> s.v) if s.n_v else np.zeros(0)
+    ints = np.array(<int[:s.st.n_ints]> s.st.ints) if s.st.n_ints else np.zeros(0, np.intc)
+    reals = np.array(<double[:s.st.n_reals]> s.st.reals) if s.st.n_reals else np.zeros(0)
+    return (u, v, ints, reals, s.hash, s.n_solve, s.n_declined)
+
+
+cdef int _slot_restore(_FacetSlot s, tuple state) except -1:
+    u, v, ints, reals, h, n_solve, n_declined = state
+    cdef const double[::1] uv = np.ascontiguousarray(u, dtype=np.float64)
+    cdef const double[::1] vv = np.ascontiguousarray(v, dtype=np.float64)
+    cdef const int[::1] iv = np.ascontiguousarray(ints, dtype=np.intc)
+    cdef const double[::1] rv = np.ascontiguousarray(reals, dtype=np.float64)
+    cdef Py_ssize_t j
+    for j in range(s.n_u):
+        s.u[j] = uv[j]
+    for j in range(s.n_v):
+        s.v[j] = vv[j]
+    state_resize(&s.st, iv.shape[0], rv.shape[0])
+    for j in range(iv.shape[0]):
+        s.st.ints[j] = iv[j]
+    for j in range(rv.shape[0]):
+        s.st.reals[j] = rv[j]
+    s.hash, s.n_solve, s.n_declined = h, n_solve, n_declined
+    return 0
 
 
 cdef tuple _workspace_state(_Workspace ws):

@@ -2,7 +2,7 @@
 # check, the Farkas certificate, and the affine projection they share with the backward pass.
 
 from sparsemap._active_set cimport _Workspace
-from sparsemap._fg_admm cimport _Admm
+from sparsemap._fg_admm cimport _Admm, _FacetSlot
 
 
 cdef class _Certified(_Admm):
@@ -12,7 +12,10 @@ cdef class _Certified(_Admm):
     cdef int _solve_kappa(self) except -1 nogil
     cdef int _polish_prepare(self, _Workspace ws, Py_ssize_t f) except -1 nogil
     cdef int _polish_check(self, _Workspace ws, Py_ssize_t f) except -1 nogil
-    cdef int _polish_accept(self, _Workspace ws) except -1 nogil
+    cdef int _polish_accept(self, _Workspace ws, Py_ssize_t f) except -1 nogil
+    cdef int _facet_check(self, _FacetSlot s, _Workspace ws, Py_ssize_t f) except -1 nogil
+    cdef int _jac(self, _Workspace ws, Py_ssize_t f, const double* in_u, const double* in_v,
+                  double* out_u, double* out_v, double* buf, double* scratch_u) except -1 nogil
     cdef int _prop1(self, _Workspace ws, const double* in_u, const double* in_v, double* out_u,
                     double* out_v, double* buf, double* scratch_u) except -1 nogil
     cdef int _R(self, const double* x, double* out, double* buf) except -1 nogil

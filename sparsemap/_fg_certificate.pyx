@@ -8,19 +8,25 @@ feasible point is told by a Farkas certificate (one MAP call per factor) long
 before ADMM would stall.
 
 ``_Certified`` extends the ADMM engine (``sparsemap._fg_admm``) with those two
-hooks of its loop, and with the affine projection (the single-factor Jacobians of
-Prop. 1, and conjugate gradient over them) that the backward pass
-(``sparsemap._fg_backward``) uses too.
+hooks of its loop, and with the affine projection (the single-factor Jacobians, and
+conjugate gradient over them) that the backward pass (``sparsemap._fg_backward``)
+uses too. A factor's Jacobian is that of the side its last step ran on: Prop. 1 on
+its support (the vertex side), or its facet solver's ``c_apply`` on the piece its
+state holds (the facet side). Either is the orthogonal projector onto the directions
+of the factor's face, so the polish and the backward pass treat both alike; only the
+KKT check differs (a support's weights and reduced scores, or the facet solver's
+projection at the polished scores).
 """
 
 import numpy as np
 
 from libc.math cimport fabs, sqrt, INFINITY
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _dot, _maxabs
 from sparsemap._factors._base cimport Factor
-from sparsemap._fg_admm cimport INFEASIBLE
+from sparsemap._facet cimport FACET_SOLVED
+from sparsemap._fg_admm cimport INFEASIBLE, FACET, _FacetSlot
 
 
 # Conjugate gradient (backward pass and polishing) stops when the constraint
@@ -46,6 +52,12 @@ cdef double SPREAD_TOL = 1e-9
 cdef Py_ssize_t POLISH_MAX_CG = 1000
 # Polished weights up to this are round-off zeros.
 cdef double ZERO_WEIGHT = 1e-12
+# A facet-side factor's polished point is accepted when its solver's projection at the
+# polished scores is this close to it (relative to the scale of the scores and
+# multipliers): the point is then in the factor's polytope up to that distance, and its
+# optimality is certified by MAP as a support's is (KKT_TOL).
+cdef double FACET_POINT_TOL = 1e-9
+cdef Py_ssize_t FACET_CHECK_BUDGET = 1000
 
 
 # Infeasibility (_Certified._farkas, run when sparsemap._fg_admm's loop says so): a
@@ -127,7 +139,11 @@ cdef class _Certified(_Admm):
                     scale = fabs(self.cmu[j])
             if ws.n_v:
                 scale = max(scale, _maxabs(self.ev + self.voff[f], ws.n_v))
-            ws.f.c_score(ws.S, &nu[self.uoff[f]], ev, &tau)
+            if self.side[f] == FACET:
+                tau = _point_score((<_FacetSlot> self.fsp[f]).u, (<_FacetSlot> self.fsp[f]).v,
+                                   ws.n_u, ws.n_v, &nu[self.uoff[f]], ev)
+            else:
+                ws.f.c_score(ws.S, &nu[self.uoff[f]], ev, &tau)
             if ws.f.c_map(&nu[self.uoff[f]], ev, ws.snew, ws.work) != 0:
                 return f
             ws.f.c_score(ws.snew, &nu[self.uoff[f]], ev, &best)
@@ -267,13 +283,17 @@ cdef class _Certified(_Admm):
             if code == 2 or code == 5:
                 self._polish_repair(<_Workspace> self.wsp[f], code)
                 changed = True
+            elif code == 6:
+                # the facet solver's piece at the polished scores is another: take it
+                (<_FacetSlot> self.fsp[f])._swap()
+                changed = True
             elif code != 1:
                 return 0
         if changed:
             return 2
         # accepted: the weights (kept in each ws.x1 by the check), and the polished u
         for f in range(self.F):
-            self._polish_accept(<_Workspace> self.wsp[f])
+            self._polish_accept(<_Workspace> self.wsp[f], f)
         for i in range(self.V):
             if self.deg[i] > 0:
                 self.u[i] = self.cu[i]
@@ -337,18 +357,19 @@ cdef class _Certified(_Admm):
     cdef int _polish_prepare(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """t_f (a point of the face, minus s) into ct; the eta_v term g_f into cg (literal)."""
         cdef Py_ssize_t j, a = self.uoff[f]
+        cdef double* x = self._point(ws, f)
         for j in range(a, self.uoff[f + 1]):
-            self.ct[j] = ws.u[j - a] - self.sh[j] if self.var[j] >= 0 else 0.0
+            self.ct[j] = x[j - a] - self.sh[j] if self.var[j] >= 0 else 0.0
             self.cg[j] = 0.0
         if ws.n_v:
-            self._prop1(ws, NULL, self.ev + self.voff[f], self.cg + a, NULL, ws.x1, NULL)
+            self._jac(ws, f, NULL, self.ev + self.voff[f], self.cg + a, NULL, NULL, NULL)
         return 0
 
     cdef int _polish_check(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """Factor f's KKT conditions at the polished point: 1 when they hold, else the
         first that fails: 2 a negative weight, 3 weights that do not sum to one, 4 support
         structures of different reduced scores, 5 a better structure (in ws.snew). Its
-        weights are left in ws.x1."""
+        weights are left in ws.x1. A facet-side factor: _facet_check."""
         cdef Py_ssize_t j, t, a = self.uoff[f], b = self.uoff[f + 1], n = ws.nI
         cdef double* x = ws.x1
         cdef double* ev = self.ev + self.voff[f] if ws.n_v else NULL
@@ -357,6 +378,8 @@ cdef class _Certified(_Admm):
         for j in range(a, b):
             self.ctmp[j] = self.sh[j] + self.sig[j] * self.cu[self.var[j]] \
                 if self.var[j] >= 0 else 0.0
+        if self.side[f] == FACET:
+            return self._facet_check(<_FacetSlot> self.fsp[f], ws, f)
         for t in range(n):
             ws.f.c_score(ws.S + t * ws.k, self.ctmp + a, self.zv, &x[t])
             x[t] += ws.c
@@ -385,11 +408,46 @@ cdef class _Certified(_Admm):
         ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
         return 1 if best - tau_hi <= KKT_TOL * scale else 5
 
-    cdef int _polish_accept(self, _Workspace ws) except -1 nogil:
+    cdef int _facet_check(self, _FacetSlot s, _Workspace ws, Py_ssize_t f) except -1 nogil:
+        """_polish_check for a factor on the facet side: 1 when its solver's projection at
+        the polished scores (the literals in ctmp plus the multipliers -mu) is the polished
+        point and MAP finds no structure better than the point at the multipliers; 6 when
+        the projection is another point (its state and point left in s.st2, s.u2); else 0.
+        The projection proves the point is in the polytope, MAP that it is optimal."""
+        cdef Py_ssize_t j, a = self.uoff[f], b = self.uoff[f + 1], n_it = 0
+        cdef double* ev = self.ev + self.voff[f] if s.n_v else NULL
+        cdef double scale = 1.0, diff = 0.0, tau, best
+        cdef double res[2]
+        for j in range(a, b):
+            if not self.lmask[j] and fabs(self.cmu[j]) > scale:
+                scale = fabs(self.cmu[j])
+            s.th[j - a] = self.ctmp[j] + self.cmu[j]      # -inf on masked links
+        if s.n_v:
+            scale = max(scale, _maxabs(ev, s.n_v))
+        if s.solver.c_solve(s.th, ev, s.u2, s.v2, &s.st2, FACET_CHECK_BUDGET, &n_it,
+                            res) != FACET_SOLVED:
+            return 0
+        for j in range(a, b):
+            diff = max(diff, fabs(s.u2[j - a] - self.ctmp[j]))
+        if diff > FACET_POINT_TOL * scale:
+            return 6
+        # the projection's own point (within diff of the polished one) at the multipliers
+        tau = _point_score(s.u2, s.v2, s.n_u, s.n_v, self.cmu + a, ev)
+        if ws.f.c_map(self.cmu + a, ev, ws.snew, ws.work) != 0:
+            return 0
+        ws.n_map += 1
+        ws.f.c_score(ws.snew, self.cmu + a, ev if ev != NULL else self.zv, &best)
+        return 1 if best - tau <= KKT_TOL * scale else 0
+
+    cdef int _polish_accept(self, _Workspace ws, Py_ssize_t f) except -1 nogil:
         """The polished weights; those at round-off level (ADMM approached the face
-        through structures whose weight vanishes there) leave the support."""
+        through structures whose weight vanishes there) leave the support. A facet-side
+        factor keeps its check's projection (point and state: the backward pass's piece)."""
         cdef Py_ssize_t t
         cdef double psum = 0.0
+        if self.side[f] == FACET:
+            (<_FacetSlot> self.fsp[f])._swap()
+            return 0
         for t in range(ws.nI):
             ws.y[t] = ws.x1[t] if ws.x1[t] > ZERO_WEIGHT else 0.0
             psum += ws.y[t]
@@ -399,7 +457,17 @@ cdef class _Certified(_Admm):
         ws._compute_u(ws.y, False)
         return 0
 
-    # -- the single-factor Jacobian at the final support (Prop. 1) ------------------------------
+    # -- the single-factor Jacobian at the final support (Prop. 1) or piece (c_apply) -------
+    cdef int _jac(self, _Workspace ws, Py_ssize_t f, const double* in_u, const double* in_v,
+                  double* out_u, double* out_v, double* buf, double* scratch_u) except -1 nogil:
+        """_prop1 for factor f on the side of its last step. buf: at least max(nI, n_u +
+        n_v) doubles, or NULL to use the workspace's (or the facet slot's) scratch."""
+        if self.side[f] == FACET:
+            return _facet_apply(<_FacetSlot> self.fsp[f], in_u if in_u != NULL else self.zu,
+                                in_v, out_u, out_v, buf, scratch_u)
+        return self._prop1(ws, in_u, in_v, out_u, out_v, buf if buf != NULL else ws.x1,
+                           scratch_u)
+
     cdef int _prop1(self, _Workspace ws, const double* in_u, const double* in_v, double* out_u,
                     double* out_v, double* buf, double* scratch_u) except -1 nogil:
         """out_u += M_S D (M_S^T in_u + N_S^T in_v); out_v += N_S D (...), D of Prop. 1.
@@ -434,7 +502,7 @@ cdef class _Certified(_Admm):
                        double* buf) except -1 nogil:
         cdef Py_ssize_t j, a = self.uoff[f]
         memset(out + a, 0, ws.n_u * sizeof(double))
-        self._prop1(ws, x + a, NULL, out + a, NULL, buf if buf != NULL else ws.x1, NULL)
+        self._jac(ws, f, x + a, NULL, out + a, NULL, buf, NULL)
         for j in range(a, self.uoff[f + 1]):
             out[j] = (x[j] - out[j]) if self.var[j] >= 0 else 0.0
         return 0
@@ -543,3 +611,42 @@ cdef class _Certified(_Admm):
         nu = a["sig"][:self.L] * a["lam"][:self.L] * self.scale
         nu[a["lmask"][:self.L] != 0] = -np.inf
         return nu
+
+
+cdef double _point_score(const double* u, const double* v, Py_ssize_t n_u, Py_ssize_t n_v,
+                         const double* nu, const double* ev) noexcept nogil:
+    """nu . u + ev . v at a facet-side factor's point (u, v): the reduced score that every
+    structure of an optimal distribution attains (parts at 0 skipped: nu is -inf on
+    masked ones)."""
+    cdef Py_ssize_t j
+    cdef double tau = 0.0
+    for j in range(n_u):
+        if u[j] != 0.0:
+            tau += nu[j] * u[j]
+    for j in range(n_v):
+        if v[j] != 0.0:
+            tau += ev[j] * v[j]
+    return tau
+
+
+cdef int _facet_apply(_FacetSlot s, const double* in_u, const double* in_v, double* out_u,
+                      double* out_v, double* buf, double* scratch_u) except -1 nogil:
+    """_Certified._prop1's products from a facet-side factor's piece: out_u += J_u in_u +
+    J_v in_v, or with out_v, out_v += J_v^T in_u (N_S D M_S^T in_u: callers that want
+    out_v pass no in_v). J_u is symmetric (a projector). out_u NULL: scratch_u is written
+    instead. buf: n_u + n_v doubles, or NULL for the slot's own."""
+    cdef double* ju = buf if buf != NULL else s.ju
+    cdef double* jv = buf + s.n_u if buf != NULL else s.jv
+    cdef Py_ssize_t j
+    if out_v != NULL and s.n_v:
+        s.solver.c_apply(&s.st, in_u, NULL, ju, jv, True)
+        for j in range(s.n_v):
+            out_v[j] += jv[j]
+    else:
+        s.solver.c_apply(&s.st, in_u, in_v if s.n_v else NULL, ju, NULL, False)
+    if out_u == NULL:
+        memcpy(scratch_u, ju, s.n_u * sizeof(double))
+    else:
+        for j in range(s.n_u):
+            out_u[j] += ju[j]
+    return 0
