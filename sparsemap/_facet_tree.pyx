@@ -33,7 +33,12 @@ from the previous one (two or three passes over the column); all cut sums and
 hold it (``W`` 64-bit words per node for ``64 W`` cuts: the masks and the
 cut arrays double in place when a cut finds them full, so there is no cap on
 the number of cuts). Arcs from a node that no cut holds enter exactly the
-cuts of their modifier and are summed once per column.
+cuts of their modifier and are summed once per column. When the cuts with
+``mu != 0`` are nested (a chain, as at head-biased scores), ``z`` comes from
+node potentials instead: with ``P[v]`` the sum of their ``mu`` over those
+that hold ``v`` and ``d[v]`` their number, ``z[h, m] = eta[h, m] + P[m] - P[h]``
+when ``d[h] < d[m]``, else ``eta[h, m]`` (``O(1)`` per arc whatever the number
+of cuts; ``_chain_potentials``).
 
 *Exact finish.* On the pieces where the supports and the active cuts do not
 change, ``D`` is quadratic and the Newton step lands on its maximum: the point
@@ -60,12 +65,27 @@ violated sets found by the run are added, each first
 - uncrossed with the tight cuts held (``_uncross``: replaced by its
   intersection or union with a crossing one, whichever is more violated;
   the cut function is submodular, so that one is violated at least as much),
-  which keeps the tight family laminar, as in Edmonds' algorithm;
+  which keeps the tight family laminar, as in Edmonds' algorithm.
 
-cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
-solved again, warm-started. After three rounds the dual is solved loosely
-between separations (to ``|g|`` at most half the violation just found); the
-solve before the separation that certifies ``x`` is exact.
+Then the violated sets along a chain are added (``_chain_cuts``): from a
+start set, words are added one at a time, each time the one that lowers the
+cut the most, up to all words, and removed the same way down to one word
+(``O(n^2)`` for the chain, the cut updated in ``O(1)`` per step), and the
+chain's local minima of the cut that are violated are offered as above. When
+the cuts with ``mu != 0`` are nested, the chain starts at the deepest one
+and grows ring by ring (the words of each held set before those outside it),
+so that each set it adds lies between two consecutive held cuts; otherwise,
+or when that adds nothing, it runs through the run's most violated set. At
+head-biased scores the optimum's tight cuts are such a chain (tens of
+nested sets, nearly every prefix of the words ordered by how much they head
+past the first twenty or so) and each new cut fills a gap between two held
+ones: a separation that added the run's one or two most violated sets took
+one round per cut, the chain fills several gaps per round.
+
+Cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
+solved again, warm-started. After two rounds the dual is solved loosely
+between separations (to ``|g|`` at most 0.2 times the violation just found);
+the solve before the separation that certifies ``x`` is exact.
 
 *Termination.* There is no cap on rounds or cuts. Between two exact dual
 solves cuts are only added, each a set not held, so those runs are finite;
@@ -73,13 +93,16 @@ from one exact solve to the next the held cuts' dual optimum strictly rises
 (the new family holds a cut the previous optimum violates, and the cuts
 dropped had ``mu = 0``), so no family of held cuts comes back and there are
 finitely many exact solves. Only the budget of projection passes (the
-caller's ``max_iter``) ends a solve early. Each cut held costs, per projection
-pass, ``O(1)`` per arc it enters (a row of ``n + 1`` per word it holds, for
-words in more than four cuts), and a row and column of the dense ``H``
-(``O(k^3)`` per Newton step for ``k`` cuts); at head-biased scores (a
-per-head offset, like a parser's at initialisation: ``head_sd`` 0.08 or 0.3)
-100 to 150 words took 25 to 116 rounds and held 23 to 49 cuts at the end
-(``benchmarks/bench_tree_headbias.py``, docs/benchmarks.rst).
+caller's ``max_iter``) ends a solve early. The chain separation keeps this:
+it adds only violated sets not held. Each cut held costs, per projection
+pass, ``O(1)`` per arc it enters in ``H`` and, unless the cuts in use are
+nested, in ``z`` (a row of ``n + 1`` per word it holds, for words in more
+than four cuts), and a row and column of the dense ``H`` (``O(k^3)`` per
+Newton step for ``k`` cuts); at head-biased scores (a per-head offset, like a
+parser's at initialisation: ``head_sd`` 0.08 or 0.3) 100 to 150 words took
+10 to 48 rounds, 57 to 72 projection passes (median over seeds) and held 20
+to 48 cuts at the end; before the chain separation, 25 to 116 rounds and 84
+to 180 passes (``benchmarks/bench_tree_headbias.py``, docs/benchmarks.rst).
 
 *Certificate.* At return, the residuals are recomputed from the final ``x``
 and ``mu`` with fresh sums: the primal one is the largest of
@@ -266,6 +289,9 @@ cdef enum:
 # head-biased scores, which take tens of rounds, that saves passes; the first rounds
 # are solved exactly, since a loose solve that separates nothing costs an exact solve
 # and one more separation, and most i.i.d. problems need at most three rounds.
+# (Head-biased scores at 100 and 150 words: 0.2 took a quarter fewer passes than
+# 0.5, and 0.02 to 0.1 or 0.9 no fewer than 0.2; loose solves from round 1 cost
+# i.i.d. problems at scale 1 up to 20% more, from round 3 within noise.)
 cdef double LOOSE = 0.2
 cdef int LOOSE_AFTER = 2
 # A column whose word is in more than AXPY_FROM cuts gets z row by row over its
@@ -1239,12 +1265,6 @@ cdef int _chain_cuts(Work* w, const char* S0, const int* ring, double tol) excep
     cdef double cut, cut0, best, s, pcut
     cdef bint pend
     cdef const double* XT = w.XT
-    for m in range(N):
-        A[m] = 0.0
-    for j in range(1, N):
-        if S0[j]:
-            for m in range(1, N):
-                A[m] += XT[j * N + m] + XT[m * N + j]
     cut0 = _cut_value(w, S0)
     for dirn in range(2):
         memcpy(T, S0, N)
@@ -1252,14 +1272,13 @@ cdef int _chain_cuts(Work* w, const char* S0, const int* ring, double tol) excep
         cut = cut0
         pcut = cut0
         pend = False
-        if dirn == 1:
-            # A was moved by the growing: recompute it for S0
-            for m in range(N):
-                A[m] = 0.0
-            for j in range(1, N):
-                if S0[j]:
-                    for m in range(1, N):
-                        A[m] += XT[j * N + m] + XT[m * N + j]
+        # A for S0 (each direction moves it)
+        for m in range(N):
+            A[m] = 0.0
+        for j in range(1, N):
+            if S0[j]:
+                for m in range(1, N):
+                    A[m] += XT[j * N + m] + XT[m * N + j]
         if ring != NULL:
             level = -1
             for m in range(1, N):
