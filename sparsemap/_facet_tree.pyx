@@ -33,7 +33,12 @@ from the previous one (two or three passes over the column); all cut sums and
 hold it (``W`` 64-bit words per node for ``64 W`` cuts: the masks and the
 cut arrays double in place when a cut finds them full, so there is no cap on
 the number of cuts). Arcs from a node that no cut holds enter exactly the
-cuts of their modifier and are summed once per column.
+cuts of their modifier and are summed once per column. When the cuts with
+``mu != 0`` are nested (a chain, as at head-biased scores), ``z`` comes from
+node potentials instead: with ``P[v]`` the sum of their ``mu`` over those
+that hold ``v`` and ``d[v]`` their number, ``z[h, m] = eta[h, m] + P[m] - P[h]``
+when ``d[h] < d[m]``, else ``eta[h, m]`` (``O(1)`` per arc whatever the number
+of cuts; ``_chain_potentials``).
 
 *Exact finish.* On the pieces where the supports and the active cuts do not
 change, ``D`` is quadratic and the Newton step lands on its maximum: the point
@@ -60,12 +65,27 @@ violated sets found by the run are added, each first
 - uncrossed with the tight cuts held (``_uncross``: replaced by its
   intersection or union with a crossing one, whichever is more violated;
   the cut function is submodular, so that one is violated at least as much),
-  which keeps the tight family laminar, as in Edmonds' algorithm;
+  which keeps the tight family laminar, as in Edmonds' algorithm.
 
-cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
-solved again, warm-started. After three rounds the dual is solved loosely
-between separations (to ``|g|`` at most half the violation just found); the
-solve before the separation that certifies ``x`` is exact.
+Then the violated sets along a chain are added (``_chain_cuts``): from a
+start set, words are added one at a time, each time the one that lowers the
+cut the most, up to all words, and removed the same way down to one word
+(``O(n^2)`` for the chain, the cut updated in ``O(1)`` per step), and the
+chain's local minima of the cut that are violated are offered as above. When
+the cuts with ``mu != 0`` are nested, the chain starts at the deepest one
+and grows ring by ring (the words of each held set before those outside it),
+so that each set it adds lies between two consecutive held cuts; otherwise,
+or when that adds nothing, it runs through the run's most violated set. At
+head-biased scores the optimum's tight cuts are such a chain (tens of
+nested sets, nearly every prefix of the words ordered by how much they head
+past the first twenty or so) and each new cut fills a gap between two held
+ones: a separation that added the run's one or two most violated sets took
+one round per cut, the chain fills several gaps per round.
+
+Cuts with ``mu = 0`` are dropped after an exact dual solve, and the dual is
+solved again, warm-started. After two rounds the dual is solved loosely
+between separations (to ``|g|`` at most 0.2 times the violation just found);
+the solve before the separation that certifies ``x`` is exact.
 
 *Termination.* There is no cap on rounds or cuts. Between two exact dual
 solves cuts are only added, each a set not held, so those runs are finite;
@@ -73,13 +93,16 @@ from one exact solve to the next the held cuts' dual optimum strictly rises
 (the new family holds a cut the previous optimum violates, and the cuts
 dropped had ``mu = 0``), so no family of held cuts comes back and there are
 finitely many exact solves. Only the budget of projection passes (the
-caller's ``max_iter``) ends a solve early. Each cut held costs, per projection
-pass, ``O(1)`` per arc it enters (a row of ``n + 1`` per word it holds, for
-words in more than four cuts), and a row and column of the dense ``H``
-(``O(k^3)`` per Newton step for ``k`` cuts); at head-biased scores (a
-per-head offset, like a parser's at initialisation: ``head_sd`` 0.08 or 0.3)
-100 to 150 words took 25 to 116 rounds and held 23 to 49 cuts at the end
-(``benchmarks/bench_tree_headbias.py``, docs/benchmarks.rst).
+caller's ``max_iter``) ends a solve early. The chain separation keeps this:
+it adds only violated sets not held. Each cut held costs, per projection
+pass, ``O(1)`` per arc it enters in ``H`` and, unless the cuts in use are
+nested, in ``z`` (a row of ``n + 1`` per word it holds, for words in more
+than four cuts), and a row and column of the dense ``H`` (``O(k^3)`` per
+Newton step for ``k`` cuts); at head-biased scores (a per-head offset, like a
+parser's at initialisation: ``head_sd`` 0.08 or 0.3) 100 to 150 words took
+10 to 48 rounds, 57 to 72 projection passes (median over seeds) and held 20
+to 48 cuts at the end; before the chain separation, 25 to 116 rounds and 84
+to 180 passes (``benchmarks/bench_tree_headbias.py``, docs/benchmarks.rst).
 
 *Certificate.* At return, the residuals are recomputed from the final ``x``
 and ``mu`` with fresh sums: the primal one is the largest of
@@ -245,6 +268,7 @@ cdef extern from *:
     }
     """
     int sm_ctz64(u64 b) noexcept nogil
+    double sm_keep(double v, int a) noexcept nogil
     double sm_sum_above(const double* z, int n, double t, int* count) noexcept nogil
     int sm_clip(const double* z, int n, double t, double* x, char* sp, long long* changes,
                 double* sq) noexcept nogil
@@ -265,8 +289,11 @@ cdef enum:
 # head-biased scores, which take tens of rounds, that saves passes; the first rounds
 # are solved exactly, since a loose solve that separates nothing costs an exact solve
 # and one more separation, and most i.i.d. problems need at most three rounds.
-cdef double LOOSE = 0.5
-cdef int LOOSE_AFTER = 3
+# (Head-biased scores at 100 and 150 words: 0.2 took a quarter fewer passes than
+# 0.5, and 0.02 to 0.1 or 0.9 no fewer than 0.2; loose solves from round 1 cost
+# i.i.d. problems at scale 1 up to 20% more, from round 3 within noise.)
+cdef double LOOSE = 0.2
+cdef int LOOSE_AFTER = 2
 # A column whose word is in more than AXPY_FROM cuts gets z row by row over its
 # cuts (see _project); below, by a bit loop per arc.
 cdef int AXPY_FROM = 4
@@ -379,6 +406,8 @@ cdef struct Work:
     char* cscratch               # N chars
     char* nocut                  # N: no cut holds the node
     char* cores                  # MAX_FOUND x N
+    bint is_chain
+    char* chain                  # 4 N: the chain separation's set, a copy, two starts (_chain_cuts)
 
 
 cdef inline int _cuts_of(const u64* bm, const u64* bh, int W, int* lst) noexcept nogil:
@@ -507,6 +536,52 @@ cdef inline double _threshold(const double* z, int N, double tau0) noexcept nogi
     return t
 
 
+cdef bint _chain_potentials(Work* w, double* P, int* d) noexcept nogil:
+    """When the cuts with mu != 0 form a chain (each holds the next), the
+    potentials P[v] (the sum of their mu over those that hold node v) and depths
+    d[v] (how many hold v), and True: then the cuts an arc h -> m enters are the
+    ones that hold m but not the deeper of the two, and its z is
+    eta[h, m] + P[m] - P[h] when d[h] < d[m], eta[h, m] otherwise, O(1) per arc
+    instead of O(1) per cut held by m. At head-biased scores the tight cuts are a
+    chain of tens of sets, most words are in most of them, and the sum over the
+    cuts was most of a pass. False (P, d undefined) otherwise."""
+    cdef int N = w.N, k = w.k, i, j, m, nc = 0, t, s0
+    cdef int* order = w.lst       # (_project's per-arc scratch, free before its loop)
+    cdef int* size = w.lcol
+    cdef const double* a
+    cdef const double* b
+    for i in range(k):
+        if w.mu[i] != 0.0:
+            s0 = 0
+            a = w.arow + <Py_ssize_t> i * N
+            for m in range(1, N):
+                s0 += a[m] != 0.0
+            # insertion by size, largest first
+            j = nc
+            while j > 0 and size[j - 1] < s0:
+                order[j] = order[j - 1]
+                size[j] = size[j - 1]
+                j -= 1
+            order[j] = i
+            size[j] = s0
+            nc += 1
+    for m in range(N):
+        P[m] = 0.0
+        d[m] = 0
+    for j in range(nc):
+        a = w.arow + <Py_ssize_t> order[j] * N
+        if j > 0:
+            b = w.arow + <Py_ssize_t> order[j - 1] * N
+            for m in range(1, N):
+                if a[m] > b[m]:
+                    return False
+        for m in range(1, N):
+            t = a[m] != 0.0
+            d[m] += t
+            P[m] += sm_keep(w.mu[order[j]], t)
+    return True
+
+
 cdef void _project(Work* w) noexcept nogil:
     """x = column-wise sparsemax of eta + C^T mu; also tau, the support, C x,
     g = 1 - C x, H = C J C^T (all k cuts) and the dual value.
@@ -530,6 +605,12 @@ cdef void _project(Work* w) noexcept nogil:
     cdef u64 b, b0
     cdef bint has
     cdef long long changes = 0
+    cdef double* P = w.zb + 2 * N
+    cdef int* d = w.iscratch
+    cdef bint chain = k > 0 and _chain_potentials(w, P, d)
+    cdef double pm
+    cdef int dm
+    w.is_chain = chain
     for i in range(k * k):
         H[i] = 0.0
     for i in range(k):
@@ -554,7 +635,12 @@ cdef void _project(Work* w) noexcept nogil:
             # z[h] = e[h] + the mu of the cuts holding m but not h: all of m's
             # cuts, less those holding h too, row by row (contiguous and
             # branch-free; a bit loop per arc was most of a pass's time)
-            if na <= AXPY_FROM and W == 1:
+            if chain:
+                pm = P[m]
+                dm = d[m]
+                for h in range(N):
+                    z[h] = e[h] + sm_keep(pm - P[h], d[h] < dm)
+            elif na <= AXPY_FROM and W == 1:
                 # one word per mask (at most 64 cuts, the usual case): main's loop
                 b0 = bm[0]
                 for h in range(N):
@@ -1062,6 +1148,27 @@ cdef int _heads_only(char* S, const char* hd, int N) noexcept nogil:
     return c
 
 
+cdef bint _crosses_tight(const Work* w, const char* T, int i) noexcept nogil:
+    """Whether the word set T crosses the held cut i (they meet and neither holds
+    the other) and cut i is tight (mu > 0, or the root equality)."""
+    cdef int N = w.N, W = w.W, m, c_in = 0, c_t = 0, c_s = 0
+    cdef bint b
+    if not (_bit(w.freebits, i) or w.mu[i] > 0.0):
+        return False
+    for m in range(1, N):
+        b = _bit(w.inmask + m * W, i)
+        if T[m]:
+            if b:
+                c_in += 1
+            else:
+                c_t += 1
+        elif b:
+            c_s += 1
+        if c_in and c_t and c_s:
+            return True
+    return False
+
+
 cdef void _uncross(Work* w, char* T, char* tmp) noexcept nogil:
     """Make the violated word set T laminar with the held cuts that are tight
     (mu > 0, or the root equality): while T crosses such a cut S (they meet
@@ -1073,29 +1180,15 @@ cdef void _uncross(Work* w, char* T, char* tmp) noexcept nogil:
     far more often, and the dual's Newton steps and the rounds that add one
     nearly dependent cut after another were most of the cost at head-biased
     scores. tmp: N chars of scratch (the Hao-Orlin best set's, read before)."""
-    cdef int N = w.N, W = w.W, i, m, it, c_in, c_t, c_s
+    cdef int N = w.N, W = w.W, i, m, it
     cdef bint changed = True
     cdef double v_and, v_or
-    cdef const u64* bm
     it = 0
     while changed and it < w.k:
         changed = False
         it += 1
         for i in range(w.k):
-            if not (_bit(w.freebits, i) or w.mu[i] > 0.0):
-                continue
-            c_in = 0
-            c_t = 0
-            c_s = 0
-            for m in range(1, N):
-                bm = w.inmask + m * W
-                if T[m] and _bit(bm, i):
-                    c_in += 1
-                elif T[m]:
-                    c_t += 1
-                elif _bit(bm, i):
-                    c_s += 1
-            if c_in == 0 or c_t == 0 or c_s == 0:
+            if not _crosses_tight(w, T, i):
                 continue
             for m in range(N):
                 tmp[m] = T[m] and _bit(w.inmask + m * W, i)
@@ -1123,6 +1216,114 @@ cdef double _cut_value(const Work* w, const char* S) noexcept nogil:
             if not S[h] or h == 0:
                 s += w.XT[m * N + h]
     return s
+
+
+cdef int _offer(Work* w, char* S, double val, double tol, char* tmp) except -1 nogil:
+    """Add the word set S as a cut when it is violated (val: its cut value
+    summed along the way, or a negative number to have it summed afresh), after
+    uncrossing it with the held tight cuts (_uncross), unless it is held
+    already. Returns 1 when it was added. tmp: N chars of scratch."""
+    cdef int N = w.N, i
+    if _size(S, N) == 0 or val >= 1.0 - tol:
+        return 0
+    for i in range(w.k):
+        if _crosses_tight(w, S, i):
+            _uncross(w, S, tmp)
+            val = -1.0
+            break
+    # a value near the bar, or one changed by the uncrossing, is summed afresh
+    if val < 0.0 or val > 1.0 - tol - 1e-9:
+        val = _cut_value(w, S)
+    if val >= 1.0 - tol or _has_cut(w, S):
+        return 0
+    _add_cut(w, S, False)
+    return 1
+
+
+cdef int _chain_cuts(Work* w, const char* S0, const int* ring, double tol) except -1 nogil:
+    """Add the violated sets at the local minima of the cut along a chain of word
+    sets through S0: grown from S0 one word at a time, each time the word that
+    lowers the cut the most, up to all words; and shrunk from S0 the same way,
+    down to one word. With s(v, j) = x[v, j] + x[j, v] and A[v] the sum of s(v, j)
+    over j in the set, adding v changes the cut by 1 - A[v] and removing v by
+    A[v] - 1. With ring (the depth of each word in a chain of held cuts, S0 its
+    deepest set), the growing takes the words of depth d - 1 before those of
+    depth d - 2 and so on, so that every set of the chain lies between two
+    consecutive held cuts: the sets added are nested with them.
+
+    At head-biased scores the optimum's tight cuts are a chain of tens of sets
+    (nearly every prefix of the words ordered by how much they head, past the
+    first twenty or so), and each new one fills a gap between two held ones; a
+    separation that added the one or two most violated sets per round took one
+    round per cut. Only the local minima are offered: the sets of a plateau
+    differ in words whose heads are all inside, and their rows on the support
+    are equal or dependent. Returns the number of cuts added."""
+    cdef int N = w.N, m, v, j, nk = 0, dirn, level = 0
+    cdef double* A = w.zb + N
+    cdef char* T = w.chain
+    cdef char* C = w.chain + N
+    cdef double cut, cut0, best, s, pcut
+    cdef bint pend
+    cdef const double* XT = w.XT
+    cut0 = _cut_value(w, S0)
+    for dirn in range(2):
+        memcpy(T, S0, N)
+        T[0] = 0
+        cut = cut0
+        pcut = cut0
+        pend = False
+        # A for S0 (each direction moves it)
+        for m in range(N):
+            A[m] = 0.0
+        for j in range(1, N):
+            if S0[j]:
+                for m in range(1, N):
+                    A[m] += XT[j * N + m] + XT[m * N + j]
+        if ring != NULL:
+            level = -1
+            for m in range(1, N):
+                if S0[m]:
+                    level = ring[m] - 1
+                    break
+        while True:
+            v = -1
+            best = INFINITY
+            for m in range(1, N):
+                if (T[m] != 0) != (dirn == 1):
+                    continue
+                if ring != NULL and dirn == 0 and ring[m] != level:
+                    continue
+                s = -A[m] if dirn == 0 else A[m]
+                if s < best:
+                    best = s
+                    v = m
+            if v < 0:
+                if ring != NULL and dirn == 0 and level > 0:
+                    level -= 1
+                    continue
+                break
+            if dirn == 0:
+                T[v] = 1
+                cut += 1.0 - A[v]
+                for m in range(1, N):
+                    A[m] += XT[v * N + m] + XT[m * N + v]
+            else:
+                T[v] = 0
+                cut += A[v] - 1.0
+                for m in range(1, N):
+                    A[m] -= XT[v * N + m] + XT[m * N + v]
+                if _size(T, N) == 0:
+                    break
+            # a local minimum: the set before this step, when this step raised the cut
+            if pend and cut > pcut + 1e-12:
+                nk += _offer(w, C, pcut, tol, w.F.found + MAX_FOUND * N)
+            pend = cut < 1.0 - tol and cut < pcut - 1e-12
+            if pend:
+                memcpy(C, T, N)
+            pcut = cut
+        if pend:
+            nk += _offer(w, C, pcut, tol, w.F.found + MAX_FOUND * N)
+    return nk
 
 
 # ---------------------------------------------------------------------------
@@ -1292,7 +1493,7 @@ cdef class TreeFacetSolver(FacetSolver):
                 residuals[0] = residuals[1] = 0.0
                 return FACET_DECLINED
         cdef Py_ssize_t nbytes = ((2 * NN + 4 * N) * sizeof(double) + 2 * N * sizeof(int)
-                                  + NN + 2 * N + MAX_FOUND * N + 32)
+                                  + NN + 6 * N + MAX_FOUND * N + 32)
         block = <char*> malloc(nbytes + _flow_bytes(N))
         if block == NULL:
             with gil:
@@ -1311,6 +1512,7 @@ cdef class TreeFacetSolver(FacetSolver):
         w.cscratch = w.supp + NN
         w.nocut = w.cscratch + N
         w.cores = w.nocut + N
+        w.chain = w.cores + MAX_FOUND * N
         _flow_carve(&w.F, N, block + nbytes)
         w.cutmem = NULL
         w.k = 0
@@ -1448,6 +1650,7 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
         # ends it early.
         w.rounds += 1
         loose = LOOSE * (1.0 - cut_min) if w.rounds > LOOSE_AFTER else 0.0
+        memcpy(w.chain + 2 * N, w.F.found + MAX_FOUND * N, N)
         _heads(w, w.cscratch)
         nf = w.F.n_found
         for j in range(nf):
@@ -1458,13 +1661,25 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
             S = w.F.found + j * N
             if _shared(w.cores, nf, j, N):
                 S = w.cores + j * N   # (see _heads_only)
-            if _size(S, N) == 0 or _cut_value(w, S) >= 1.0 - tol:
-                continue
-            _uncross(w, S, w.F.found + MAX_FOUND * N)
-            if _cut_value(w, S) >= 1.0 - tol or _has_cut(w, S):
-                continue
-            _add_cut(w, S, False)
-            nk += 1
+            nk += _offer(w, S, -1.0, tol, w.F.found + MAX_FOUND * N)
+        # A chain of sets through the held cuts when those with mu != 0 are nested
+        # (the last projection's depths: grown ring by ring from the deepest),
+        # else, or when that adds nothing, through the most violated set
+        if w.is_chain:
+            S = w.chain + 3 * N
+            j = 0
+            for m in range(1, N):
+                if w.iscratch[m] > j:
+                    j = w.iscratch[m]
+            S[0] = 0
+            for m in range(1, N):
+                S[m] = w.iscratch[m] == j
+            j = _chain_cuts(w, S, w.iscratch, tol)
+            nk += j
+            if j == 0:
+                nk += _chain_cuts(w, w.chain + 2 * N, NULL, tol)
+        else:
+            nk += _chain_cuts(w, w.chain + 2 * N, NULL, tol)
         if nk == 0:
             if not w.exact:
                 loose = 0.0           # a held cut violated: the loose solve's, solve exactly
