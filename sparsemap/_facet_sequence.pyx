@@ -112,14 +112,16 @@ cdef double EST_FACTOR = 2.0
 # Spread transitions (decline_peaked): decline when sv >= SPREAD_A max(su, SU_FLOOR) **
 # SPREAD_B, sv and su the pooled standard deviations of eta_v (about each transition's
 # mean; every k-th transition, see SPREAD_SAMPLE) and eta_u (about each position's).
-# u moves from per-position sparsemax (the path's start) as eta_v grows against u's
-# scale 1, and the facet side's pieces with it, while the vertex side gets cheaper as
-# eta_u gets peaked. Fitted to the measured crossover with the vertex side
-# (benchmarks/bench_facet.py --fit sequence; n x 17 tags, n = 20 to 80, eta_u = s randn,
-# eta_v = rho s randn, rho = 1, 0.3, 0.1, s = 0.01 to 10): at su = 0.1, 1 and 5 the
-# facet side declines from sv = 0.068, 0.136 and 0.22.
-cdef double SPREAD_A = 0.1359
-cdef double SPREAD_B = 0.3
+# u moves from per-position sparsemax (the cold path's start) as eta_v grows against u's
+# scale 1, and the structure the facet side has to find gets further from that start
+# (warm or cold), while the vertex side gets cheaper as eta_u gets peaked. Fitted to the
+# measured crossover with the vertex side (benchmarks/bench_facet.py --fit sequence;
+# n x 17 tags, n = 20 to 80, eta_u = s randn, eta_v = rho s randn, rho = 1, 0.3, 0.1,
+# s = 0.01 to 10): at su = 0.1, 1 and 5 the facet side declines from sv = 0.141, 0.159
+# and 0.171 (the exponent fitted nearly 0: with the warm start the crossover is at
+# about the same transition spread for any unary spread).
+cdef double SPREAD_A = 0.1585
+cdef double SPREAD_B = 0.05
 cdef double SU_FLOOR = 0.01
 # The spread of eta_v is read from about this many entries (whole transitions, evenly
 # spaced): a choice of side, not an answer, and it runs before every vertex-side solve.
