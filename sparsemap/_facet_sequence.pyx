@@ -102,7 +102,7 @@ import numpy as np
 
 from libc.math cimport INFINITY, fabs, pow, sqrt
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
                                state_check_header, state_resize)
@@ -1277,18 +1277,47 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
     return 0
 
 
+cdef bint _any_forbidden(const double* x, Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t j
+    for j in range(k):
+        if x[j] == -INFINITY:
+            return True
+    return False
+
+
+cdef inline bint _same(const double* x, const double* y, int k) noexcept nogil:
+    return memcmp(x, y, k * sizeof(double)) == 0
+
+
 cdef int _start(_W* w, const double* eta_u, const double* eta_v, const double* r,
                 double scale_v) noexcept nogil:
     """The path's start into a fresh workspace: u_i = sparsemax(eta_u[i]), the optimal
     transport bases for eta_v (ties broken by r). 0, or 1 (the solver declines)."""
-    cdef int i
+    cdef int i, SS = w.S * w.S, status = 0
+    cdef int* order = NULL
+    cdef bint valid = False
     for i in range(w.n):
         if _sparsemax(eta_u + i * w.S, w.S, w.uA + i * w.S, w.inP + i * w.S, w.pot):
             return 1      # no allowed tag at a position
+    # transitions that share their costs (a shared transition matrix, and the tie
+    # direction, which is one matrix repeated) share the greedy start's order of cells
     for i in range(w.T):
-        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v):
-            return 1
-    return 0
+        if valid and not (_same(eta_v + i * SS, eta_v + (i - 1) * SS, SS)
+                          and _same(r + i * SS, r + (i - 1) * SS, SS)):
+            valid = False
+        if (not valid and i + 1 < w.T and _same(eta_v + i * SS, eta_v + (i + 1) * SS, SS)
+                and _same(r + i * SS, r + (i + 1) * SS, SS)
+                and not _any_forbidden(eta_v + i * SS, SS)):
+            if order == NULL:
+                order = <int*> malloc(SS * sizeof(int))
+            if order != NULL:
+                _sort_cells(w, eta_v + i * SS, r + i * SS, order)
+                valid = True
+        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v, order if valid else NULL):
+            status = 1
+            break
+    free(order)
+    return status
 
 
 cdef bint _degenerate(_W* w) noexcept nogil:
@@ -1319,17 +1348,100 @@ cdef inline bint _violated(_W* w, const double* eta_u, const double* C0, const d
     return _slack_below(w, eta_u, C0, D, t, -TOL_X, -w.tol_d, True)
 
 
+cdef inline bint _greedy_cell(_W* w, int i, int ia, int ib, int it, int nr, const int* rows,
+                              const int* cols, double* pr, double* pc, int* ra) noexcept nogil:
+    """One cell of _transport's greedy start (pass it: 0 allocates, 1 joins the trees
+    with zero flows): True when pass 0 has allocated everything."""
+    cdef int a, b
+    if it == 0 and (pr[ia] <= 0.0 or pc[ib] <= 0.0):
+        return pr[ia] <= 0.0 and pc[ib] <= 0.0 and _all_zero(pr, nr)
+    a = _uf_find(w.uf, ia)
+    b = _uf_find(w.uf, nr + ib)
+    if a == b:
+        return False
+    w.uf[a] = b
+    _add_arc(w, i, rows[ia], cols[ib])
+    ra[0] += 1
+    if it == 0:
+        if pr[ia] <= pc[ib]:
+            pc[ib] -= pr[ia]
+            pr[ia] = 0.0
+        else:
+            pr[ia] -= pc[ib]
+            pc[ib] = 0.0
+    return False
+
+
+cdef void _greedy_heap(_W* w, int i, int nr, int nc, const int* rows, const int* cols,
+                       const double* u, const double* Ci, const double* Ri, const double* lf,
+                       bint forbidden, double* pr, double* pc, int* ra) noexcept nogil:
+    """_transport's greedy start, the cells of the supports popped from a heap."""
+    cdef int S = w.S, k = 0, ia, ib, j, it, heap
+    cdef _Cell cell
+    for ia in range(nr):
+        pr[ia] = u[i * S + rows[ia]]
+        for ib in range(nc):
+            j = rows[ia] * S + cols[ib]
+            w.cells[k].f = lf[j] if forbidden else 0.0
+            w.cells[k].c = Ci[j]
+            w.cells[k].r = Ri[j]
+            w.cells[k].a = ia
+            w.cells[k].b = ib
+            k += 1
+    for ib in range(nc):
+        pc[ib] = u[(i + 1) * S + cols[ib]]
+    for j in range(k // 2 - 1, -1, -1):
+        _sift(w.cells, j, k)
+    heap = k
+    for it in range(2):
+        j = k - 1
+        while j >= 0 and ra[0] < nr + nc - 1:
+            if j < heap:
+                # the next cell in decreasing order: pop it to the heap's end
+                heap -= 1
+                cell = w.cells[0]
+                w.cells[0] = w.cells[heap]
+                w.cells[heap] = cell
+                _sift(w.cells, 0, heap)
+            ia = w.cells[j].a
+            ib = w.cells[j].b
+            j -= 1
+            if _greedy_cell(w, i, ia, ib, it, nr, rows, cols, pr, pc, ra):
+                break
+
+
+cdef void _sort_cells(_W* w, const double* C, const double* R, int* order) noexcept nogil:
+    """order <- the S^2 cells (a S + b) of one transition's costs by decreasing (C, R)."""
+    cdef int S = w.S, k, heap
+    cdef _Cell cell
+    for k in range(S * S):
+        w.cells[k].f = 0.0
+        w.cells[k].c = C[k]
+        w.cells[k].r = R[k]
+        w.cells[k].a = k
+        w.cells[k].b = 0
+    for k in range(S * S // 2 - 1, -1, -1):
+        _sift(w.cells, k, S * S)
+    for heap in range(S * S - 1, -1, -1):
+        order[S * S - 1 - heap] = w.cells[0].a
+        cell = w.cells[0]
+        w.cells[0] = w.cells[heap]
+        w.cells[heap] = cell
+        _sift(w.cells, 0, heap)
+
+
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
-                    double tolC) noexcept nogil:
+                    double tolC, const int* order=NULL) noexcept nogil:
     """Transition i's forest <- an optimal basis of the transport problem max <C, V>
     over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
     in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
     network-simplex pivots (Dantzig's rule; Bland's after repeated degenerate pivots).
     The forest is the basis (a spanning tree) less its forbidden arcs. 0; 2 when every
-    coupling uses a forbidden cell; 1 on a failure."""
+    coupling uses a forbidden cell; 1 on a failure. order: NULL, or all S^2 cells
+    (a S + b) by decreasing (C, R), for a transition without forbidden cells (_start
+    sorts them once for transitions that share their costs)."""
     cdef int S = w.S, cap = w.cap, a, b, ia, ib, k, j, ra, best_a, best_b, tier, n_degen = 0
-    cdef int nr = 0, nc = 0, it, heap
-    cdef _Cell cell
+    cdef int nr = 0, nc = 0, it
     cdef int* rows = w.rows
     cdef int* cols = w.rows + S
     cdef double* pr = w.pot2        # residuals (2 S doubles)
@@ -1356,58 +1468,36 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             lf[k] = -1.0 if Ci[k] == -INFINITY else 0.0
             lc[k] = 0.0 if Ci[k] == -INFINITY else Ci[k]
         Ci = lc
-    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap),
-    # each given all it can take; then zero-flow cells join the trees into a spanning tree
-    k = 0
-    for ia in range(nr):
-        pr[ia] = u[i * S + rows[ia]]
-        for ib in range(nc):
-            j = rows[ia] * S + cols[ib]
-            w.cells[k].f = lf[j] if forbidden else 0.0
-            w.cells[k].c = Ci[j]
-            w.cells[k].r = Ri[j]
-            w.cells[k].a = ia
-            w.cells[k].b = ib
-            k += 1
-    for ib in range(nc):
-        pc[ib] = u[(i + 1) * S + cols[ib]]
-    for j in range(k // 2 - 1, -1, -1):
-        _sift(w.cells, j, k)
+    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap, or
+    # read from order), each given all it can take; then zero-flow cells join the trees
+    # into a spanning tree
     for ia in range(nr + nc):
         w.uf[ia] = ia
     ra = 0
-    heap = k
-    for it in range(2):
-        j = k - 1
-        while j >= 0 and ra < nr + nc - 1:
-            if j < heap:
-                # the next cell in decreasing order: pop it to the heap's end
-                heap -= 1
-                cell = w.cells[0]
-                w.cells[0] = w.cells[heap]
-                w.cells[heap] = cell
-                _sift(w.cells, 0, heap)
-            ia = w.cells[j].a
-            ib = w.cells[j].b
-            j -= 1
-            if it == 0 and (pr[ia] <= 0.0 or pc[ib] <= 0.0):
-                if pr[ia] <= 0.0 and pc[ib] <= 0.0 and _all_zero(pr, nr):
-                    break   # everything allocated; pass 2 joins the trees
-                continue
-            a = _uf_find(w.uf, ia)
-            b = _uf_find(w.uf, nr + ib)
-            if a == b:
-                continue
-            w.uf[a] = b
-            _add_arc(w, i, rows[ia], cols[ib])
-            ra += 1
-            if it == 0:
-                if pr[ia] <= pc[ib]:
-                    pc[ib] -= pr[ia]
-                    pr[ia] = 0.0
-                else:
-                    pr[ia] -= pc[ib]
-                    pc[ib] = 0.0
+    if order != NULL and not forbidden:
+        for ia in range(nr):
+            pr[ia] = u[i * S + rows[ia]]
+        for ib in range(nc):
+            pc[ib] = u[(i + 1) * S + cols[ib]]
+        # positions of the support's tags among rows and cols (-1: outside)
+        for a in range(2 * S):
+            w.cur[a] = -1
+        for ia in range(nr):
+            w.cur[rows[ia]] = ia
+        for ib in range(nc):
+            w.cur[S + cols[ib]] = ib
+        for it in range(2):
+            for j in range(S * S):
+                if ra >= nr + nc - 1:
+                    break
+                ia = w.cur[order[j] // S]
+                ib = w.cur[S + order[j] % S]
+                if ia < 0 or ib < 0:
+                    continue
+                if _greedy_cell(w, i, ia, ib, it, nr, rows, cols, pr, pc, &ra):
+                    break
+    else:
+        _greedy_heap(w, i, nr, nc, rows, cols, u, Ci, Ri, lf, forbidden, pr, pc, &ra)
     for it in range(100000):
         if _bfs(w, i):
             return 1
@@ -1685,14 +1775,6 @@ cdef void _warm_scores(_W* w, const double* eta_u, const double* eta_v, double m
             euh[q] = min(eta_u[q], tau - into - out - margin)
     for q in range(n * S):
         eub[q] = eta_u[q] - euh[q] if euh[q] > -INFINITY else 0.0
-
-
-cdef bint _any_forbidden(const double* x, Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t j
-    for j in range(k):
-        if x[j] == -INFINITY:
-            return True
-    return False
 
 
 cdef bint _warm(_W* w, const double* eta_u, const double* eta_v, double scale,
