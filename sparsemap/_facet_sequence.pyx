@@ -2013,6 +2013,14 @@ cdef class SequenceFacetSolver(FacetSolver):
     Parameters
     ----------
     factor : SequenceFactor
+    decline_peaked : bool, default True
+        Decline at once where the vertex side is measured to be faster (the
+        default choice of side; see the module docstring).
+    warm : bool, default True
+        Try the warm path first (a guessed structure, then the path from scores at
+        which it is optimal); ``False`` runs the path from ``t = 0`` only, which
+        gives the same solution and Jacobian in more pieces (for tests and
+        measurements).
 
     Notes
     -----
@@ -2061,15 +2069,17 @@ cdef class SequenceFacetSolver(FacetSolver):
     [1, 1, 0] 0.375
     """
     cdef int n, S
+    cdef bint warm
     cdef object r_array
     cdef const double* r
 
-    def __init__(self, Factor factor, decline_peaked=True):
+    def __init__(self, Factor factor, decline_peaked=True, warm=True):
         from sparsemap._factors._sequence import SequenceFactor
         from sparsemap._active_set import tie_direction
         if not isinstance(factor, SequenceFactor):
             raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
         super().__init__(factor, decline_peaked)
+        self.warm = bool(warm)
         self.n = factor.n_positions
         self.S = factor.n_states
         # one read-only copy per size: a solver is built for every solve of the default
@@ -2082,6 +2092,9 @@ cdef class SequenceFacetSolver(FacetSolver):
         self.r_array = r
         cdef const double[::1] rv = self.r_array
         self.r = &rv[0] if rv.shape[0] else NULL
+
+    def __reduce__(self):
+        return (type(self), (self.factor, bool(self.decline_peaked), bool(self.warm)))
 
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
@@ -2142,7 +2155,7 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef double* shifted = NULL
         w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
         # phase 1: eta_v(t) = t eta_v
-        if scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
+        if self.warm and scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
             solved = (_start(w, eta_u, eta_v, self.r, scale_v) == 0
                       and _warm(w, eta_u, eta_v, scale_u + scale_v, budget, n_iter, stack))
             if not solved:
