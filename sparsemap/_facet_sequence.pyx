@@ -541,8 +541,9 @@ cdef int _bfs(_W* w, int i) noexcept nogil:
     for b in range(S):
         if w.inP[(i + 1) * S + b] and cp[S + b] < 0:
             return 1
+    # node x is row x (position i) or column x - S (position i + 1): inP at i S + x
     for x in range(L):
-        if cp[x] >= 0 and not w.inP[(i + (1 if x >= S else 0)) * S + (x % S)]:
+        if cp[x] >= 0 and not w.inP[i * S + x]:
             return 1
     w.nord[i] = nord
     w.ncomp[i] = nc
@@ -1611,11 +1612,12 @@ cdef int _guess(_W* w, const double* eta_u, const double* eta_v, int rounds,
             if kb >= 0:
                 _del_arc(w, i, kb)
                 changes += 1
-        for q in range(n * S):
-            i = <int> (q // S)
-            if (w.inP[q] and ((i > 0 and w.deg_c[q - S] == 0) or (i < T and w.deg_r[q] == 0))
-                    and _cascade(w, i, q % S, stack)):
-                return 1
+        for i in range(n):
+            for a in range(S):
+                q = i * S + a
+                if (w.inP[q] and ((i > 0 and w.deg_c[q - S] == 0) or (i < T and w.deg_r[q] == 0))
+                        and _cascade(w, i, a, stack)):
+                    return 1
         for i in range(T):
             # the candidates, popped from a max-heap by minus their reduced cost
             nc = 0
