@@ -50,7 +50,8 @@ initialisation), each piece a solve of the coupled positions. The solver first t
 * scores ``eta_hat`` at which that structure is optimal with a margin: on the supports
   ``eta_hat_u = eta_u + lam (p - u)``, ``u`` the structure's piece at ``eta`` and ``p``
   a point of it whose flows are all positive (the forward-backward marginals of the
-  paths through the forests), ``lam`` the least that lifts every ``u`` and flow; the
+  paths through the forests), ``lam`` the least that lifts every ``u`` and flow to a
+  tenth of ``p``'s; the
   structure's potentials and gauges are then those at ``eta``, so lowering the arcs
   with negative reduced costs (``eta_hat_v``) and the nodes outside the supports
   (each node's score plus its best ways in and out) makes it optimal;
@@ -61,7 +62,7 @@ initialisation), each piece a solve of the coupled positions. The solver first t
 
 Its end is kept when it is optimal at ``eta`` (checked as for the shifted start below);
 otherwise (a support emptied in the rounds, a check failed, forbidden transitions) the
-cold path runs. Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a
+cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``). Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a
 shared ``uniform(-0.1, 0.1)`` transition matrix: 28 to 145 rounds and pieces where the
 cold path takes 300 to 1,900 pieces.
 
