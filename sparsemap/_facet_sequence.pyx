@@ -62,9 +62,10 @@ initialisation), each piece a solve of the coupled positions. The solver first t
 
 Its end is kept when it is optimal at ``eta`` (checked as for the shifted start below);
 otherwise (a support emptied in the rounds, a check failed, forbidden transitions) the
-cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``). Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a
-shared ``uniform(-0.1, 0.1)`` transition matrix: 28 to 145 rounds and pieces where the
-cold path takes 300 to 1,900 pieces.
+cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``).
+Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a shared
+``uniform(-0.1, 0.1)`` transition matrix: 28 to 145 rounds and pieces where the cold
+path takes 300 to 1,900 pieces.
 
 A degenerate start (a transport basis with a zero flow: positions whose
 sparsemax marginals tie, as at ``eta_u = 0``) puts the path's first events all at
