@@ -62,7 +62,9 @@ initialisation), each piece a solve of the coupled positions. The solver first t
 
 Its end is kept when it is optimal at ``eta`` (checked as for the shifted start below);
 otherwise (a support emptied in the rounds, a check failed, forbidden transitions) the
-cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``).
+cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``, and by
+default where the transitions' spread is below a twentieth of the unary scores': the
+cold path is short there, and the warm path's rounds cost more than it saves).
 Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a shared
 ``uniform(-0.1, 0.1)`` transition matrix: 28 to 145 rounds and pieces where the cold
 path takes 300 to 1,900 pieces.
@@ -169,6 +171,12 @@ cdef int GUESS_ENTER = 2
 cdef int GUESS_STALL = 50
 cdef int GUESS_ROUNDS = 200
 cdef double WARM_MARGIN = 1e-6
+# ... tried where sv / su >= WARM_RHO (the spreads of the switching rule above). Measured
+# (warm / cold time, 20 and 60 x 17, su = 0.05 and 1, 3 seeds): 1.1 to 1.9 at
+# sv / su = 0.01 to 0.03, where the cold path takes few pieces and the warm path's
+# fixed cost (its rounds and scores) dominates; 0.96 to 1.19 at 0.05; 0.8 to 0.98 at
+# 0.1; at a tagger's initialisation (about 1) 0.1 to 0.3.
+cdef double WARM_RHO = 0.05
 
 cdef enum:
     EV_NONE = 0
@@ -2020,10 +2028,12 @@ cdef class SequenceFacetSolver(FacetSolver):
     decline_peaked : bool, default True
         Decline at once where the vertex side is measured to be faster (the
         default choice of side; see the module docstring).
-    warm : bool, default True
-        Try the warm path first (a guessed structure, then the path from scores at
-        which it is optimal); ``False`` runs the path from ``t = 0`` only, which
-        gives the same solution and Jacobian in more pieces (for tests and
+    warm : bool or None, default None
+        Whether to try the warm path first (a guessed structure, then the path from
+        scores at which it is optimal): ``None`` where the transitions' spread is at
+        least a twentieth of the unary scores' (below, the path from ``t = 0`` is
+        short and cheaper), ``True`` always, ``False`` never. The solution and the
+        Jacobian are the same (``True`` and ``False`` are for tests and
         measurements).
 
     Notes
@@ -2073,17 +2083,17 @@ cdef class SequenceFacetSolver(FacetSolver):
     [1, 1, 0] 0.375
     """
     cdef int n, S
-    cdef bint warm
+    cdef int warm        # -1: by the spreads (WARM_RHO), 0: never, 1: always
     cdef object r_array
     cdef const double* r
 
-    def __init__(self, Factor factor, decline_peaked=True, warm=True):
+    def __init__(self, Factor factor, decline_peaked=True, warm=None):
         from sparsemap._factors._sequence import SequenceFactor
         from sparsemap._active_set import tie_direction
         if not isinstance(factor, SequenceFactor):
             raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
         super().__init__(factor, decline_peaked)
-        self.warm = bool(warm)
+        self.warm = -1 if warm is None else int(bool(warm))
         self.n = factor.n_positions
         self.S = factor.n_states
         # one read-only copy per size: a solver is built for every solve of the default
@@ -2098,7 +2108,8 @@ cdef class SequenceFacetSolver(FacetSolver):
         self.r = &rv[0] if rv.shape[0] else NULL
 
     def __reduce__(self):
-        return (type(self), (self.factor, bool(self.decline_peaked), bool(self.warm)))
+        return (type(self), (self.factor, bool(self.decline_peaked),
+                             None if self.warm < 0 else bool(self.warm)))
 
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
@@ -2109,11 +2120,14 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef _W w
         cdef int* stack = NULL
         cdef double su, sv
+        cdef bint warm = self.warm == 1
         n_iter[0] = 0
         residuals[0] = residuals[1] = INFINITY
         if T > 0:
             su = _pooled_std(eta_u, n, S, 1)
             sv = _pooled_std(eta_v, T, <Py_ssize_t> S * S, _spread_step(T, S))
+            if self.warm < 0:
+                warm = _spread_ratio(su, sv) >= WARM_RHO
             # spread transitions: the vertex side is cheaper (see the module docstring)
             if self.decline_peaked and sv >= SPREAD_A * pow(max(su, SU_FLOOR), SPREAD_B):
                 return FACET_DECLINED
@@ -2141,7 +2155,7 @@ cdef class SequenceFacetSolver(FacetSolver):
                 raise MemoryError()
         try:
             status = self._solve(&w, eta_u, eta_v, u, v, st, budget, n_iter, residuals,
-                                 scale_u, scale_v, stack)
+                                 scale_u, scale_v, stack, warm)
         finally:
             free(stack)
             _free(&w)
@@ -2150,7 +2164,7 @@ cdef class SequenceFacetSolver(FacetSolver):
     cdef int _solve(self, _W* w, const double* eta_u, const double* eta_v, double* u,
                     double* v, FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                     double* residuals, double scale_u, double scale_v,
-                    int* stack) except -1 nogil:
+                    int* stack, bint warm) except -1 nogil:
         cdef int n = self.n, S = self.S, T = n - 1, i, a, b, k
         cdef Py_ssize_t j
         cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
@@ -2159,7 +2173,7 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef double* shifted = NULL
         w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
         # phase 1: eta_v(t) = t eta_v
-        if self.warm and scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
+        if warm and scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
             solved = (_start(w, eta_u, eta_v, self.r, scale_v) == 0
                       and _warm(w, eta_u, eta_v, scale_u + scale_v, budget, n_iter, stack))
             if not solved:
