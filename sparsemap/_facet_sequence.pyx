@@ -1289,6 +1289,7 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
 
 
 cdef bint _any_forbidden(const double* x, Py_ssize_t k) noexcept nogil:
+    """Whether one of x's k entries is -inf (a forbidden transition)."""
     cdef Py_ssize_t j
     for j in range(k):
         if x[j] == -INFINITY:
