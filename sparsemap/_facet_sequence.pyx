@@ -35,6 +35,40 @@ structure ``u`` is affine in ``t``; the structure changes at events:
   Viterbi-like pass over the nodes outside the supports and Newton's method on
   the piecewise-linear convex maximum of the paths' affine scores in ``t``.
 
+That path from ``t = 0`` (the *cold* path) crosses about one structure per position
+and tag where the transitions are as spread as the unary scores (a tagger at
+initialisation), each piece a solve of the coupled positions. The solver first tries a
+*warm* path, which starts near the end's structure instead:
+
+* from the start's structure, rounds of a primal-dual active-set method on the
+  structure at the scores themselves: per transition the arc of the most negative flow
+  leaves and the (at most two) arcs of most negative reduced cost that join two trees
+  enter, and the best positive path enters; until a round changes nothing or the
+  changes stop decreasing. Each round is one solve of the structure, and about as many
+  rounds as a transition needs changes bring it close (more changes per round
+  oscillate);
+* scores ``eta_hat`` at which that structure is optimal with a margin: on the supports
+  ``eta_hat_u = eta_u + lam (p - u)``, ``u`` the structure's piece at ``eta`` and ``p``
+  a point of it whose flows are all positive (the forward-backward marginals of the
+  paths through the forests), ``lam`` the least that lifts every ``u`` and flow to a
+  tenth of ``p``'s; the
+  structure's potentials and gauges are then those at ``eta``, so lowering the arcs
+  with negative reduced costs (``eta_hat_v``) and the nodes outside the supports
+  (each node's score plus its best ways in and out) makes it optimal;
+* the path from ``eta_hat`` to ``eta`` (``eta_u`` and ``eta_v`` both moving; ``u`` is
+  still affine in ``t`` on a fixed structure), with the same events. Where the guess
+  is the end's structure the path has one piece, since every inequality is affine in
+  ``t`` and holds at both ends.
+
+Its end is kept when it is optimal at ``eta`` (checked as for the shifted start below);
+otherwise (a support emptied in the rounds, a check failed, forbidden transitions) the
+cold path runs (as it does alone with ``SequenceFacetSolver(..., warm=False)``, and by
+default where the transitions' spread is below a twentieth of the unary scores': the
+cold path is short there, and the warm path's rounds cost more than it saves).
+Measured at 20 to 100 positions x 17 tags, ``eta_u = 0.05 randn`` and a shared
+``uniform(-0.1, 0.1)`` transition matrix: 28 to 145 rounds and pieces where the cold
+path takes 300 to 1,900 pieces.
+
 A degenerate start (a transport basis with a zero flow: positions whose
 sparsemax marginals tie, as at ``eta_u = 0``) puts the path's first events all at
 ``t = 0``, where pivoting on ties can cycle. The path then runs from
@@ -60,9 +94,9 @@ mass they carry, and the solver declines where it is positive.
 The solution is certified independently by the Wolfe duality gap (one Viterbi
 call at the adjusted scores) and the marginalisation residuals. With
 ``decline_peaked`` (the default choice of side), the solver declines at once when
-the transition scores are spread enough, for the unary scores' spread, that the
-vertex side is measured to be faster: ``u`` then crosses many structures on the
-way from per-position sparsemax, while the active set needs few. It also
+the transition scores are spread enough that the vertex side is measured to be
+faster: the structure is then far from per-position sparsemax's, while the active
+set needs few iterations. It also
 declines (the caller then takes the vertex side) when the pieces estimated from
 the scores' spreads, or projected from the first pieces, exceed twice its budget,
 when the budget runs out, at forbidden transitions its start cannot avoid, and
@@ -70,11 +104,9 @@ whenever a check fails.
 """
 import numpy as np
 
-from libc.math cimport INFINITY, fabs, pow
+from libc.math cimport INFINITY, fabs, pow, sqrt
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
-from scipy.linalg.cython_blas cimport dgemv, dsyrk, dtrsm, dtrsv
-from scipy.linalg.cython_lapack cimport dpotrf
+from libc.string cimport memcmp, memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
                                state_check_header, state_resize)
@@ -114,18 +146,37 @@ cdef double EST_FACTOR = 2.0
 # Spread transitions (decline_peaked): decline when sv >= SPREAD_A max(su, SU_FLOOR) **
 # SPREAD_B, sv and su the pooled standard deviations of eta_v (about each transition's
 # mean; every k-th transition, see SPREAD_SAMPLE) and eta_u (about each position's).
-# u moves from per-position sparsemax (the path's start) as eta_v grows against u's
-# scale 1, and the facet side's pieces with it, while the vertex side gets cheaper as
-# eta_u gets peaked. Fitted to the measured crossover with the vertex side
-# (benchmarks/bench_facet.py --fit sequence; n x 17 tags, n = 20 to 80, eta_u = s randn,
-# eta_v = rho s randn, rho = 1, 0.3, 0.1, s = 0.01 to 10): at su = 0.1, 1 and 5 the
-# facet side declines from sv = 0.068, 0.136 and 0.22.
-cdef double SPREAD_A = 0.1359
-cdef double SPREAD_B = 0.3
+# u moves from per-position sparsemax (the cold path's start) as eta_v grows against u's
+# scale 1, and the structure the facet side has to find gets further from that start
+# (warm or cold), while the vertex side gets cheaper as eta_u gets peaked. Fitted to the
+# measured crossover with the vertex side (benchmarks/bench_facet.py --fit sequence;
+# n x 17 tags, n = 20 to 80, eta_u = s randn, eta_v = rho s randn, rho = 1, 0.3, 0.1,
+# s = 0.01 to 10): at su = 0.1, 1 and 5 the facet side declines from sv = 0.141, 0.159
+# and 0.171 (the exponent fitted nearly 0: with the warm start the crossover is at
+# about the same transition spread for any unary spread).
+cdef double SPREAD_A = 0.1585
+cdef double SPREAD_B = 0.05
 cdef double SU_FLOOR = 0.01
 # The spread of eta_v is read from about this many entries (whole transitions, evenly
 # spaced): a choice of side, not an answer, and it runs before every vertex-side solve.
 cdef Py_ssize_t SPREAD_SAMPLE = 2048
+# The warm start (_warm): active-set rounds on the structure, each entering at most
+# GUESS_ENTER arcs per transition, until a round changes nothing, GUESS_STALL rounds pass
+# without fewer changes than before, or GUESS_ROUNDS; then the path from scores at which
+# the structure is optimal with slack WARM_MARGIN times the scores' scale. The changes
+# per round are noisy on their way down (at 20 x 17: 20, 48, 38, 39, ... 24, 20, 22,
+# 19, 15, ...): a stall of 10 rounds stopped the 100 x 17 guesses early and doubled the
+# pieces; 50 was as fast as none.
+cdef int GUESS_ENTER = 2
+cdef int GUESS_STALL = 50
+cdef int GUESS_ROUNDS = 200
+cdef double WARM_MARGIN = 1e-6
+# ... tried where sv / su >= WARM_RHO (the spreads of the switching rule above). Measured
+# (warm / cold time, 20 and 60 x 17, su = 0.05 and 1, 3 seeds): 1.1 to 1.9 at
+# sv / su = 0.01 to 0.03, where the cold path takes few pieces and the warm path's
+# fixed cost (its rounds and scores) dominates; 0.96 to 1.19 at 0.05; 0.8 to 0.98 at
+# 0.1; at a tagger's initialisation (about 1) 0.1 to 0.3.
+cdef double WARM_RHO = 0.05
 
 cdef enum:
     EV_NONE = 0
@@ -252,6 +303,15 @@ cdef struct _W:
     # pieces that end before t_start are the start's: its degenerate events, at t = 0 up
     # to round-off (a flow's round-off over its slope, which scales with eta_v)
     double t_start
+    # eta_u's slope in t (NULL: eta_u is constant), for paths that move both scores
+    const double* eub
+
+
+cdef inline double _eu(const _W* w, const double* eta_u, Py_ssize_t q, double t) noexcept nogil:
+    """eta_u at t, on a path that moves it (w.eub) or not."""
+    if w.eub != NULL:
+        return eta_u[q] + t * w.eub[q]
+    return eta_u[q]
 
 
 cdef inline double _cost(const double* C0, const double* D, Py_ssize_t k, double t) noexcept nogil:
@@ -271,6 +331,7 @@ cdef int _alloc(_W* w, int n, int S, Py_ssize_t work_bytes) except -1 nogil:
     w.T = T
     w.cap = cap
     w.L = L
+    w.eub = NULL
     # doubles
     nd = (2 * L + 4 * nS + 2 * nSS + 2 * nS + 10 * nS + 2 * T * cap + 2 * T + 2 * TS + nS + nS + 2 * S * S)
     # ints
@@ -490,8 +551,9 @@ cdef int _bfs(_W* w, int i) noexcept nogil:
     for b in range(S):
         if w.inP[(i + 1) * S + b] and cp[S + b] < 0:
             return 1
+    # node x is row x (position i) or column x - S (position i + 1): inP at i S + x
     for x in range(L):
-        if cp[x] >= 0 and not w.inP[(i + (1 if x >= S else 0)) * S + (x % S)]:
+        if cp[x] >= 0 and not w.inP[i * S + x]:
             return 1
     w.nord[i] = nord
     w.ncomp[i] = nc
@@ -550,15 +612,56 @@ cdef inline int _m(_W* w, int i) noexcept nogil:
     return w.ncomp[i] if i < w.T else 1
 
 
+# The blocks are as small as a transition's forest has trees (a few to 2 S): inline
+# loops, column-major as LAPACK's, instead of BLAS and LAPACK calls whose per-call cost
+# (OpenBLAS takes a lock in each) dominated the pieces.
+
+cdef int _chol(double* A, int m) noexcept nogil:
+    """A's lower Cholesky factor in place (column-major, lower part read): 0, or 1 if
+    A is not definite."""
+    cdef int j, k, r
+    cdef double d
+    for j in range(m):
+        d = A[j + j * m]
+        for k in range(j):
+            d -= A[j + k * m] * A[j + k * m]
+        if not d > 0.0:
+            return 1
+        d = sqrt(d)
+        A[j + j * m] = d
+        for r in range(j + 1, m):
+            for k in range(j):
+                A[r + j * m] -= A[r + k * m] * A[j + k * m]
+            A[r + j * m] /= d
+    return 0
+
+
+cdef void _lower_solve(const double* Lf, int m, double* x, int inc, bint transpose) noexcept nogil:
+    """x <- L^{-1} x (or L^{-T} x), L lower triangular m x m column-major; x strided."""
+    cdef int j, k
+    cdef double d
+    if not transpose:
+        for j in range(m):
+            d = x[j * inc]
+            for k in range(j):
+                d -= Lf[j + k * m] * x[k * inc]
+            x[j * inc] = d / Lf[j + j * m]
+    else:
+        for j in range(m - 1, -1, -1):
+            d = x[j * inc]
+            for k in range(j + 1, m):
+                d -= Lf[k + j * m] * x[k * inc]
+            x[j * inc] = d / Lf[j + j * m]
+
+
 cdef int _factor_range(_W* w, int lo, int hi) noexcept nogil:
     """Assemble and factorise the blocks lo..hi of B^T B (a group: no coupling to
     lo - 1 or hi + 1). 0, or 1 if not definite."""
-    cdef int S = w.S, T = w.T, L = w.L, i, k, m, mp, a, kr, kc, info = 0
+    cdef int S = w.S, T = w.T, L = w.L, i, k, m, mp, a, kr, kc, r, c
     cdef int SS = S * S
     cdef double* A
     cdef double* Bk
-    cdef double one = 1.0, mone = -1.0
-    cdef char cL = b'L', cR = b'R', cT = b'T', cN = b'N'
+    cdef double d
     for i in range(lo, hi + 1):
         m = _m(w, i)
         A = w.Kd + i * SS
@@ -584,49 +687,61 @@ cdef int _factor_range(_W* w, int lo, int hi) noexcept nogil:
                         if kr < m - 1 and kc < mp - 1:
                             Bk[(1 + kr) + (1 + kc) * m] -= 1.0
             if m > 1 or mp > 1:
-                # L_{i,i-1} = B_{i,i-1} L_{i-1}^{-T}; the Schur complement
-                dtrsm(&cR, &cL, &cT, &cN, &m, &mp, &one, w.Kd + (i - 1) * SS, &mp, Bk, &m)
-                dsyrk(&cL, &cN, &m, &mp, &mone, Bk, &m, &one, A, &m)
+                # L_{i,i-1} = B_{i,i-1} L_{i-1}^{-T} (row by row); the Schur complement
+                for r in range(m):
+                    _lower_solve(w.Kd + (i - 1) * SS, mp, Bk + r, m, False)
+                for c in range(m):
+                    for r in range(c, m):
+                        d = 0.0
+                        for k in range(mp):
+                            d += Bk[r + k * m] * Bk[c + k * m]
+                        A[r + c * m] -= d
         if m == 1:
             if not A[0] > 0.0:
                 return 1
-            A[0] = A[0] ** 0.5
-        else:
-            dpotrf(&cL, &m, A, &m, &info)
-            if info != 0:
-                return 1
+            A[0] = sqrt(A[0])
+        elif _chol(A, m):
+            return 1
     return 0
 
 
 cdef void _solve_range(_W* w, double* x, int lo, int hi) noexcept nogil:
     """x <- (B^T B)^{-1} x on the blocks lo..hi, with the factor of _factor_range."""
-    cdef int S = w.S, SS = w.S * w.S, i, m, mp, inc = 1
-    cdef double one = 1.0, mone = -1.0
-    cdef char cL = b'L', cT = b'T', cN = b'N'
+    cdef int S = w.S, SS = w.S * w.S, i, m, mp, r, c
     cdef double* xi
+    cdef const double* K
+    cdef double d
     for i in range(lo, hi + 1):
         m = _m(w, i)
         xi = x + i * S
         if i > lo:
             mp = _m(w, i - 1)
             if m > 1 or mp > 1:
-                dgemv(&cN, &m, &mp, &mone, w.Ks + i * SS, &m, x + (i - 1) * S, &inc, &one, xi, &inc)
+                K = w.Ks + i * SS
+                for c in range(mp):
+                    d = x[(i - 1) * S + c]
+                    for r in range(m):
+                        xi[r] -= K[r + c * m] * d
         if m == 1:
             xi[0] /= w.Kd[i * SS]
         else:
-            dtrsv(&cL, &cN, &cN, &m, w.Kd + i * SS, &m, xi, &inc)
+            _lower_solve(w.Kd + i * SS, m, xi, 1, False)
     for i in range(hi, lo - 1, -1):
         m = _m(w, i)
         xi = x + i * S
         if i < hi:
             mp = _m(w, i + 1)
             if m > 1 or mp > 1:
-                dgemv(&cT, &mp, &m, &mone, w.Ks + (i + 1) * SS, &mp, x + (i + 1) * S, &inc,
-                      &one, xi, &inc)
+                K = w.Ks + (i + 1) * SS
+                for c in range(m):
+                    d = 0.0
+                    for r in range(mp):
+                        d += K[r + c * mp] * x[(i + 1) * S + r]
+                    xi[c] -= d
         if m == 1:
             xi[0] /= w.Kd[i * SS]
         else:
-            dtrsv(&cL, &cT, &cN, &m, w.Kd + i * SS, &m, xi, &inc)
+            _lower_solve(w.Kd + i * SS, m, xi, 1, True)
 
 
 cdef inline double _gauge(_W* w, const double* lam, int i, int k) noexcept nogil:
@@ -669,10 +784,11 @@ cdef void _project_range(_W* w, const double* z, double b0, double* lam, double*
 
 
 cdef int _update(_W* w, const double* eta_u, const double* C0, const double* D,
-                 bint all_dirty) noexcept nogil:
+                 bint all_dirty, bint slopes=True) noexcept nogil:
     """Bring the piece (u, potentials with gauges, flows, all affine in t) up to date
     with the structure: the changed transitions' trees and potentials, then the groups
-    of positions they touch. 0, or 1 if the structure is not a valid one."""
+    of positions they touch (slopes False: the parts at t = 0 only). 0, or 1 if the
+    structure is not a valid one."""
     cdef int n = w.n, S = w.S, T = w.T, L = w.L, i, a, k, p, lo, hi
     memset(w.touched, 0, n)
     for i in range(T):
@@ -680,7 +796,8 @@ cdef int _update(_W* w, const double* eta_u, const double* C0, const double* D,
             if _bfs(w, i):
                 return 1
             _pots(w, i, C0 + i * S * S if C0 != NULL else NULL, w.F0, w.G0)
-            _pots(w, i, D + i * S * S, w.F1, w.G1)
+            if slopes:
+                _pots(w, i, D + i * S * S, w.F1, w.G1)
             w.dirty[i] = 0
             w.e2dirty[i] = 1
             w.touched[i] = 1
@@ -703,11 +820,14 @@ cdef int _update(_W* w, const double* eta_u, const double* C0, const double* D,
                 k = i * S + a
                 if w.inP[k]:
                     w.zA[k] = eta_u[k] + (w.F0[k] if i < T else 0.0) + (w.G0[k] if i > 0 else 0.0)
-                    w.zB[k] = (w.F1[k] if i < T else 0.0) + (w.G1[k] if i > 0 else 0.0)
+                    if slopes:
+                        w.zB[k] = ((w.F1[k] if i < T else 0.0) + (w.G1[k] if i > 0 else 0.0)
+                                   + (w.eub[k] if w.eub != NULL else 0.0))
         if _factor_range(w, lo, hi):
             return 1
         _project_range(w, w.zA, -1.0, w.lamA, w.uA, lo, hi)
-        _project_range(w, w.zB, 0.0, w.lamB, w.uB, lo, hi)
+        if slopes:
+            _project_range(w, w.zB, 0.0, w.lamB, w.uB, lo, hi)
         # transitions lo - 1 .. hi: flows (their marginals moved) and, inside, gauges
         for i in range(lo - 1 if lo > 0 else 0, hi + 1 if hi < T else T):
             if w.ncomp[i] > 1:
@@ -716,13 +836,16 @@ cdef int _update(_W* w, const double* eta_u, const double* C0, const double* D,
                 if w.inP[i * S + a]:
                     k = w.comp[i * L + a]
                     w.fA[i * S + a] = w.F0[i * S + a] + _gauge(w, w.lamA, i, k)
-                    w.fB[i * S + a] = w.F1[i * S + a] + _gauge(w, w.lamB, i, k)
+                    if slopes:
+                        w.fB[i * S + a] = w.F1[i * S + a] + _gauge(w, w.lamB, i, k)
                 if w.inP[(i + 1) * S + a]:
                     k = w.comp[i * L + S + a]
                     w.gA[(i + 1) * S + a] = w.G0[(i + 1) * S + a] - _gauge(w, w.lamA, i, k)
-                    w.gB[(i + 1) * S + a] = w.G1[(i + 1) * S + a] - _gauge(w, w.lamB, i, k)
+                    if slopes:
+                        w.gB[(i + 1) * S + a] = w.G1[(i + 1) * S + a] - _gauge(w, w.lamB, i, k)
             _flows(w, i, w.uA, w.flA)
-            _flows(w, i, w.uB, w.flB)
+            if slopes:
+                _flows(w, i, w.uB, w.flB)
             w.e1dirty[i] = 1
         p = hi + 1
     return 0
@@ -763,21 +886,28 @@ cdef void _enter_times(_W* w, int i, const double* C0, const double* D) noexcept
     """The earliest t at which an arc of P_i x P_{i+1} outside the forest gets a zero
     reduced cost (cached per transition)."""
     cdef int S = w.S, a, b
-    cdef Py_ssize_t q
-    cdef double ra, rb, root, best = INFINITY
+    cdef double ra, rb, root, best = INFINITY, fa, fb, stol = w.stol_d
     cdef int arg = -1
+    # local pointers: the loop below is the pieces' largest cost, and reads through w
+    # would be reloaded at every store
+    cdef const char* pin = w.inP + (i + 1) * S
+    cdef const char* fin
+    cdef const double* gA = w.gA + (i + 1) * S
+    cdef const double* gB = w.gB + (i + 1) * S
+    cdef const double* Da
+    cdef const double* Ca
     for a in range(S):
         if not w.inP[i * S + a]:
             continue
+        fa = w.fA[i * S + a]
+        fb = w.fB[i * S + a]
+        fin = w.inF + (i * S + a) * S
+        Da = D + (i * S + a) * S
+        Ca = C0 + (i * S + a) * S if C0 != NULL else NULL
         for b in range(S):
-            if not w.inP[(i + 1) * S + b]:
-                continue
-            q = (i * S + a) * S + b
-            if w.inF[q]:
-                continue
-            rb = w.fB[i * S + a] + w.gB[(i + 1) * S + b] - D[q]
-            if rb < -w.stol_d:
-                ra = w.fA[i * S + a] + w.gA[(i + 1) * S + b] - (C0[q] if C0 != NULL else 0.0)
+            rb = fb + gB[b] - Da[b]
+            if rb < -stol and pin[b] and not fin[b]:
+                ra = fa + gA[b] - (Ca[b] if Ca != NULL else 0.0)
                 root = -ra / rb
                 if root < best:
                     best = root
@@ -837,7 +967,7 @@ cdef double _path_max(_W* w, const double* eta_u, const double* C0, const double
                                 bk = S + a
                 if ent == -INFINITY:
                     continue
-            w.alpha[q] = eta_u[q] - tau + ent
+            w.alpha[q] = _eu(w, eta_u, q, t) - tau + ent
             w.back[q] = bk
             if w.alpha[q] > amax:
                 amax = w.alpha[q]
@@ -891,13 +1021,26 @@ cdef double _path_value(_W* w, const double* eta_u, const double* C0, const doub
         val += (_cost(C0, D, ((i0 - 1) * S + w.seg_start) * S + w.seg[i0], t)
                 - (w.fA[(i0 - 1) * S + w.seg_start] + t * w.fB[(i0 - 1) * S + w.seg_start]))
     for i in range(i0, i1 + 1):
-        val += eta_u[i * S + w.seg[i]] - (w.lamA[i * S] + t * w.lamB[i * S])
+        val += _eu(w, eta_u, i * S + w.seg[i], t) - (w.lamA[i * S] + t * w.lamB[i * S])
         if i < i1:
             val += _cost(C0, D, (i * S + w.seg[i]) * S + w.seg[i + 1], t)
     if w.seg_end >= 0:
         val += (_cost(C0, D, (i1 * S + w.seg[i1]) * S + w.seg_end, t)
                 - (w.gA[(i1 + 1) * S + w.seg_end] + t * w.gB[(i1 + 1) * S + w.seg_end]))
     return val
+
+
+cdef void _add_path(_W* w) noexcept nogil:
+    """The segment in seg enters: its nodes join the supports, its arcs the forests."""
+    cdef int S = w.S, i
+    for i in range(w.seg_i0, w.seg_i1 + 1):
+        w.inP[i * S + w.seg[i]] = 1
+    if w.seg_start >= 0:
+        _add_arc(w, w.seg_i0 - 1, w.seg_start, w.seg[w.seg_i0])
+    for i in range(w.seg_i0, w.seg_i1):
+        _add_arc(w, i, w.seg[i], w.seg[i + 1])
+    if w.seg_end >= 0:
+        _add_arc(w, w.seg_i1, w.seg[w.seg_i1], w.seg_end)
 
 
 cdef int _leaving_arc(_W* w, int i, int a, int b, double t, bint lowest_on_ties) noexcept nogil:
@@ -948,6 +1091,23 @@ cdef int _pivot(_W* w, int i, int a, int b, double t) noexcept nogil:
     return 0
 
 
+cdef void _column_maxima(_W* w, const double* C0, const double* D) noexcept nogil:
+    """cmax0 and dmax: per transition and column, the largest entry of C0 (0 without
+    C0) and of D, for _path_max's bound."""
+    cdef int S = w.S, i, a, b
+    cdef Py_ssize_t q
+    for i in range(w.T):
+        for b in range(S):
+            w.cmax0[i * S + b] = 0.0 if C0 == NULL else -INFINITY
+            w.dmax[i * S + b] = -INFINITY
+            for a in range(S):
+                q = (i * S + a) * S + b
+                if C0 != NULL and C0[q] > w.cmax0[i * S + b]:
+                    w.cmax0[i * S + b] = C0[q]
+                if D[q] > w.dmax[i * S + b]:
+                    w.dmax[i * S + b] = D[q]
+
+
 cdef int _follow_costs(_W* w, const double* eta_u, const double* C0, const double* D,
                        double t_end, bint zero_only, Py_ssize_t budget, Py_ssize_t* n_iter,
                        int* stack) noexcept nogil:
@@ -958,16 +1118,7 @@ cdef int _follow_costs(_W* w, const double* eta_u, const double* C0, const doubl
     cdef double t = 0.0, ev_t, root, fa, fb, val, v0, v1, slope, th, start_val
     cdef Py_ssize_t pieces = 0, p0 = 0, q
     cdef bint first = True
-    for i in range(T):
-        for b in range(S):
-            w.cmax0[i * S + b] = 0.0 if C0 == NULL else -INFINITY
-            w.dmax[i * S + b] = -INFINITY
-            for a in range(S):
-                q = (i * S + a) * S + b
-                if C0 != NULL and C0[q] > w.cmax0[i * S + b]:
-                    w.cmax0[i * S + b] = C0[q]
-                if D[q] > w.dmax[i * S + b]:
-                    w.dmax[i * S + b] = D[q]
+    _column_maxima(w, C0, D)
     while True:
         if n_iter[0] >= budget:
             return RUN_DECLINE
@@ -1064,14 +1215,7 @@ cdef int _follow_costs(_W* w, const double* eta_u, const double* C0, const doubl
             else:
                 _add_arc(w, ev_i, a, b)
         else:
-            for i in range(w.seg_i0, w.seg_i1 + 1):
-                w.inP[i * S + w.seg[i]] = 1
-            if w.seg_start >= 0:
-                _add_arc(w, w.seg_i0 - 1, w.seg_start, w.seg[w.seg_i0])
-            for i in range(w.seg_i0, w.seg_i1):
-                _add_arc(w, i, w.seg[i], w.seg[i + 1])
-            if w.seg_end >= 0:
-                _add_arc(w, w.seg_i1, w.seg[w.seg_i1], w.seg_end)
+            _add_path(w)
 
 
 cdef bint _slack_below(_W* w, const double* eta_u, const double* C0, const double* D,
@@ -1144,18 +1288,48 @@ cdef int _sparsemax(const double* z, int S, double* u, char* inP, double* tmp) n
     return 0
 
 
+cdef bint _any_forbidden(const double* x, Py_ssize_t k) noexcept nogil:
+    """Whether one of x's k entries is -inf (a forbidden transition)."""
+    cdef Py_ssize_t j
+    for j in range(k):
+        if x[j] == -INFINITY:
+            return True
+    return False
+
+
+cdef inline bint _same(const double* x, const double* y, int k) noexcept nogil:
+    return memcmp(x, y, k * sizeof(double)) == 0
+
+
 cdef int _start(_W* w, const double* eta_u, const double* eta_v, const double* r,
                 double scale_v) noexcept nogil:
     """The path's start into a fresh workspace: u_i = sparsemax(eta_u[i]), the optimal
     transport bases for eta_v (ties broken by r). 0, or 1 (the solver declines)."""
-    cdef int i
+    cdef int i, SS = w.S * w.S, status = 0
+    cdef int* order = NULL
+    cdef bint valid = False
     for i in range(w.n):
         if _sparsemax(eta_u + i * w.S, w.S, w.uA + i * w.S, w.inP + i * w.S, w.pot):
             return 1      # no allowed tag at a position
+    # transitions that share their costs (a shared transition matrix, and the tie
+    # direction, which is one matrix repeated) share the greedy start's order of cells
     for i in range(w.T):
-        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v):
-            return 1
-    return 0
+        if valid and not (_same(eta_v + i * SS, eta_v + (i - 1) * SS, SS)
+                          and _same(r + i * SS, r + (i - 1) * SS, SS)):
+            valid = False
+        if (not valid and i + 1 < w.T and _same(eta_v + i * SS, eta_v + (i + 1) * SS, SS)
+                and _same(r + i * SS, r + (i + 1) * SS, SS)
+                and not _any_forbidden(eta_v + i * SS, SS)):
+            if order == NULL:
+                order = <int*> malloc(SS * sizeof(int))
+            if order != NULL:
+                _sort_cells(w, eta_v + i * SS, r + i * SS, order)
+                valid = True
+        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v, order if valid else NULL):
+            status = 1
+            break
+    free(order)
+    return status
 
 
 cdef bint _degenerate(_W* w) noexcept nogil:
@@ -1186,17 +1360,100 @@ cdef inline bint _violated(_W* w, const double* eta_u, const double* C0, const d
     return _slack_below(w, eta_u, C0, D, t, -TOL_X, -w.tol_d, True)
 
 
+cdef inline bint _greedy_cell(_W* w, int i, int ia, int ib, int it, int nr, const int* rows,
+                              const int* cols, double* pr, double* pc, int* ra) noexcept nogil:
+    """One cell of _transport's greedy start (pass it: 0 allocates, 1 joins the trees
+    with zero flows): True when pass 0 has allocated everything."""
+    cdef int a, b
+    if it == 0 and (pr[ia] <= 0.0 or pc[ib] <= 0.0):
+        return pr[ia] <= 0.0 and pc[ib] <= 0.0 and _all_zero(pr, nr)
+    a = _uf_find(w.uf, ia)
+    b = _uf_find(w.uf, nr + ib)
+    if a == b:
+        return False
+    w.uf[a] = b
+    _add_arc(w, i, rows[ia], cols[ib])
+    ra[0] += 1
+    if it == 0:
+        if pr[ia] <= pc[ib]:
+            pc[ib] -= pr[ia]
+            pr[ia] = 0.0
+        else:
+            pr[ia] -= pc[ib]
+            pc[ib] = 0.0
+    return False
+
+
+cdef void _greedy_heap(_W* w, int i, int nr, int nc, const int* rows, const int* cols,
+                       const double* u, const double* Ci, const double* Ri, const double* lf,
+                       bint forbidden, double* pr, double* pc, int* ra) noexcept nogil:
+    """_transport's greedy start, the cells of the supports popped from a heap."""
+    cdef int S = w.S, k = 0, ia, ib, j, it, heap
+    cdef _Cell cell
+    for ia in range(nr):
+        pr[ia] = u[i * S + rows[ia]]
+        for ib in range(nc):
+            j = rows[ia] * S + cols[ib]
+            w.cells[k].f = lf[j] if forbidden else 0.0
+            w.cells[k].c = Ci[j]
+            w.cells[k].r = Ri[j]
+            w.cells[k].a = ia
+            w.cells[k].b = ib
+            k += 1
+    for ib in range(nc):
+        pc[ib] = u[(i + 1) * S + cols[ib]]
+    for j in range(k // 2 - 1, -1, -1):
+        _sift(w.cells, j, k)
+    heap = k
+    for it in range(2):
+        j = k - 1
+        while j >= 0 and ra[0] < nr + nc - 1:
+            if j < heap:
+                # the next cell in decreasing order: pop it to the heap's end
+                heap -= 1
+                cell = w.cells[0]
+                w.cells[0] = w.cells[heap]
+                w.cells[heap] = cell
+                _sift(w.cells, 0, heap)
+            ia = w.cells[j].a
+            ib = w.cells[j].b
+            j -= 1
+            if _greedy_cell(w, i, ia, ib, it, nr, rows, cols, pr, pc, ra):
+                break
+
+
+cdef void _sort_cells(_W* w, const double* C, const double* R, int* order) noexcept nogil:
+    """order <- the S^2 cells (a S + b) of one transition's costs by decreasing (C, R)."""
+    cdef int S = w.S, k, heap
+    cdef _Cell cell
+    for k in range(S * S):
+        w.cells[k].f = 0.0
+        w.cells[k].c = C[k]
+        w.cells[k].r = R[k]
+        w.cells[k].a = k
+        w.cells[k].b = 0
+    for k in range(S * S // 2 - 1, -1, -1):
+        _sift(w.cells, k, S * S)
+    for heap in range(S * S - 1, -1, -1):
+        order[S * S - 1 - heap] = w.cells[0].a
+        cell = w.cells[0]
+        w.cells[0] = w.cells[heap]
+        w.cells[heap] = cell
+        _sift(w.cells, 0, heap)
+
+
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
-                    double tolC) noexcept nogil:
+                    double tolC, const int* order=NULL) noexcept nogil:
     """Transition i's forest <- an optimal basis of the transport problem max <C, V>
     over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
     in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
     network-simplex pivots (Dantzig's rule; Bland's after repeated degenerate pivots).
     The forest is the basis (a spanning tree) less its forbidden arcs. 0; 2 when every
-    coupling uses a forbidden cell; 1 on a failure."""
+    coupling uses a forbidden cell; 1 on a failure. order: NULL, or all S^2 cells
+    (a S + b) by decreasing (C, R), for a transition without forbidden cells (_start
+    sorts them once for transitions that share their costs)."""
     cdef int S = w.S, cap = w.cap, a, b, ia, ib, k, j, ra, best_a, best_b, tier, n_degen = 0
-    cdef int nr = 0, nc = 0, it, heap
-    cdef _Cell cell
+    cdef int nr = 0, nc = 0, it
     cdef int* rows = w.rows
     cdef int* cols = w.rows + S
     cdef double* pr = w.pot2        # residuals (2 S doubles)
@@ -1223,58 +1480,36 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             lf[k] = -1.0 if Ci[k] == -INFINITY else 0.0
             lc[k] = 0.0 if Ci[k] == -INFINITY else Ci[k]
         Ci = lc
-    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap),
-    # each given all it can take; then zero-flow cells join the trees into a spanning tree
-    k = 0
-    for ia in range(nr):
-        pr[ia] = u[i * S + rows[ia]]
-        for ib in range(nc):
-            j = rows[ia] * S + cols[ib]
-            w.cells[k].f = lf[j] if forbidden else 0.0
-            w.cells[k].c = Ci[j]
-            w.cells[k].r = Ri[j]
-            w.cells[k].a = ia
-            w.cells[k].b = ib
-            k += 1
-    for ib in range(nc):
-        pc[ib] = u[(i + 1) * S + cols[ib]]
-    for j in range(k // 2 - 1, -1, -1):
-        _sift(w.cells, j, k)
+    # a greedy start: cells by decreasing (-[forbidden], C, R) (popped from a heap, or
+    # read from order), each given all it can take; then zero-flow cells join the trees
+    # into a spanning tree
     for ia in range(nr + nc):
         w.uf[ia] = ia
     ra = 0
-    heap = k
-    for it in range(2):
-        j = k - 1
-        while j >= 0 and ra < nr + nc - 1:
-            if j < heap:
-                # the next cell in decreasing order: pop it to the heap's end
-                heap -= 1
-                cell = w.cells[0]
-                w.cells[0] = w.cells[heap]
-                w.cells[heap] = cell
-                _sift(w.cells, 0, heap)
-            ia = w.cells[j].a
-            ib = w.cells[j].b
-            j -= 1
-            if it == 0 and (pr[ia] <= 0.0 or pc[ib] <= 0.0):
-                if pr[ia] <= 0.0 and pc[ib] <= 0.0 and _all_zero(pr, nr):
-                    break   # everything allocated; pass 2 joins the trees
-                continue
-            a = _uf_find(w.uf, ia)
-            b = _uf_find(w.uf, nr + ib)
-            if a == b:
-                continue
-            w.uf[a] = b
-            _add_arc(w, i, rows[ia], cols[ib])
-            ra += 1
-            if it == 0:
-                if pr[ia] <= pc[ib]:
-                    pc[ib] -= pr[ia]
-                    pr[ia] = 0.0
-                else:
-                    pr[ia] -= pc[ib]
-                    pc[ib] = 0.0
+    if order != NULL and not forbidden:
+        for ia in range(nr):
+            pr[ia] = u[i * S + rows[ia]]
+        for ib in range(nc):
+            pc[ib] = u[(i + 1) * S + cols[ib]]
+        # positions of the support's tags among rows and cols (-1: outside)
+        for a in range(2 * S):
+            w.cur[a] = -1
+        for ia in range(nr):
+            w.cur[rows[ia]] = ia
+        for ib in range(nc):
+            w.cur[S + cols[ib]] = ib
+        for it in range(2):
+            for j in range(S * S):
+                if ra >= nr + nc - 1:
+                    break
+                ia = w.cur[order[j] // S]
+                ib = w.cur[S + order[j] % S]
+                if ia < 0 or ib < 0:
+                    continue
+                if _greedy_cell(w, i, ia, ib, it, nr, rows, cols, pr, pc, &ra):
+                    break
+    else:
+        _greedy_heap(w, i, nr, nc, rows, cols, u, Ci, Ri, lf, forbidden, pr, pc, &ra)
     for it in range(100000):
         if _bfs(w, i):
             return 1
@@ -1349,6 +1584,248 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
                 k += 1
     return 0
 
+
+# -- a warm start: a guessed structure, made optimal at nearby scores -------------------
+
+cdef int _guess(_W* w, const double* eta_u, const double* eta_v, int rounds,
+                Py_ssize_t* n_iter, int* stack) noexcept nogil:
+    """Move the structure toward the one optimal at (eta_u, eta_v) by primal-dual
+    active-set rounds on its state at the scores themselves (t = 0 of C0 = eta_v): per
+    transition, the arc of the most negative flow leaves (nodes left without arcs on a
+    side with it) and the arcs of the most negative reduced costs enter (at most
+    GUESS_ENTER, those that join two trees); the best positive path enters. Measured:
+    more changes per round oscillate (at 40 x 17 the arcs swung between 500 and 1,000
+    for 20 rounds), while these converge in about as many rounds as a transition needs
+    changes. It stops at the first round without a change. 0, or 1 when the structure
+    broke down (a support emptied, or an invalid one)."""
+    cdef int S = w.S, T = w.T, n = w.n, i, k, a, b, r, nc, ei, ex, eb, changes, kb, added
+    cdef int fewest = -1, since = 0
+    cdef Py_ssize_t q
+    cdef double rc, fa, x, best
+    cdef const double* Ci
+    cdef const double* gi
+    cdef _Cell cell
+    # D only enters at t = 0, times 0: eta_v itself keeps _path_max's bound finite
+    _column_maxima(w, eta_v, eta_v)
+    for r in range(rounds):
+        if _update(w, eta_u, eta_v, eta_v, r == 0, False):
+            return 1
+        n_iter[0] += 1
+        changes = 0
+        for i in range(T):
+            kb = -1
+            best = -TOL_X
+            for k in range(w.na[i]):
+                x = w.flA[i * w.cap + k]
+                if x < best:
+                    best = x
+                    kb = k
+            if kb >= 0:
+                _del_arc(w, i, kb)
+                changes += 1
+        for i in range(n):
+            for a in range(S):
+                q = i * S + a
+                if (w.inP[q] and ((i > 0 and w.deg_c[q - S] == 0) or (i < T and w.deg_r[q] == 0))
+                        and _cascade(w, i, a, stack)):
+                    return 1
+        for i in range(T):
+            # the candidates, popped from a max-heap by minus their reduced cost
+            nc = 0
+            gi = w.gA + (i + 1) * S
+            for a in range(S):
+                if not w.inP[i * S + a]:
+                    continue
+                fa = w.fA[i * S + a]
+                Ci = eta_v + (i * S + a) * S
+                for b in range(S):
+                    rc = fa + gi[b] - Ci[b]
+                    if rc < -w.tol_d and w.inP[(i + 1) * S + b] and not w.inF[(i * S + a) * S + b]:
+                        w.cells[nc].f = -rc
+                        w.cells[nc].c = 0.0
+                        w.cells[nc].r = 0.0
+                        w.cells[nc].a = a
+                        w.cells[nc].b = b
+                        nc += 1
+            if nc == 0:
+                continue
+            for k in range(2 * S):
+                w.uf[k] = k
+            for k in range(w.na[i]):
+                a = _uf_find(w.uf, w.arc_a[i * w.cap + k])
+                b = _uf_find(w.uf, S + w.arc_b[i * w.cap + k])
+                w.uf[a] = b
+            for k in range(nc // 2 - 1, -1, -1):
+                _sift(w.cells, k, nc)
+            added = 0
+            while nc > 0 and added < GUESS_ENTER:
+                cell = w.cells[0]
+                nc -= 1
+                w.cells[0] = w.cells[nc]
+                _sift(w.cells, 0, nc)
+                a = _uf_find(w.uf, cell.a)
+                b = _uf_find(w.uf, S + cell.b)
+                if a == b:
+                    continue
+                w.uf[a] = b
+                _add_arc(w, i, cell.a, cell.b)
+                changes += 1
+                added += 1
+        if _path_max(w, eta_u, eta_v, eta_v, 0.0, &ei, &ex, &eb) > w.tol_d:
+            _path_trace(w, ei, ex, eb)
+            _add_path(w)
+            changes += 1
+        if changes == 0:
+            break
+        # oscillating: hand the structure to the path as it is
+        if fewest < 0 or changes < fewest:
+            fewest = changes
+            since = 0
+        else:
+            since += 1
+            if since >= GUESS_STALL:
+                break
+    return 0
+
+
+cdef void _warm_scores(_W* w, const double* eta_u, const double* eta_v, double margin,
+                       double* euh, double* eub, double* vh, double* dv,
+                       double* scratch) noexcept nogil:
+    """Scores (euh, vh) at which w's structure (its state _update'd at C0 = eta_v, read
+    at t = 0) is optimal with every inequality slack by margin, with the slopes
+    eub = eta_u - euh, dv = eta_v - vh of the path from them to (eta_u, eta_v).
+
+    On the supports, euh = eta_u + lam (p - u), p a point of the structure whose flows
+    are all positive (the forward-backward marginals of the paths through the forests'
+    arcs) and lam the least (at most 1) that lifts every u and flow to a tenth of p's:
+    u - euh lies in the structure's linear part, so the piece at euh is u + lam (p - u)
+    with the same potentials and gauges. Outside the forests, vh lowers the arcs whose
+    reduced cost is below margin; outside the supports, euh lowers the nodes so that no
+    path scores above -margin (each node's score, plus its best way in and its best way
+    out, below -margin)."""
+    cdef int n = w.n, S = w.S, T = w.T, i, a, b, k
+    cdef Py_ssize_t q
+    cdef double* al = scratch
+    cdef double* be = scratch + n * S
+    cdef double* pn = scratch + 2 * n * S
+    cdef double* pf = scratch + 3 * n * S
+    cdef double s, x, xp, lam = 0.0, tau, into, out, rc
+    for q in range(n * S):
+        al[q] = 1.0 if (q < S and w.inP[q]) else 0.0
+        be[q] = 1.0 if (q >= (n - 1) * S and w.inP[q]) else 0.0
+    for i in range(T):
+        for k in range(w.na[i]):
+            al[(i + 1) * S + w.arc_b[i * w.cap + k]] += al[i * S + w.arc_a[i * w.cap + k]]
+        s = 0.0
+        for b in range(S):
+            s += al[(i + 1) * S + b]
+        for b in range(S):
+            al[(i + 1) * S + b] /= s
+    for i in range(T - 1, -1, -1):
+        for k in range(w.na[i]):
+            be[i * S + w.arc_a[i * w.cap + k]] += be[(i + 1) * S + w.arc_b[i * w.cap + k]]
+        s = 0.0
+        for a in range(S):
+            s += be[i * S + a]
+        for a in range(S):
+            be[i * S + a] /= s
+    for i in range(n):
+        s = 0.0
+        for a in range(S):
+            s += al[i * S + a] * be[i * S + a]
+        for a in range(S):
+            pn[i * S + a] = al[i * S + a] * be[i * S + a] / s
+    for i in range(T):
+        _flows(w, i, pn, pf)
+    # lam: every u and flow at least a tenth of p's
+    for q in range(n * S):
+        if w.inP[q]:
+            x = w.uA[q]
+            if x < 0.1 * pn[q]:
+                lam = max(lam, (0.1 * pn[q] - x) / (pn[q] - x))
+    for i in range(T):
+        for k in range(w.na[i]):
+            x = w.flA[i * w.cap + k]
+            xp = pf[i * w.cap + k]
+            if x < 0.1 * xp:
+                lam = max(lam, (0.1 * xp - x) / (xp - x))
+    for q in range(n * S):
+        if w.inP[q]:
+            euh[q] = eta_u[q] + lam * (pn[q] - (w.uA[q]))
+    for i in range(T):
+        for a in range(S):
+            for b in range(S):
+                q = (i * S + a) * S + b
+                vh[q] = eta_v[q]
+                if w.inP[i * S + a] and w.inP[(i + 1) * S + b] and not w.inF[q]:
+                    rc = w.fA[i * S + a] + w.gA[(i + 1) * S + b] - eta_v[q]
+                    if rc < margin:
+                        vh[q] = eta_v[q] + rc - margin
+                dv[q] = eta_v[q] - vh[q]
+    for i in range(n):
+        tau = w.lamA[i * S]
+        for a in range(S):
+            q = i * S + a
+            if w.inP[q]:
+                continue
+            if eta_u[q] == -INFINITY:
+                euh[q] = -INFINITY
+                continue
+            into = 0.0 if i == 0 else -INFINITY
+            if i > 0:
+                for b in range(S):
+                    x = vh[((i - 1) * S + b) * S + a]
+                    if w.inP[(i - 1) * S + b]:
+                        x -= w.fA[(i - 1) * S + b]
+                    elif eta_u[(i - 1) * S + b] == -INFINITY:
+                        continue
+                    into = max(into, x)
+            out = 0.0
+            if i < T:
+                for b in range(S):
+                    if w.inP[(i + 1) * S + b]:
+                        out = max(out, vh[q * S + b] - w.gA[(i + 1) * S + b])
+            euh[q] = min(eta_u[q], tau - into - out - margin)
+    for q in range(n * S):
+        eub[q] = eta_u[q] - euh[q] if euh[q] > -INFINITY else 0.0
+
+
+cdef bint _warm(_W* w, const double* eta_u, const double* eta_v, double scale,
+                Py_ssize_t budget, Py_ssize_t* n_iter, int* stack) noexcept nogil:
+    """The path from scores near (eta_u, eta_v) at which a guessed structure is optimal
+    (_guess from the start's, _warm_scores), both scores moving: True when it got to
+    (eta_u, eta_v) and its structure is optimal there (w then holds it, _update'd at
+    C0 = 0, D = eta_v)."""
+    cdef int n = w.n, S = w.S, T = w.T
+    cdef Py_ssize_t q, nS = <Py_ssize_t> n * S, TSS = <Py_ssize_t> T * S * S
+    cdef double dmax = 0.0
+    cdef bint ok = False
+    if _guess(w, eta_u, eta_v, <int> min(GUESS_ROUNDS, budget - n_iter[0]), n_iter, stack):
+        return False
+    if _update(w, eta_u, eta_v, eta_v, False, False):
+        return False
+    cdef double* buf = <double*> malloc((5 * nS + 2 * TSS + T * w.cap) * sizeof(double))
+    if buf == NULL:
+        return False
+    cdef double* euh = buf
+    cdef double* eub = buf + nS
+    cdef double* vh = buf + 2 * nS
+    cdef double* dv = buf + 2 * nS + TSS
+    _warm_scores(w, eta_u, eta_v, WARM_MARGIN * scale, euh, eub, vh, dv, buf + 2 * nS + 2 * TSS)
+    for q in range(nS):
+        dmax = max(dmax, fabs(eub[q]))
+    for q in range(TSS):
+        dmax = max(dmax, fabs(dv[q]))
+    w.eub = eub
+    w.stol_x = TOL_S * dmax
+    w.stol_d = TOL_S * dmax
+    w.t_start = max(1e-9, START_ROUNDOFF / dmax) if dmax > 0.0 else 1e-9
+    if _follow_costs(w, euh, vh, dv, 1.0, False, budget, n_iter, stack) == RUN_OK:
+        w.eub = NULL
+        ok = _update(w, eta_u, NULL, eta_v, True) == 0 and not _violated(w, eta_u, NULL, eta_v, 1.0)
+    w.eub = NULL
+    free(buf)
+    return ok
 
 
 cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size,
@@ -1539,15 +2016,26 @@ cdef class SequenceFacetSolver(FacetSolver):
     """The facet-side solver of a :class:`~sparsemap.SequenceFactor`.
 
     SparseMAP over the chain's local polytope (marginalisation constraints), by
-    following ``u`` along ``t eta_v`` from ``t = 0`` (per-position sparsemax) to
-    ``t = 1`` through the events where its structure (the supports of ``u`` and the
-    spanning forests of the transport plans ``v``) changes; each piece is solved
-    exactly as a block-tridiagonal linear system. The result is certified by the
+    following ``u`` through the events where its structure (the supports of ``u`` and
+    the spanning forests of the transport plans ``v``) changes: from scores near
+    ``(eta_u, eta_v)`` at which a guessed structure is optimal, or else along
+    ``t eta_v`` from ``t = 0`` (per-position sparsemax) to ``t = 1``; each piece is
+    solved exactly as a block-tridiagonal linear system. The result is certified by the
     duality gap (one Viterbi call). See the module's docstring.
 
     Parameters
     ----------
     factor : SequenceFactor
+    decline_peaked : bool, default True
+        Decline at once where the vertex side is measured to be faster (the
+        default choice of side; see the module docstring).
+    warm : bool or None, default None
+        Whether to try the warm path first (a guessed structure, then the path from
+        scores at which it is optimal): ``None`` where the transitions' spread is at
+        least a twentieth of the unary scores' (below, the path from ``t = 0`` is
+        short and cheaper), ``True`` always, ``False`` never. The solution and the
+        Jacobian are the same (``True`` and ``False`` are for tests and
+        measurements).
 
     Notes
     -----
@@ -1596,15 +2084,17 @@ cdef class SequenceFacetSolver(FacetSolver):
     [1, 1, 0] 0.375
     """
     cdef int n, S
+    cdef int warm        # -1: by the spreads (WARM_RHO), 0: never, 1: always
     cdef object r_array
     cdef const double* r
 
-    def __init__(self, Factor factor, decline_peaked=True):
+    def __init__(self, Factor factor, decline_peaked=True, warm=None):
         from sparsemap._factors._sequence import SequenceFactor
         from sparsemap._active_set import tie_direction
         if not isinstance(factor, SequenceFactor):
             raise ValueError(f"factor: expected a SequenceFactor, got {type(factor).__name__}")
         super().__init__(factor, decline_peaked)
+        self.warm = -1 if warm is None else int(bool(warm))
         self.n = factor.n_positions
         self.S = factor.n_states
         # one read-only copy per size: a solver is built for every solve of the default
@@ -1618,6 +2108,10 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef const double[::1] rv = self.r_array
         self.r = &rv[0] if rv.shape[0] else NULL
 
+    def __reduce__(self):
+        return (type(self), (self.factor, bool(self.decline_peaked),
+                             None if self.warm < 0 else bool(self.warm)))
+
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                      double* residuals) except -1 nogil:
@@ -1627,11 +2121,14 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef _W w
         cdef int* stack = NULL
         cdef double su, sv
+        cdef bint warm = self.warm == 1
         n_iter[0] = 0
         residuals[0] = residuals[1] = INFINITY
         if T > 0:
             su = _pooled_std(eta_u, n, S, 1)
             sv = _pooled_std(eta_v, T, <Py_ssize_t> S * S, _spread_step(T, S))
+            if self.warm < 0:
+                warm = _spread_ratio(su, sv) >= WARM_RHO
             # spread transitions: the vertex side is cheaper (see the module docstring)
             if self.decline_peaked and sv >= SPREAD_A * pow(max(su, SU_FLOOR), SPREAD_B):
                 return FACET_DECLINED
@@ -1659,7 +2156,7 @@ cdef class SequenceFacetSolver(FacetSolver):
                 raise MemoryError()
         try:
             status = self._solve(&w, eta_u, eta_v, u, v, st, budget, n_iter, residuals,
-                                 scale_u, scale_v, stack)
+                                 scale_u, scale_v, stack, warm)
         finally:
             free(stack)
             _free(&w)
@@ -1668,7 +2165,7 @@ cdef class SequenceFacetSolver(FacetSolver):
     cdef int _solve(self, _W* w, const double* eta_u, const double* eta_v, double* u,
                     double* v, FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                     double* residuals, double scale_u, double scale_v,
-                    int* stack) except -1 nogil:
+                    int* stack, bint warm) except -1 nogil:
         cdef int n = self.n, S = self.S, T = n - 1, i, a, b, k
         cdef Py_ssize_t j
         cdef double x, best, lin, usq, lin_abs, gap, res_p, t_end
@@ -1676,11 +2173,18 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef int attempt
         cdef double* shifted = NULL
         w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
-        if _start(w, eta_u, eta_v, self.r, scale_v):
-            return FACET_DECLINED
         # phase 1: eta_v(t) = t eta_v
+        if warm and scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
+            solved = (_start(w, eta_u, eta_v, self.r, scale_v) == 0
+                      and _warm(w, eta_u, eta_v, scale_u + scale_v, budget, n_iter, stack))
+            if not solved:
+                _free(w)
+                _alloc(w, n, S, self.factor.work_bytes)
+                w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+        if not solved and _start(w, eta_u, eta_v, self.r, scale_v):
+            return FACET_DECLINED
         if scale_v > 0.0:
-            if _degenerate(w):
+            if not solved and _degenerate(w):
                 # a degenerate start (tied marginals: rows of eta_u that tie, eta_u = 0)
                 # puts the path's first events all at t = 0, where pivots on ties can
                 # cycle (measured: eta_u = 0, 100 x 17, at every scale of eta_v). The
