@@ -62,6 +62,17 @@ cdef class FacetSolver:
     # The Jacobian of u with respect to (eta_u, eta_v) at a solution, from its state:
     # transpose=0 (jvp): out_u = J_u in_u + J_v in_v (in_v NULL: zeros);
     # transpose=1 (vjp): out_u = J_u^T in_u, and out_v = J_v^T in_u unless out_v is NULL.
+    # c_solve started from prev, the state of an earlier solve by this solver at nearby
+    # scores (the previous step of an iteration, as in a factor graph's ADMM): the same
+    # contract, point and exactness as c_solve, in fewer iterations where the family's
+    # algorithm can use it. prev may be empty (a declined solve, or none yet) and must not
+    # be st. Optional: this default ignores prev; the tree's solver overrides it (it
+    # starts from prev's tight cuts).
+    cdef int c_solve_warm(self, const double* eta_u, const double* eta_v, double* u,
+                          double* v, FacetState* st, const FacetState* prev,
+                          Py_ssize_t budget, Py_ssize_t* n_iter,
+                          double* residuals) except -1 nogil
+
     cdef int c_apply(self, const FacetState* st, const double* in_u, const double* in_v,
                      double* out_u, double* out_v, bint transpose) except -1 nogil
 

@@ -1477,6 +1477,13 @@ cdef class TreeFacetSolver(FacetSolver):
     cdef int c_solve(self, const double* eta_u, const double* eta_v, double* u, double* v,
                      FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                      double* residuals) except -1 nogil:
+        return self.c_solve_warm(eta_u, eta_v, u, v, st, NULL, budget, n_iter, residuals)
+
+    cdef int c_solve_warm(self, const double* eta_u, const double* eta_v, double* u,
+                          double* v, FacetState* st, const FacetState* prev,
+                          Py_ssize_t budget, Py_ssize_t* n_iter,
+                          double* residuals) except -1 nogil:
+        # prev's tight cuts are held from the start (_seed_cuts)
         cdef int N = self.N, status
         cdef Py_ssize_t NN = <Py_ssize_t> N * N
         cdef Work w
@@ -1518,7 +1525,7 @@ cdef class TreeFacetSolver(FacetSolver):
         w.k = 0
         try:
             _grow_cuts(&w, CUTS0)
-            status = _solve(&w, eta_u, u, st, budget, n_iter, residuals)
+            status = _solve(&w, eta_u, u, st, prev, budget, n_iter, residuals)
         finally:
             free(block)
             free(w.cutmem)
@@ -1569,8 +1576,9 @@ cdef class TreeFacetSolver(FacetSolver):
         return decompose_point(self.factor, a)
 
 
-cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_t budget,
-                Py_ssize_t* n_iter, double* residuals) except -1 nogil:
+cdef int _solve(Work* w, const double* eta, double* u, FacetState* st,
+                const FacetState* prev, Py_ssize_t budget, Py_ssize_t* n_iter,
+                double* residuals) except -1 nogil:
     cdef int N = w.N, m, h, i, j, nk, code
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
     cdef double val, cmax, tol, tol_g, cut_min, rp, rd, rc, s, loose
@@ -1615,6 +1623,8 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
     for m in range(1, N):
         S[m] = 1
     _add_cut(w, S, w.single_root)
+    if prev != NULL:
+        _seed_cuts(w, prev)
     _project(w)
     n_iter[0] += 1
     # Loose dual solves after the first rounds (see LOOSE); the solve before the
@@ -1717,6 +1727,38 @@ cdef int _solve(Work* w, const double* eta, double* u, FacetState* st, Py_ssize_
             u[h * N + m] = w.XT[m * N + h] if m > 0 else 0.0
     _write_state(w, st)
     return FACET_SOLVED
+
+
+cdef int _seed_cuts(Work* w, const FacetState* prev) except -1 nogil:
+    """Hold the cuts tight at an earlier solution (prev's rows, the root set aside), at
+    mu = 0: at nearby scores most of them are tight again, and holding them from the
+    start saves the separation rounds that would find them. Those that are not are
+    dropped at the first exact dual solve (mu = 0), as any cut is, so the solve and its
+    termination argument are unchanged. An empty prev (a declined solve) seeds none."""
+    cdef TreeHeader hd
+    cdef TreeLayout lay
+    cdef int N = w.N, r, m, q, c
+    cdef const int* kept_i
+    cdef const int* masks
+    cdef char* S = w.cscratch
+    if prev.n_ints == 0:
+        return 0
+    _view(prev, N, &hd, &lay)
+    kept_i = prev.ints + lay.kept
+    masks = prev.ints + lay.masks
+    for r in range(hd.na):
+        if not kept_i[r]:
+            continue
+        # bit r of node m's mask: word r >> 6, two ints a word (low, then high)
+        q = 2 * (r >> 6) + ((r >> 5) & 1)
+        S[0] = 0
+        c = 0
+        for m in range(1, N):
+            S[m] = (masks[2 * <Py_ssize_t> m * hd.Wa + q] >> (r & 31)) & 1
+            c += S[m]
+        if c > 0 and c < N - 1 and not _has_cut(w, S):
+            _add_cut(w, S, False)
+    return 0
 
 
 cdef double _tolerance(const Work* w) noexcept nogil:

@@ -37,7 +37,7 @@ from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _dot, _iterate
 from sparsemap._active_set import STATUS_CONVERGED
-from sparsemap._facet cimport FACET_SOLVED, state_clear
+from sparsemap._facet cimport FACET_SOLVED, FacetState, state_clear
 from sparsemap._facet import facet_solver
 from sparsemap._factors._matching import MatchingFactor
 from sparsemap._factors._sequence import SequenceFactor
@@ -323,9 +323,15 @@ cdef class _Admm:
         solver solved it (then s holds the point and the piece)."""
         cdef Py_ssize_t n_it = 0
         cdef double res[2]
+        cdef FacetState t = s.st
         s.n_solve += 1
-        if s.solver.c_solve(self.scores + self.uoff[f], self.evs + self.voff[f] if s.n_v else NULL,
-                            s.u, s.v, &s.st, FACET_BUDGET, &n_it, res) != FACET_SOLVED:
+        # warm started from the last step's state (moved to st2, the polish check's scratch
+        # until the next check: st2 always holds a state of this solver, or none)
+        s.st = s.st2
+        s.st2 = t
+        if s.solver.c_solve_warm(self.scores + self.uoff[f],
+                                 self.evs + self.voff[f] if s.n_v else NULL, s.u, s.v, &s.st,
+                                 &s.st2, FACET_BUDGET, &n_it, res) != FACET_SOLVED:
             s.n_declined += 1
             return False
         s.hash = _state_hash(&s.st)

@@ -424,8 +424,9 @@ cdef class _Certified(_Admm):
             s.th[j - a] = self.ctmp[j] + self.cmu[j]      # -inf on masked links
         if s.n_v:
             scale = max(scale, _maxabs(ev, s.n_v))
-        if s.solver.c_solve(s.th, ev, s.u2, s.v2, &s.st2, FACET_CHECK_BUDGET, &n_it,
-                            res) != FACET_SOLVED:
+        # warm started from the step's piece (near the polished point's, or the same)
+        if s.solver.c_solve_warm(s.th, ev, s.u2, s.v2, &s.st2, &s.st, FACET_CHECK_BUDGET,
+                                 &n_it, res) != FACET_SOLVED:
             return 0
         for j in range(a, b):
             diff = max(diff, fabs(s.u2[j - a] - self.ctmp[j]))

@@ -450,3 +450,37 @@ def test_a_state_that_does_not_fit_its_layout_raises():
         copy.set_state(*state)
         with pytest.raises(ValueError, match=match):
             copy.vjp(g if s is solver else np.zeros((8, 8)))
+
+
+@pytest.mark.parametrize("single_root", ROOTS)
+@pytest.mark.parametrize("n,kind,scale", [(5, "iid", 1.0), (30, "iid", 1.0), (60, "iid", 3.0),
+                                          (60, "head", 0.3), (100, "head", 0.08)])
+def test_warm_start_gives_the_cold_solution(single_root, n, kind, scale):
+    """Started from an earlier solution's tight cuts (nearby scores, far ones, the same
+    ones), the solve ends at the cold solve's point and piece: certified by the minimum
+    cuts and the duality gap, and with the same Jacobian."""
+    s = solver(n, single_root)
+    rng = np.random.default_rng(4)
+    base = (head_biased(n, scale, 0.01, 5) if kind == "head"
+            else scale * rng.standard_normal((n + 1, n + 1)))
+    prev = s.solve(base)
+    assert prev.status == 0
+    d = rng.standard_normal((n + 1, n + 1))
+    for eta in (base, base + 0.02 * scale * rng.standard_normal(base.shape),
+                scale * rng.standard_normal(base.shape)):
+        cold, warm = s.solve(eta), s.solve(eta, warm=prev)
+        assert cold.status == warm.status == 0
+        np.testing.assert_allclose(warm.u, cold.u, rtol=0, atol=1e-12)
+        check_kkt(s.factor, eta, warm.u, networkx_min_cut)
+        np.testing.assert_allclose(warm.jvp(d)[0], cold.jvp(d)[0], rtol=0, atol=1e-9)
+
+
+def test_warm_start_from_a_declined_or_foreign_solution():
+    """A declined solve's empty state seeds nothing; another solver's solution is refused."""
+    s = solver(8)
+    eta = np.random.default_rng(0).standard_normal((9, 9))
+    empty = s.solve(eta, budget=0)
+    assert empty.status == 1
+    np.testing.assert_allclose(s.solve(eta, warm=empty).u, s.solve(eta).u, atol=1e-12)
+    with pytest.raises(ValueError, match="warm"):
+        s.solve(eta, warm=solver(8).solve(eta))
