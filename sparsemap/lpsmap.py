@@ -264,7 +264,10 @@ class Variable:
         self._value = val
 
     def __getitem__(self, key):
-        return Slice(self, self._ix[_index_key(key)])
+        if type(key) is not tuple or len(key) != 2 or type(key[0]) not in _PLAIN_INDEX \
+                or type(key[1]) not in _PLAIN_INDEX:
+            key = _index_key(key)    # the common z[i, :] and z[:, j] need no conversion
+        return Slice(self, self._ix[key])
 
     def __repr__(self):
         return f"Variable(shape={self.shape})"
@@ -320,7 +323,7 @@ class Slice:
 
 
 def _check_vars(v, name):
-    if not isinstance(v, (Variable, Slice)):
+    if type(v) is not Slice and not isinstance(v, (Variable, Slice)):
         raise ValueError(f"{name}: expected a Variable or a Slice of one (from "
                          f"fg.variable_from / fg.variable), got {type(v).__name__}")
     return v
@@ -424,16 +427,21 @@ def _plan(graph):
     solved before (the common case: one graph built per document or per batch)."""
     # the key: the variables' shapes, then per factor its class, its arguments besides
     # the scores, and per argument the variable and the indices it is on (one loop, no
-    # call per factor: this runs on every solve)
+    # call per factor, one entry per factor on one argument, the common case: this runs
+    # on every solve)
     names = {id(v): k for k, v in enumerate(graph.variables)} \
         if len(graph.variables) > 1 else None
     key = [tuple(v.shape for v in graph.variables)]
-    add = key.extend
+    add = key.append
     for f in graph.factors:
         vs = f._variables
         if type(vs) is not tuple:
-            vs = (vs,)
-        add((type(f), f._signature()))
+            ix = vs._ix
+            add((type(f), f._signature(),
+                 0 if names is None else names[id(getattr(vs, "_base_var", vs))], ix.shape,
+                 ix.tobytes()))
+            continue
+        add((type(f), f._signature(), len(vs)))
         for v in vs:
             ix = v._ix
             add((0 if names is None else names[id(getattr(v, "_base_var", v))], ix.shape,
@@ -745,8 +753,9 @@ class _Logic(_LPFactor):
     _min = 1
 
     def __init__(self, variables):
-        self._variables = _check_vars(variables, "variables")
-        n = self._variables._ix.size
+        self._variables = variables if type(variables) is Slice else \
+            _check_vars(variables, "variables")
+        n = variables._ix.size
         if n < self._min:
             raise ValueError(f"variables: {type(self).__name__} needs at least {self._min} "
                              f"variables, got {n}")
@@ -1476,9 +1485,9 @@ class FactorGraph:
         if not isinstance(factor, _LPFactor):
             raise ValueError(f"factor: expected one of {', '.join(__all__[2:])}, got "
                              f"{type(factor).__name__}")
-        vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
-        for v in vs:
-            if getattr(v, "_base_var", v)._graph() is not self:
+        vs = factor._variables
+        for v in vs if type(vs) is tuple else (vs,):
+            if (v._base_var if type(v) is Slice else v)._graph() is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 
