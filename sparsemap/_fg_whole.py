@@ -63,9 +63,10 @@ class _Whole:
         return eta_u, None
 
     def to_graph(self, x, n_variables):
-        """A vector over the factor's parts, as one over the graph's variables."""
+        """A vector over the factor's parts, as one over the graph's variables (in order:
+        ``x`` itself, flat, which the caller must own)."""
         if self.in_order:
-            return np.array(x, dtype=np.float64).reshape(-1)
+            return np.asarray(x, dtype=np.float64).reshape(-1)
         out = np.zeros(n_variables)
         out[self.parts[self.tied]] = np.asarray(x).reshape(-1)[self.tied]
         return out

@@ -340,7 +340,7 @@ def _host(x):
     its dtype), anything else as float64."""
     if _is_tensor(x):
         x = x.detach()
-        if x.device.type != "cpu" or x.dtype not in _HOST_DTYPES:
+        if not x.is_cpu or x.dtype not in _HOST_DTYPES:
             import torch
             x = x.to(device="cpu", dtype=torch.float64)
         return x.numpy()
@@ -581,7 +581,7 @@ def _torch_function():
         a = np.asarray(a).reshape(t.shape)
         if t.dtype in numpy_dtypes:
             out = torch.from_numpy(np.asarray(a, dtype=numpy_dtypes[t.dtype]))
-            return out if t.device.type == "cpu" else out.to(t.device)
+            return out if t.is_cpu else out.to(t.device)
         return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dtype=t.dtype,
                                                                      device=t.device)
 
