@@ -339,7 +339,8 @@ def _host(x):
     """Scores as a NumPy array: a tensor read on the host (as float64 unless NumPy has
     its dtype), anything else as float64."""
     if _is_tensor(x):
-        x = x.detach()
+        if x.requires_grad:        # detach() costs more than the check
+            x = x.detach()
         if not x.is_cpu or x.dtype not in _HOST_DTYPES:
             import torch
             x = x.to(device="cpu", dtype=torch.float64)
@@ -437,11 +438,11 @@ def _plan(graph):
         vs = f._variables
         if type(vs) is not tuple:
             ix = vs._ix
-            add((type(f), f._signature(),
+            add((type(f), f._signature,
                  0 if names is None else names[id(getattr(vs, "_base_var", vs))], ix.shape,
                  ix.tobytes()))
             continue
-        add((type(f), f._signature(), len(vs)))
+        add((type(f), f._signature, len(vs)))
         for v in vs:
             ix = v._ix
             add((0 if names is None else names[id(getattr(v, "_base_var", v))], ix.shape,
@@ -585,35 +586,46 @@ def _torch_function():
         return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dtype=t.dtype,
                                                                      device=t.device)
 
+    def grads(ctx, *gs):
+        """The gradients of _DropInSolve's inputs from its outputs'."""
+        sizes = ctx.call.plan.sizes
+        g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
+                    ctx.call.plan.V)
+        ge, gadds = ctx.call.backward(g)
+        out = [None, None, None]
+        out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
+        for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
+            a = gadds[k]
+            if t is None:
+                out.append(None)
+                continue
+            full = np.zeros(t.numel())
+            full[:a.shape[0]] = a       # an "at least" array's tail is not read
+            out.append(like(full, t))
+        return tuple(out)
+
+    once = torch.autograd.function.once_differentiable(grads)
+
     class _DropInSolve(torch.autograd.Function):
         @staticmethod
         def forward(ctx, call, factors, n_vars, *inputs):
-            scores, raw = inputs[:n_vars], inputs[n_vars:]
+            scores = [x.detach() for x in inputs[:n_vars]]
+            raw = inputs[n_vars:]
             eta = _scores_array(scores, call.plan.sizes, call.plan.V)
             u = call.forward(factors, eta, call.adds(raw))
             ctx.call, ctx.n_vars = call, n_vars
-            ctx.inputs = [x.detach() for x in scores] + [
-                x.detach() if _is_tensor(x) else None for x in raw]
-            return tuple(like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores))
+            ctx.inputs = scores + [x.detach() if _is_tensor(x) else None for x in raw]
+            return tuple([like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores)])
 
         @staticmethod
-        @torch.autograd.function.once_differentiable   # no silent second derivative
         def backward(ctx, *gs):
-            sizes = ctx.call.plan.sizes
-            g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
-                        ctx.call.plan.V)
-            ge, gadds = ctx.call.backward(g)
-            out = [None, None, None]
-            out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
-            for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
-                a = gadds[k]
-                if t is None:
-                    out.append(None)
-                    continue
-                full = np.zeros(t.numel())
-                full[:a.shape[0]] = a       # an "at least" array's tail is not read
-                out.append(like(full, t))
-            return tuple(out)
+            # with grad mode off (a plain backward pass) once_differentiable would only
+            # run the body under no_grad, which costs more than the body's bookkeeping;
+            # with create_graph it makes a second derivative raise instead of being
+            # silently wrong
+            if torch.is_grad_enabled():
+                return once(ctx, *gs)
+            return grads(ctx, *gs)
 
     _TORCH.append(_DropInSolve)
     return _DropInSolve
@@ -657,9 +669,9 @@ class _LPFactor:
         """Global variable indices of the factor's variables (one array per argument)."""
         return tuple(v._ix + offsets[id(_variable_of(v))] for v in self._vars())
 
-    def _signature(self):
-        """The construction arguments other than the variables and additional scores."""
-        return ()
+    # The construction arguments other than the variables and additional scores (a
+    # property on the factors that have any: the logic factors' key reads no call).
+    _signature = ()
 
     def _structure(self, ids):
         """Native pieces ``[(factor, idx)]`` over the global variable indices ``ids`` (one
@@ -857,6 +869,7 @@ class Budget(_LPFactor):
         if n < 1:
             raise ValueError("variables: Budget needs at least one variable")
 
+    @property
     def _signature(self):
         return (self.budget, self.force_budget)
 
@@ -1053,6 +1066,7 @@ class SequenceBudget(_LPFactor):
             raise ValueError(f"budget: with one state every position is in state 0, so at "
                              f"most {self._budget} of {L} is infeasible")
 
+    @property
     def _signature(self):
         return (self._budget, self._force_budget)
 
@@ -1251,6 +1265,7 @@ class DepTree(_LPFactor):
         self.packed = _check_flag(packed, "packed")
         self.projective = _check_flag(projective, "projective")
 
+    @property
     def _signature(self):
         return (self.packed, self.projective)
 
