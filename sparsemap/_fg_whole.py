@@ -22,7 +22,7 @@ import numpy as np
 from sparsemap._factors._logic import (AtMostOneFactor, PairFactor, SequenceBudgetFactor,
                                        XorFactor)
 from sparsemap._factors._matching import MatchingFactor
-from sparsemap._solve import _solve_quiet
+from sparsemap._solve import _solve_unwarned
 
 
 class _Whole:
@@ -283,11 +283,11 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
             return None
     try:
         if blocks is None:
-            r = _solve_quiet(whole.factor, eta_u, eta_v, max_iter)
+            r = _solve_unwarned(whole.factor, eta_u, eta_v, max_iter)
         else:
             r = _Blocks(whole, blocks, [
-                _solve_quiet(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
-                             None, max_iter) if kind == "solve" else None
+                _solve_unwarned(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
+                                None, max_iter) if kind == "solve" else None
                 for rows, cols, kind in blocks], eta_u)
     except ValueError:
         return None

@@ -763,7 +763,7 @@ def _solve_problem(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=
     return result
 
 
-def _solve_quiet(factor, eta_u, eta_v, max_iter):
+def _solve_unwarned(factor, eta_u, eta_v, max_iter):
     """:func:`solve` at its defaults for a caller that passes a valid factor and options
     and reads ``converged`` itself, so no warning is raised (no filter needed around the
     call): a graph that is one factor solves it this way, and takes its own path when
