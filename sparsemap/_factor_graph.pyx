@@ -55,8 +55,9 @@ def _describe(f, factor):
 _NO_V = np.zeros(0)
 
 
-def _zeros_v(factor):
-    """Flat zeros of the factor's additional scores."""
+cdef _zeros_v(factor):
+    """Flat zeros of the factor's additional scores (a C call: it runs per factor on
+    every solve and every backward pass)."""
     return np.zeros(factor.n_v) if factor.n_v else _NO_V
 
 
@@ -1209,27 +1210,26 @@ def _solve_whole(graph, whole, eu, ev, fixed=None, soft=None):
 class _WholeResult(FactorGraphResult):
     """A FactorGraphResult from the single factor the graph is (see sparsemap._fg_whole)."""
 
+    # the same for every such result (a certified answer, no ADMM): class attributes, so
+    # that a solve sets only what it found
+    converged = polished = True
+    primal_residual = dual_residual = 0.0
+    rho = float("nan")
+    n_inner_unconverged = 0
+    _status = ENGINE_CONVERGED
+    _engine = _parts = backward_info = _solve_args = _bengine = None
+
     def __init__(self, graph, whole, single, eta_u, eta_v):
         self._whole, self._single = whole, single
-        self._engine = None
         self.factors = tuple(graph.factors)
         self.n_variables = graph.n_variables
-        u = whole.to_graph(single.u, graph.n_variables)
-        np.maximum(u, 0.0, out=u)             # round-off outside [0, 1]
+        # round-off outside [0, 1] clipped, in a new array (single.u stays the factor's)
+        u = whole.to_graph(np.maximum(single.u, 0.0), graph.n_variables)
         np.minimum(u, 1.0, out=u)
         self.u = u
-        self.converged = True
-        self.polished = True
         self.n_iter = int(single.n_iter)
-        self.primal_residual = 0.0
-        self.dual_residual = 0.0
-        self.rho = float("nan")
         self.n_map = int(getattr(single, "n_map", 0) or 0)
-        self.n_inner_unconverged = 0
-        self._status = ENGINE_CONVERGED
-        self._parts = None
-        self.backward_info = None
-        self._graph, self._eta, self._solve_args, self._bengine = graph, (eta_u, eta_v), None, None
+        self._graph, self._eta = graph, (eta_u, eta_v)
 
     @property
     def message(self):

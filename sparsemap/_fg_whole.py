@@ -11,19 +11,18 @@ factors) and the solve (:func:`solve_whole`, with masks and padding split into b
 ``FactorGraphResult`` (``_WholeResult``), which maps ``u``, ``v``, the support and the
 Jacobian products back to the graph.
 
-It calls :func:`sparsemap.solve`, so it sits on that function's layer, above the
+It calls :func:`sparsemap.solve` (in the form that leaves non-convergence to the
+caller instead of warning), so it sits on that function's layer, above the
 factor graph's engine (``sparsemap._fg_admm`` and the modules that extend it),
 which never imports it.
 """
-
-import warnings
 
 import numpy as np
 
 from sparsemap._factors._logic import (AtMostOneFactor, PairFactor, SequenceBudgetFactor,
                                        XorFactor)
 from sparsemap._factors._matching import MatchingFactor
-from sparsemap._solve import solve
+from sparsemap._solve import _solve_unwarned
 
 
 class _Whole:
@@ -64,9 +63,10 @@ class _Whole:
         return eta_u, None
 
     def to_graph(self, x, n_variables):
-        """A vector over the factor's parts, as one over the graph's variables."""
+        """A vector over the factor's parts, as one over the graph's variables (in order:
+        ``x`` itself, flat, which the caller must own)."""
         if self.in_order:
-            return np.array(x, dtype=np.float64).reshape(-1)
+            return np.asarray(x, dtype=np.float64).reshape(-1)
         out = np.zeros(n_variables)
         out[self.parts[self.tied]] = np.asarray(x).reshape(-1)[self.tied]
         return out
@@ -282,15 +282,13 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
         if blocks is None:
             return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if blocks is None:
-                r = solve(whole.factor, eta_u, eta_v, max_iter=max_iter)
-            else:
-                r = _Blocks(whole, blocks, [
-                    solve(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
-                          max_iter=max_iter) if kind == "solve" else None
-                    for rows, cols, kind in blocks], eta_u)
+        if blocks is None:
+            r = _solve_unwarned(whole.factor, eta_u, eta_v, max_iter)
+        else:
+            r = _Blocks(whole, blocks, [
+                _solve_unwarned(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
+                                None, max_iter) if kind == "solve" else None
+                for rows, cols, kind in blocks], eta_u)
     except ValueError:
         return None
     if not r.converged:

@@ -754,17 +754,35 @@ def _solve_problem(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=
         raise ValueError(f"callback: expected a callable or None, got {callback!r}")
     if verbose:
         callback = _Printer(method, callback)
-    sol = _solve_problems(factor, [eu], [ev], None if S0 is None else [S0], method, max_iter,
-                          tol, bool(return_history), callback=callback, backward=backward)[0]
-    if sol.status == STATUS_INFEASIBLE:
-        raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
-    result = SparseMAPResult(factor, sol, method, (eu, ev, max_iter),
-                             _per_position(factor, eta_v is None), shared)
+    result = _solved(factor, eu, ev, eta_v is None, S0, method, max_iter, tol,
+                     bool(return_history), callback, backward, shared)
     if verbose:
         callback.summary(result)
-    if sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
+    if result._sol.status not in (STATUS_CONVERGED, STATUS_STOPPED):
         _warn_not_converged(result, "")
     return result
+
+
+def _solve_unwarned(factor, eta_u, eta_v, max_iter):
+    """:func:`solve` at its defaults for a caller that passes a valid factor and options
+    and reads ``converged`` itself, so no warning is raised (no filter needed around the
+    call): a graph that is one factor solves it this way, and takes its own path when
+    the answer is not certified. The scores are checked as by :func:`solve`."""
+    eu, ev = factor.check_scores(eta_u, eta_v)
+    return _solved(factor, eu, ev, eta_v is None, None, "auto", max_iter, DEFAULT_TOL, False,
+                   None, True, False)
+
+
+def _solved(factor, eu, ev, no_eta_v, S0, method, max_iter, tol, return_history, callback,
+            backward, shared):
+    """The result of one checked problem (``eu``, ``ev`` as ``factor.check_scores`` gives
+    them), or ValueError when every structure uses a forbidden part."""
+    sol = _solve_problems(factor, [eu], [ev], None if S0 is None else [S0], method, max_iter,
+                          tol, return_history, callback=callback, backward=backward)[0]
+    if sol.status == STATUS_INFEASIBLE:
+        raise ValueError(factor._infeasible_message(_names(factor, "eta_u", "eta_v")))
+    return SparseMAPResult(factor, sol, method, (eu, ev, max_iter),
+                           _per_position(factor, no_eta_v), shared)
 
 
 class _Printer:

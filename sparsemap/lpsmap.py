@@ -264,7 +264,10 @@ class Variable:
         self._value = val
 
     def __getitem__(self, key):
-        return Slice(self, self._ix[_index_key(key)])
+        if type(key) is not tuple or len(key) != 2 or type(key[0]) not in _PLAIN_INDEX \
+                or type(key[1]) not in _PLAIN_INDEX:
+            key = _index_key(key)    # the common z[i, :] and z[:, j] need no conversion
+        return Slice(self, self._ix[key])
 
     def __repr__(self):
         return f"Variable(shape={self.shape})"
@@ -320,7 +323,7 @@ class Slice:
 
 
 def _check_vars(v, name):
-    if not isinstance(v, (Variable, Slice)):
+    if type(v) is not Slice and not isinstance(v, (Variable, Slice)):
         raise ValueError(f"{name}: expected a Variable or a Slice of one (from "
                          f"fg.variable_from / fg.variable), got {type(v).__name__}")
     return v
@@ -336,8 +339,9 @@ def _host(x):
     """Scores as a NumPy array: a tensor read on the host (as float64 unless NumPy has
     its dtype), anything else as float64."""
     if _is_tensor(x):
-        x = x.detach()
-        if x.device.type != "cpu" or x.dtype not in _HOST_DTYPES:
+        if x.requires_grad:        # detach() costs more than the check
+            x = x.detach()
+        if not x.is_cpu or x.dtype not in _HOST_DTYPES:
             import torch
             x = x.to(device="cpu", dtype=torch.float64)
         return x.numpy()
@@ -424,16 +428,21 @@ def _plan(graph):
     solved before (the common case: one graph built per document or per batch)."""
     # the key: the variables' shapes, then per factor its class, its arguments besides
     # the scores, and per argument the variable and the indices it is on (one loop, no
-    # call per factor: this runs on every solve)
+    # call per factor, one entry per factor on one argument, the common case: this runs
+    # on every solve)
     names = {id(v): k for k, v in enumerate(graph.variables)} \
         if len(graph.variables) > 1 else None
     key = [tuple(v.shape for v in graph.variables)]
-    add = key.extend
+    add = key.append
     for f in graph.factors:
         vs = f._variables
         if type(vs) is not tuple:
-            vs = (vs,)
-        add((type(f), f._signature()))
+            ix = vs._ix
+            add((type(f), f._signature,
+                 0 if names is None else names[id(getattr(vs, "_base_var", vs))], ix.shape,
+                 ix.tobytes()))
+            continue
+        add((type(f), f._signature, len(vs)))
         for v in vs:
             ix = v._ix
             add((0 if names is None else names[id(getattr(v, "_base_var", v))], ix.shape,
@@ -573,39 +582,50 @@ def _torch_function():
         a = np.asarray(a).reshape(t.shape)
         if t.dtype in numpy_dtypes:
             out = torch.from_numpy(np.asarray(a, dtype=numpy_dtypes[t.dtype]))
-            return out if t.device.type == "cpu" else out.to(t.device)
+            return out if t.is_cpu else out.to(t.device)
         return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dtype=t.dtype,
                                                                      device=t.device)
+
+    def grads(ctx, *gs):
+        """The gradients of _DropInSolve's inputs from its outputs'."""
+        sizes = ctx.call.plan.sizes
+        g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
+                    ctx.call.plan.V)
+        ge, gadds = ctx.call.backward(g)
+        out = [None, None, None]
+        out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
+        for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
+            a = gadds[k]
+            if t is None:
+                out.append(None)
+                continue
+            full = np.zeros(t.numel())
+            full[:a.shape[0]] = a       # an "at least" array's tail is not read
+            out.append(like(full, t))
+        return tuple(out)
+
+    once = torch.autograd.function.once_differentiable(grads)
 
     class _DropInSolve(torch.autograd.Function):
         @staticmethod
         def forward(ctx, call, factors, n_vars, *inputs):
-            scores, raw = inputs[:n_vars], inputs[n_vars:]
+            scores = [x.detach() for x in inputs[:n_vars]]
+            raw = inputs[n_vars:]
             eta = _scores_array(scores, call.plan.sizes, call.plan.V)
             u = call.forward(factors, eta, call.adds(raw))
             ctx.call, ctx.n_vars = call, n_vars
-            ctx.inputs = [x.detach() for x in scores] + [
-                x.detach() if _is_tensor(x) else None for x in raw]
-            return tuple(like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores))
+            ctx.inputs = scores + [x.detach() if _is_tensor(x) else None for x in raw]
+            return tuple([like(x, t) for x, t in zip(_split(u, call.plan.sizes), scores)])
 
         @staticmethod
-        @torch.autograd.function.once_differentiable   # no silent second derivative
         def backward(ctx, *gs):
-            sizes = ctx.call.plan.sizes
-            g = _padded([(None if x is None else _host(x), n) for x, n in zip(gs, sizes)],
-                        ctx.call.plan.V)
-            ge, gadds = ctx.call.backward(g)
-            out = [None, None, None]
-            out += [like(x, t) for x, t in zip(_split(ge, sizes), ctx.inputs[:ctx.n_vars])]
-            for k, t in zip(ctx.call.plan.with_adds, ctx.inputs[ctx.n_vars:]):
-                a = gadds[k]
-                if t is None:
-                    out.append(None)
-                    continue
-                full = np.zeros(t.numel())
-                full[:a.shape[0]] = a       # an "at least" array's tail is not read
-                out.append(like(full, t))
-            return tuple(out)
+            # with grad mode off (a plain backward pass) once_differentiable would only
+            # run the body under no_grad, which costs more than the body's bookkeeping;
+            # with create_graph it makes a second derivative raise instead of being
+            # silently wrong
+            if torch.is_grad_enabled():
+                return once(ctx, *gs)
+            return grads(ctx, *gs)
 
     _TORCH.append(_DropInSolve)
     return _DropInSolve
@@ -649,9 +669,9 @@ class _LPFactor:
         """Global variable indices of the factor's variables (one array per argument)."""
         return tuple(v._ix + offsets[id(_variable_of(v))] for v in self._vars())
 
-    def _signature(self):
-        """The construction arguments other than the variables and additional scores."""
-        return ()
+    # The construction arguments other than the variables and additional scores (a
+    # property on the factors that have any: the logic factors' key reads no call).
+    _signature = ()
 
     def _structure(self, ids):
         """Native pieces ``[(factor, idx)]`` over the global variable indices ``ids`` (one
@@ -745,8 +765,9 @@ class _Logic(_LPFactor):
     _min = 1
 
     def __init__(self, variables):
-        self._variables = _check_vars(variables, "variables")
-        n = self._variables._ix.size
+        self._variables = variables if type(variables) is Slice else \
+            _check_vars(variables, "variables")
+        n = variables._ix.size
         if n < self._min:
             raise ValueError(f"variables: {type(self).__name__} needs at least {self._min} "
                              f"variables, got {n}")
@@ -848,6 +869,7 @@ class Budget(_LPFactor):
         if n < 1:
             raise ValueError("variables: Budget needs at least one variable")
 
+    @property
     def _signature(self):
         return (self.budget, self.force_budget)
 
@@ -1044,6 +1066,7 @@ class SequenceBudget(_LPFactor):
             raise ValueError(f"budget: with one state every position is in state 0, so at "
                              f"most {self._budget} of {L} is infeasible")
 
+    @property
     def _signature(self):
         return (self._budget, self._force_budget)
 
@@ -1242,6 +1265,7 @@ class DepTree(_LPFactor):
         self.packed = _check_flag(packed, "packed")
         self.projective = _check_flag(projective, "projective")
 
+    @property
     def _signature(self):
         return (self.packed, self.projective)
 
@@ -1476,9 +1500,9 @@ class FactorGraph:
         if not isinstance(factor, _LPFactor):
             raise ValueError(f"factor: expected one of {', '.join(__all__[2:])}, got "
                              f"{type(factor).__name__}")
-        vs = factor._variables if isinstance(factor._variables, tuple) else (factor._variables,)
-        for v in vs:
-            if getattr(v, "_base_var", v)._graph() is not self:
+        vs = factor._variables
+        for v in vs if type(vs) is tuple else (vs,):
+            if (v._base_var if type(v) is Slice else v)._graph() is not self:
                 raise ValueError("factor: its variables belong to another factor graph")
         self.factors.append(factor)
 

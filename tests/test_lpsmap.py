@@ -710,6 +710,22 @@ def test_value_dtype_and_grad(dtype):
         np.testing.assert_allclose(y.grad.double().numpy(), [0.5, -0.5, 0.0], atol=1e-2)
 
 
+def test_second_derivative_raises():
+    """With create_graph the first derivative is still exact, and differentiating it again
+    raises instead of being silently zero. Budget(1) on (0.9, 0.8, 0.1): u = (0.55, 0.45,
+    0), and on the two free variables with the budget binding J = I - 1 1^T / 2 (0
+    elsewhere), so the gradient of |u|^2 / 2, J u, is (0.05, -0.05, 0)."""
+    y = torch.tensor([0.9, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
+    fg = TorchFactorGraph()
+    u = fg.variable_from(y)
+    fg.add(Budget(u, 1))
+    fg.solve()
+    (g,) = torch.autograd.grad((u.value ** 2).sum() / 2, y, create_graph=True)
+    np.testing.assert_allclose(g.detach().numpy(), [0.05, -0.05, 0.0], rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
 @pytest.mark.parametrize("budget", [2, 2.0, np.int32(2), np.float32(2.0), np.array(2),
                                     torch.tensor(2), torch.tensor(2.0), torch.tensor([2.0])])
 def test_budget_types(budget):
