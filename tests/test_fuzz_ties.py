@@ -7,13 +7,13 @@ closed forms the facet side's rule for the Jacobian at ties must reproduce: the
 projection onto the null space of every constraint tight at ``u``.
 Long runs: ``python tests/fuzz_ties.py --n 100000``.
 """
-import itertools
 import warnings
 
 import numpy as np
 import pytest
 
 import sparsemap as sm
+from _reference import null_space_projection, tree_tight_rows
 from fuzz_ties import METHODS, Reference, run
 
 @pytest.mark.parametrize("family,n,seed", [("tree", 800, 0), ("tree", 800, 1),
@@ -54,38 +54,6 @@ def test_matching_row_tight_with_zero_multiplier():
     np.testing.assert_allclose(r.jvp(d.T), expected.T, atol=1e-12)
 
 
-def _null_space_projection(A, keep):
-    """Orthogonal projection onto {d : A d = 0, d = 0 off keep}, dense (NumPy)."""
-    n = A.shape[1]
-    E = np.eye(n)[~keep]
-    B = np.vstack([A, E])
-    return np.eye(n) - np.linalg.pinv(B) @ B
-
-
-def _tight_tree_constraints(u, single_root):
-    """Every constraint of the arborescence polytope tight at u, by enumeration: the
-    words' in-degree rows, every word set's cut row with x(delta^-(S)) = 1 (the set
-    of all words among them; an equality with single_root), as rows over the
-    (n + 1)^2 arcs."""
-    N = u.shape[0]
-    n = N - 1
-    rows = []
-    for m in range(1, N):
-        r = np.zeros((N, N))
-        r[:, m] = 1
-        r[m, m] = 0
-        rows.append(r.ravel())
-    for k in range(2, n + 1):
-        for S in itertools.combinations(range(1, N), k):
-            r = np.zeros((N, N))
-            out = [h for h in range(N) if h not in S]
-            for m in S:
-                r[out, m] = 1
-            if abs((r * u).sum() - 1) < 1e-9 or (single_root and k == n):
-                rows.append(r.ravel())
-    return np.array(rows)
-
-
 @pytest.mark.parametrize("single_root", [False, True])
 @pytest.mark.parametrize("n", [2, 3, 4, 6, 9, 12, 16])
 def test_tree_zero_scores_closed_form(n, single_root):
@@ -106,7 +74,7 @@ def test_tree_zero_scores_closed_form(n, single_root):
     r = np.zeros((N, N))
     r[0, 1:] = 1
     A.append(r.ravel())
-    J = _null_space_projection(np.array(A), allowed.ravel())
+    J = null_space_projection(np.array(A), allowed.ravel())
     rng = np.random.default_rng(n)
     for method in ("auto", "facet"):
         r = sm.solve(f, eta, method=method)
@@ -140,7 +108,7 @@ def test_tree_jacobian_is_the_null_space_of_all_tight_constraints(single_root):
         if r.side != "facet":
             continue
         keep = (r.u > 1e-12).ravel()
-        J = _null_space_projection(_tight_tree_constraints(r.u, single_root), keep)
+        J = null_space_projection(tree_tight_rows(r.u, single_root), keep)
         Jr = np.array([r.jvp(e.reshape(eta.shape)).ravel() for e in np.eye(eta.size)]).T
         np.testing.assert_allclose(Jr, J, atol=1e-10)
         checked += 1
