@@ -1603,6 +1603,43 @@ cdef int _held_rows(Work* w, int* act) except -1 nogil:
 # finds is near-tight but not tight (see _search_rows for both).
 cdef double SEARCH_STEP = 1e-5
 cdef double SEARCH_SHRINK = 1e-2
+# When the search runs (see _write_state and docs/solvers.rst): always for trees of
+# at most SEARCH_ALWAYS words (where it costs about what the enumeration of all word
+# sets it replaces did), and for larger ones at ties.
+cdef int SEARCH_ALWAYS = 10
+
+
+cdef bint _zero_held(const Work* w, int na) noexcept nogil:
+    """Whether a row held (w.fidx[:na]) is a tight cut with mu = 0 (the set of all words
+    at zero and tied scores, added by _held_rows): a degenerate point."""
+    cdef int i
+    for i in range(na):
+        if not _bit(w.freebits, w.fidx[i]) and w.mu[w.fidx[i]] <= 0.0:
+            return True
+    return False
+
+
+cdef struct Ties:
+    # a hash set of one column's values (open addressing; a slot is in use when its
+    # stamp is the column's), to find ties: see _tied
+    u64* keys
+    int* stamp
+    int bits
+
+
+cdef inline bint _tied(Ties* t, int col, double v) noexcept nogil:
+    """Whether column col already holds the value v (bit for bit); v is added."""
+    cdef u64 key, i, mask = ((<u64> 1) << t.bits) - 1
+    v = v + 0.0                                       # -0.0 as +0.0
+    memcpy(&key, &v, sizeof(double))
+    i = (key * (<u64> 0x9E3779B97F4A7C15ULL)) >> (64 - t.bits)
+    while t.stamp[i] == col:
+        if t.keys[i] == key:
+            return True
+        i = (i + 1) & mask
+    t.stamp[i] = col
+    t.keys[i] = key
+    return False
 
 
 cdef inline double _uniform(u64* s) noexcept nogil:
@@ -1959,15 +1996,33 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     cdef char* block
     cdef int k0 = w.k
     cdef double tol = _tight_tol(w)
-    # an arc whose x is round-off above 0 is at 0 (the constraint x >= 0 tight): in
-    # the Jacobian's support it would let J move an arc that stays at 0
+    cdef Ties ties
+    cdef bint tied = False
+    ties.bits = 1
+    while (1 << ties.bits) < 2 * N:
+        ties.bits += 1
+    ties.keys = <u64*> malloc((sizeof(u64) + sizeof(int)) << ties.bits)
+    if ties.keys == NULL:
+        with gil:
+            raise MemoryError()
+    ties.stamp = <int*> (ties.keys + (1 << ties.bits))
+    memset(ties.stamp, 0, sizeof(int) << ties.bits)
+    # An arc whose x is round-off above 0 is at 0 (the constraint x >= 0 tight): in
+    # the Jacobian's support it would let J move an arc that stays at 0. The same
+    # pass looks for a tie: two arcs into one word with equal x > 0 (equal scores
+    # on the support, as zero, integer or repeated scores give), when the search
+    # below runs.
     fresh = False
     for m in range(1, N):
         for h in range(N):
-            if w.supp[m * N + h] and w.XT[m * N + h] <= tol:
-                w.supp[m * N + h] = 0
-                fresh = True
+            if w.supp[m * N + h]:
+                if w.XT[m * N + h] <= tol:
+                    w.supp[m * N + h] = 0
+                    fresh = True
+                elif not tied:
+                    tied = _tied(&ties, m, w.XT[m * N + h])
             nnz += w.supp[m * N + h]
+    free(ties.keys)
     # Room for the set of all words, made now: growing the block moves the scratch
     # that act points into, and does not keep H
     if w.k + 1 > w.cap:
@@ -1975,7 +2030,7 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
         fresh = True
     block = w.cutmem
     na = _held_rows(w, w.fidx)
-    if w.n >= 3:
+    if w.n >= 3 and (w.n <= SEARCH_ALWAYS or tied or _zero_held(w, na)):
         na = _search_rows(w, na)
     # (the search may have grown the block, even when it kept no cut)
     fresh = fresh or w.cutmem != block
