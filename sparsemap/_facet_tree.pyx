@@ -127,16 +127,24 @@ the per-column centring on ``P``::
 
 The tight cuts: those the dual holds with ``mu > 0``; the set of all words
 (the root's arcs) whenever its arcs sum to 1 within the solver's tolerance,
-which at zero and tied scores it does with ``mu = 0``; and, for trees of at
-most 10 words, every other set of two or more words whose cut is tight,
-enumerated (``2^n`` sets in Gray code order, ``O(n)`` each: 5 microseconds at
-10 words, half the solve there) and kept when its row is
-independent of those already held (Gram-Schmidt on ``P``). Tight cuts with
-``mu = 0`` other than the set of all words are not searched for in larger
-trees: a tight cut with ``mu = 0`` occurs only on a set of scores of measure
-zero (ties, as integer or tied scores give), where the matrix returned may miss
-the rule, and an exact search (a maximum flow per word) would cost more than
-the solve at flat scores.
+which at zero and tied scores it does with ``mu = 0``; and every other tight
+cut whose row the rows held do not span, found by a search (``_search_rows``).
+The tight sets form an intersecting family (two tight sets that meet have a
+tight intersection and union, and on ``P`` their rows add up as those do), so
+a tight cut outside the held rows' span moves along a random direction ``d``
+of their null space, and the minimum root cut of ``x + t d`` or ``x - t d``
+(the separation's Hao-Orlin run) returns it; it is added when its row is
+independent of those held (Gram-Schmidt on ``P``), ``d`` is drawn again in the
+smaller null space, and the search stops when neither sign returns a cut (two
+Hao-Orlin runs when nothing is missing). The search runs for trees of at most
+10 words (where it costs what the enumeration of all word sets it replaces
+did), at ties (two arcs into one word with equal positive ``x``, as zero,
+integer or repeated scores give; found in the pass that cleans the support)
+and when the set of all words is tight with ``mu = 0``. Elsewhere it would
+double the backward's share of a flat solve (its two runs cost as much as the
+rest of the solve at 60 to 120 words), and a tight cut with ``mu = 0``
+outside the held span needs the scores on one of finitely many hyperplanes
+without a tie (docs/solvers.rst says what the matrix is there).
 
 ``B Pc B^T`` is summed from the supports (the dual's ``H`` on the active cuts
 when no cut was added); its Cholesky factor is kept (rows whose pivot
@@ -1706,7 +1714,7 @@ cdef int _search_rows(Work* w, int na) except -1 nogil:
     of less than 1e-7 n^2 and is left out (docs/solvers.rst)."""
     cdef int N = w.N, m, h, p, i, j, nP = 0, nq = 0, capq, capa, sgn, added, near
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    cdef double tol = _tight_tol(w), bar, step, t, dmax, best, dot
+    cdef double tol = _tight_tol(w), bar, step, t, dmax, best
     cdef char* block
     cdef int* pidx
     cdef int* colp
@@ -1763,12 +1771,7 @@ cdef int _search_rows(Work* w, int na) except -1 nogil:
             # d = J r, for J the projection onto the held rows' null space
             memcpy(d, r, nP * sizeof(double))
             _centre(d, colp, N)
-            for i in range(nq):
-                dot = 0.0
-                for p in range(nP):
-                    dot += Q[<Py_ssize_t> i * nP + p] * d[p]
-                for p in range(nP):
-                    d[p] -= dot * Q[<Py_ssize_t> i * nP + p]
+            _remove_span(Q, nq, nP, d)
             _centre(d, colp, N)
             dmax = 0.0
             for p in range(nP):
@@ -1833,12 +1836,24 @@ cdef int _search_rows(Work* w, int na) except -1 nogil:
     return na
 
 
+cdef void _remove_span(const double* Q, int nq, int nP, double* v) noexcept nogil:
+    """v minus its components along Q's nq orthonormal rows (of nP entries)."""
+    cdef int i, p
+    cdef double dot
+    for i in range(nq):
+        dot = 0.0
+        for p in range(nP):
+            dot += Q[<Py_ssize_t> i * nP + p] * v[p]
+        for p in range(nP):
+            v[p] -= dot * Q[<Py_ssize_t> i * nP + p]
+
+
 cdef int _orth_row(Work* w, int ci, double* Q, int nq, int nP, double* v) noexcept nogil:
     """The row of cut ci on the support, centred per column, orthogonalised against
     Q's nq rows (twice, for round-off); appended to Q and 1 returned when what is
     left is not round-off, else 0."""
-    cdef int N = w.N, m, h, p = 0, p0, c, i, r
-    cdef double s, nrm0 = 0.0, nrm, dot
+    cdef int N = w.N, m, h, p = 0, p0, c, i
+    cdef double s, nrm0 = 0.0, nrm
     cdef bint in_m, in_h
     for m in range(1, N):
         p0 = p
@@ -1858,13 +1873,8 @@ cdef int _orth_row(Work* w, int ci, double* Q, int nq, int nP, double* v) noexce
         nrm0 += v[i] * v[i]
     if nrm0 <= 0.0:
         return 0
-    for r in range(2):
-        for i in range(nq):
-            dot = 0.0
-            for p in range(nP):
-                dot += Q[<Py_ssize_t> i * nP + p] * v[p]
-            for p in range(nP):
-                v[p] -= dot * Q[<Py_ssize_t> i * nP + p]
+    _remove_span(Q, nq, nP, v)
+    _remove_span(Q, nq, nP, v)                       # again, for round-off
     nrm = 0.0
     for i in range(nP):
         nrm += v[i] * v[i]
