@@ -161,7 +161,10 @@ answer; the backward pass is ``O(n^2)``. Measured (solve + vjp, one thread):
 0.05 ms at 20 words, 0.5 ms at 60, 1.5-2.5 ms at 120, between 0.1 and 2 times
 a CRF's forward and backward pass (the matrix-tree theorem in torch float64);
 peaked scores need more cuts and rounds (5-15 cuts and 20-80 passes at scale
-3-10). ``decompose`` is the vertex side's cost (see its docstring).
+3-10). At ties the tight-cut search adds two or more Hao-Orlin runs (at zero
+scores, solve + vjp took 1.5 times as long as without it at 20 words and about
+2 times at 60 and 120; ``benchmarks/bench_tree_ties.py``, docs/benchmarks.rst).
+``decompose`` is the vertex side's cost (see its docstring).
 """
 import numpy as np
 
