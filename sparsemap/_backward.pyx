@@ -62,11 +62,17 @@ FACE_STATUS_CERTIFIED, FACE_STATUS_BUDGET, FACE_STATUS_UNRESOLVED, FACE_STATUS_F
 cdef double FACE_TIE = 1e-10
 # First perturbation size, relative to max(1, |score|); shrunk when a probe leaves the face.
 cdef double FACE_EPS = 1e-6
-# The fiber check (_fibered) counts a vertex off the rows' map only if the probe
-# moves its score by more than FACE_SEE tie tolerances; the perturbation is never
-# shrunk below FACE_MIN tie tolerances (then FACE_UNRESOLVED).
-cdef double FACE_SEE = 4.0
+# The perturbation is never shrunk below FACE_MIN tie tolerances (then
+# FACE_UNRESOLVED).
 cdef double FACE_MIN = 64.0
+# The fiber check (_fibered) counts a tied vertex off the rows' map when its phi is off
+# the rows' value by more than FIBER_ROUND times the size of the terms summed (round-
+# off), however little the probe moved its score: as in the face completion, the
+# difference is the random direction's component along the fiber, which can be
+# small. A bar of 4 tie tolerances on the probe's move (4e-4 of the direction there)
+# missed a crossover of two 17-tag sequences whose component along the fixed tie
+# direction is 8.1e-5, and the Jacobian was then not the one along it.
+cdef double FIBER_ROUND = 1e-9
 # Most rows of a completed backward set: its Cholesky factor (cap x cap doubles, the
 # capacity doubling) then stays within 512 MiB, which the solve reaches by itself once
 # its support passes 4096 (projective trees of 100 and 120 words at scale 0.01: faces
@@ -435,13 +441,18 @@ cdef int _fibered(_Workspace ws, const double* r, _FaceScale* fs) except -1 nogi
     and its scales fs. phi_s = r . n_s - (J_v r) . m_s is one constant c on the
     rows, hence on the whole face if n is affine in m there; MAP at
     theta + eps [-J_v r; r] and at theta - eps [-J_v r; r] returns the face's
-    maximiser and minimiser of phi. Returns 1 if one of them is off c beyond the
-    tie tolerance, 0 if neither is (two MAP calls; for a random r, a fiber is seen
-    with probability 1), 2 if eps shrank below FACE_MIN tie tolerances first.
+    maximiser and minimiser of phi. Returns 1 if one of them is off c beyond
+    round-off (FIBER_ROUND), 0 if neither is (two MAP calls; for a random r, a
+    fiber is seen with probability 1), 2 if eps shrank below FACE_MIN tie
+    tolerances first.
     """
     cdef Py_ssize_t j
-    cdef double c = _v_direction(ws, r), st, ph, sign, eps = fs.eps
+    cdef double c = _v_direction(ws, r), st, ph, sign, eps = fs.eps, big = 1.0
     cdef int side
+    for j in range(ws.n_u):
+        big = max(big, fabs(ws.dvec[j]))
+    for j in range(ws.n_v):
+        big = max(big, fabs(r[j]))
     for side in range(2):
         sign = 1.0 if side == 0 else -1.0
         while True:
@@ -458,7 +469,7 @@ cdef int _fibered(_Workspace ws, const double* r, _FaceScale* fs) except -1 nogi
             if eps < FACE_MIN * fs.tau:
                 return 2
         ws.f.c_score(ws.snew, ws.dvec, r, &ph)
-        if sign * (ph - c) * eps > FACE_SEE * fs.tau:
+        if sign * (ph - c) > FIBER_ROUND * big * ws.k:
             return 1
     return 0
 

@@ -150,16 +150,24 @@ the per-column centring on ``P``::
 
 The tight cuts: those the dual holds with ``mu > 0``; the set of all words
 (the root's arcs) whenever its arcs sum to 1 within the solver's tolerance,
-which at zero and tied scores it does with ``mu = 0``; and, for trees of at
-most 10 words, every other set of two or more words whose cut is tight,
-enumerated (``2^n`` sets in Gray code order, ``O(n)`` each: 5 microseconds at
-10 words, half the solve there) and kept when its row is
-independent of those already held (Gram-Schmidt on ``P``). Tight cuts with
-``mu = 0`` other than the set of all words are not searched for in larger
-trees: a tight cut with ``mu = 0`` occurs only on a set of scores of measure
-zero (ties, as integer or tied scores give), where the matrix returned may miss
-the rule, and an exact search (a maximum flow per word) would cost more than
-the solve at flat scores.
+which at zero and tied scores it does with ``mu = 0``; and every other tight
+cut whose row the rows held do not span, found by a search (``_search_rows``).
+The tight sets form an intersecting family (two tight sets that meet have a
+tight intersection and union, and on ``P`` their rows add up as those do), so
+a tight cut outside the held rows' span moves along a random direction ``d``
+of their null space, and the minimum root cut of ``x + t d`` or ``x - t d``
+(the separation's Hao-Orlin run) returns it; it is added when its row is
+independent of those held (Gram-Schmidt on ``P``), ``d`` is drawn again in the
+smaller null space, and the search stops when neither sign returns a cut (two
+Hao-Orlin runs when nothing is missing). The search runs for trees of at most
+10 words (where it costs what the enumeration of all word sets it replaces
+did), at ties (two arcs into one word with equal positive ``x``, as zero,
+integer or repeated scores give; found in the pass that cleans the support)
+and when the set of all words is tight with ``mu = 0``. Elsewhere it would
+double the backward's share of a flat solve (its two runs cost as much as the
+rest of the solve at 60 to 120 words), and a tight cut with ``mu = 0``
+outside the held span needs the scores on one of finitely many hyperplanes
+without a tie (docs/solvers.rst says what the matrix is there).
 
 ``B Pc B^T`` is summed from the supports (the dual's ``H`` on the active cuts
 when no cut was added); its Cholesky factor is kept (rows whose pivot
@@ -176,12 +184,15 @@ answer; the backward pass is ``O(n^2)``. Measured (solve + vjp, one thread):
 0.05 ms at 20 words, 0.5 ms at 60, 1.5-2.5 ms at 120, between 0.1 and 2 times
 a CRF's forward and backward pass (the matrix-tree theorem in torch float64);
 peaked scores need more cuts and rounds (5-15 cuts and 20-80 passes at scale
-3-10). ``decompose`` is the vertex side's cost (see its docstring).
+3-10). At ties the tight-cut search adds two or more Hao-Orlin runs (at zero
+scores, solve + vjp took 1.5 times as long as without it at 20 words and about
+2 times at 60 and 120; ``benchmarks/bench_tree_ties.py``, docs/benchmarks.rst).
+``decompose`` is the vertex side's cost (see its docstring).
 """
 import numpy as np
 
 from libc.math cimport INFINITY, fabs, isfinite, sqrt
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
 from sparsemap._facet cimport (FACET_DECLINED, FACET_SOLVED, FacetSolver, FacetState,
@@ -1811,12 +1822,6 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
     return r
 
 
-# Trees of at most this many words have their tight cuts enumerated in full for the
-# backward pass (2^n sets, 5 microseconds at 10 words); larger ones add the root set.
-cdef enum:
-    BRUTE_WORDS = 10
-
-
 cdef double _tight_tol(const Work* w) noexcept nogil:
     """Tolerance of 'tight' for the backward pass: the solver's residual bar."""
     return _tolerance(w)
@@ -1861,92 +1866,254 @@ cdef int _held_rows(Work* w, int* act) except -1 nogil:
     return na
 
 
-cdef int _brute_rows(Work* w, int* act, int na, double* Q, double* scratch) except? -1 nogil:
-    """Trees of at most BRUTE_WORDS words: every tight cut (x(delta^-(S)) = 1, 2 <= |S|)
-    whose row on the support, centred per column, is not in the span of the rows held
-    so far, is added as a cut (its index into act). Gram-Schmidt on the support's
-    coordinates (Q: room for |P| orthonormal rows of |P| entries, scratch: |P|).
-    Returns the new count."""
-    cdef int N = w.N, n = w.n, m, h, j, v, nq = 0, nP = 0
-    cdef u64 S, g, full = ((<u64> 1) << n) - 1
-    cdef double cut, d, tol = _tight_tol(w)
-    cdef double* A
-    cdef double* sym
+# The search for the tight cuts the held rows do not span (_search_rows): the step
+# along its random direction at first, and the factor it shrinks by when a set it
+# finds is near-tight but not tight (see _search_rows for both).
+cdef double SEARCH_STEP = 1e-5
+cdef double SEARCH_SHRINK = 1e-2
+# When the search runs (see _write_state and docs/solvers.rst): always for trees of
+# at most SEARCH_ALWAYS words (where it costs about what the enumeration of all word
+# sets it replaces did), and for larger ones at ties.
+cdef int SEARCH_ALWAYS = 10
+
+
+cdef bint _zero_held(const Work* w, int na) noexcept nogil:
+    """Whether a row held (w.fidx[:na]) is a tight cut with mu = 0 (the set of all words
+    at zero and tied scores, added by _held_rows): a degenerate point."""
+    cdef int i
+    for i in range(na):
+        if not _bit(w.freebits, w.fidx[i]) and w.mu[w.fidx[i]] <= 0.0:
+            return True
+    return False
+
+
+cdef struct Ties:
+    # a hash set of one column's values (open addressing; a slot is in use when its
+    # stamp is the column's), to find ties: see _tied
+    u64* keys
+    int* stamp
+    int bits
+
+
+cdef inline bint _tied(Ties* t, int col, double v) noexcept nogil:
+    """Whether column col already holds the value v (bit for bit); v is added."""
+    cdef u64 key, i, mask = ((<u64> 1) << t.bits) - 1
+    v = v + 0.0                                       # -0.0 as +0.0
+    memcpy(&key, &v, sizeof(double))
+    i = (key * (<u64> 0x9E3779B97F4A7C15ULL)) >> (64 - t.bits)
+    while t.stamp[i] == col:
+        if t.keys[i] == key:
+            return True
+        i = (i + 1) & mask
+    t.stamp[i] = col
+    t.keys[i] = key
+    return False
+
+
+cdef inline double _uniform(u64* s) noexcept nogil:
+    """A pseudo-random double in [-1, 1) (xorshift64*): the search's direction, from a
+    fixed seed, so that the Jacobian returned does not depend on the call."""
+    s[0] ^= s[0] >> 12
+    s[0] ^= s[0] << 25
+    s[0] ^= s[0] >> 27
+    return <double> ((s[0] * (<u64> 2685821657736338717ULL)) >> 11) * (2.0 / 9007199254740992.0) - 1.0
+
+
+cdef void _centre(double* d, const int* colp, int N) noexcept nogil:
+    """Each column's entries of d (a vector on the support, column m at
+    colp[m]:colp[m + 1]) shifted to mean 0: the projection onto the word rows' null
+    space."""
+    cdef int m, p
+    cdef double s
+    for m in range(1, N):
+        if colp[m + 1] == colp[m]:
+            continue
+        s = 0.0
+        for p in range(colp[m], colp[m + 1]):
+            s += d[p]
+        s /= colp[m + 1] - colp[m]
+        for p in range(colp[m], colp[m + 1]):
+            d[p] -= s
+
+
+cdef int _search_rows(Work* w, int na) except -1 nogil:
+    """Every tight cut whose row, on the support and centred per column, is outside
+    the span of the rows held (w.fidx[:na], from _held_rows), added as a cut until
+    the rows span them all. Returns the new count, the rows' cut indices in
+    w.fidx[:count] (the block may have grown: callers re-read w.fidx).
+
+    The tight sets form an intersecting family: when S and T are tight and meet,
+    S & T and S | T are tight too (the cut function is submodular and at least 1),
+    and the arcs between S - T and T - S carry x = 0, so on the support the rows add
+    up: C_S + C_T = C_{S & T} + C_{S | T}. Let d be a random direction in the held
+    rows' null space (d = J r for the Jacobian J of the rows held, r pseudo-random:
+    centred per column, minus its component on the rows, |d|_max = 1). The rows held
+    and the words' rows do not move along d (C d = 0); a tight cut whose row is not
+    in their span moves (C_S d != 0, for almost every r), and at x + t d its value is
+    1 + t C_S d: below 1 for one sign of t. The minimum root cut of x + t d and of
+    x - t d (Hao and Orlin's run of the separation, its sets below 1 - bar) then
+    returns such a set when one exists; each set returned that is tight at x (its
+    value summed afresh within bar of 1) is added when Gram-Schmidt finds its row
+    independent, d is recomputed in the smaller null space, and the search stops
+    when neither sign returns a set. Each round adds a row (at most |P| rounds);
+    with no cut missing it costs two Hao-Orlin runs and O(|P| (k + 1)).
+
+    The thresholds. bar is the tightness bar: twice the larger of the solver's
+    tolerance (1e-12 (1 + max |mu|): the tight cuts' values at x, the singletons'
+    included, are 1 within it) and the dual solve's round-off floor on the held
+    rows (1e3 (n + 1) units in the last place, which the certificate admits); Hao
+    and Orlin's sums of at most n + 1 flows of size at most 1 add n units in the
+    last place, below it. The step t starts at SEARCH_STEP = 1e-5 (capped so that
+    x + t d stays at least x / 2 on the support, so no capacity is negative): a
+    missing cut is found when t |C_S d| > 2 bar, that is |C_S d| above 1e-5 at 120
+    words (C_S d is a sum of d over the arcs that enter S, of order 1 for a random
+    r), while a cut that is not tight moves by at most t |delta^-(S)| and is
+    returned only if its slack is below that (at most 1e-5 n^2). Such a near-tight
+    set (returned, not tight at x) makes the search shrink t by SEARCH_SHRINK and
+    run again, while t stays above 1e3 bar; a set still returned there is a slack
+    of less than 1e-7 n^2 and is left out (docs/solvers.rst)."""
+    cdef int N = w.N, m, h, p, i, j, nP = 0, nq = 0, capq, capa, sgn, added, near
+    cdef Py_ssize_t NN = <Py_ssize_t> N * N
+    cdef double tol = _tight_tol(w), bar, step, t, dmax, best
+    cdef char* block
+    cdef int* pidx
+    cdef int* colp
+    cdef int* acts
+    cdef int* grown_i
+    cdef double* r
+    cdef double* d
+    cdef double* v
+    cdef double* YT
+    cdef double* Q
+    cdef double* grown_d
+    cdef char* S
+    cdef u64 seed = 0x9E3779B97F4A7C15ULL
     for m in range(1, N):
         for h in range(N):
             nP += w.supp[m * N + h]
-    # the held rows first: each one's centred row, orthogonalised
-    for j in range(na):
-        nq += _orth_row(w, act[j], 0, Q, nq, nP, scratch)
-    # The word sets in Gray code order, each step moving one word v in or out of S.
-    # With s(v, j) = x[v, j] + x[j, v] and A[v] = sum_{j in S} s(v, j), the cut is
-    # |S| - sum of s over the pairs in S, so it changes by 1 - A[v]; a value near 1
-    # is summed afresh before it is trusted.
-    A = <double*> malloc(2 * N * N * sizeof(double))
-    if A == NULL:
-        return -1
-    sym = A + N
-    for m in range(N):
-        A[m] = 0.0
+    if nP == 0:
+        return na
+    capq = na + 8
+    capa = na + 8
+    block = <char*> malloc((3 * <Py_ssize_t> nP + NN) * sizeof(double)
+                           + (nP + N + 1) * sizeof(int))
+    Q = <double*> malloc(<Py_ssize_t> capq * nP * sizeof(double))
+    acts = <int*> malloc(capa * sizeof(int))
+    if block == NULL or Q == NULL or acts == NULL:
+        free(block)
+        free(Q)
+        free(acts)
+        with gil:
+            raise MemoryError()
+    r = <double*> block
+    d = r + nP
+    v = d + nP
+    YT = v + nP
+    pidx = <int*> (YT + NN)
+    colp = pidx + nP
+    memcpy(acts, w.fidx, na * sizeof(int))
+    p = 0
+    colp[0] = 0
     for m in range(1, N):
-        for h in range(1, N):
-            sym[m * N + h] = (w.XT[m * N + h] + w.XT[h * N + m]) if h != m else 0.0
-    S = 0
-    cut = 0.0
-    for g in range(1, full + 1):
-        v = sm_ctz64(<u64> g) + 1
-        d = 1.0 - A[v]
-        if (S >> (v - 1)) & 1:
-            cut -= d
-            S &= ~((<u64> 1) << (v - 1))
-            for m in range(1, N):
-                A[m] -= sym[v * N + m]
-        else:
-            cut += d
-            S |= (<u64> 1) << (v - 1)
-            for m in range(1, N):
-                A[m] += sym[v * N + m]
-        if S & (S - 1) == 0 or fabs(cut - 1.0) > 1e-9:
-            continue                      # singletons are the word rows
-        if fabs(_set_cut(w, S) - 1.0) > tol:
-            continue
-        if nq >= nP:
-            break
-        if _orth_row(w, -1, S, Q, nq, nP, scratch):
-            nq += 1
-            w.cscratch[0] = 0
-            for m in range(1, N):
-                w.cscratch[m] = (S >> (m - 1)) & 1
-            if _add_cut(w, w.cscratch, False) < 0:
-                free(A)
-                return -1
-            act[na] = w.k - 1
-            na += 1
-    free(A)
+        colp[m] = p
+        for h in range(N):
+            if w.supp[m * N + h]:
+                pidx[p] = m * N + h
+                p += 1
+    colp[N] = p
+    try:
+        for j in range(na):
+            nq += _orth_row(w, acts[j], Q, nq, nP, v)  # (capq > na)
+        for p in range(nP):
+            r[p] = _uniform(&seed)
+        bar = 2.0 * max(tol, 1e3 * 2.2e-16 * N)
+        while True:
+            # d = J r, for J the projection onto the held rows' null space
+            memcpy(d, r, nP * sizeof(double))
+            _centre(d, colp, N)
+            _remove_span(Q, nq, nP, d)
+            _centre(d, colp, N)
+            dmax = 0.0
+            for p in range(nP):
+                dmax = max(dmax, fabs(d[p]))
+            if dmax <= 1e-9:
+                break                                 # the rows held fix x on the support
+            step = SEARCH_STEP
+            for p in range(nP):
+                d[p] /= dmax
+                if step * fabs(d[p]) > 0.5 * w.XT[pidx[p]]:
+                    step = 0.5 * w.XT[pidx[p]] / fabs(d[p])
+            added = 0
+            for sgn in range(2):
+                t = step if sgn == 0 else -step
+                while True:
+                    memcpy(YT, w.XT, NN * sizeof(double))
+                    for p in range(nP):
+                        YT[pidx[p]] += t * d[p]
+                    if _hao_orlin(&w.F, YT, 1.0 - bar, &best) != 0:
+                        break                         # (never seen: see _hao_orlin)
+                    near = 0
+                    for j in range(w.F.n_found):
+                        S = w.F.found + j * N
+                        if _size(S, N) < 2:
+                            continue
+                        if fabs(_cut_value(w, S) - 1.0) > bar:
+                            near += 1
+                            continue
+                        if nq == capq or na == capa:
+                            capq = 2 * capq
+                            capa = 2 * capa
+                            grown_d = <double*> realloc(Q, <Py_ssize_t> capq * nP * sizeof(double))
+                            if grown_d == NULL:
+                                with gil:
+                                    raise MemoryError()
+                            Q = grown_d
+                            grown_i = <int*> realloc(acts, capa * sizeof(int))
+                            if grown_i == NULL:
+                                with gil:
+                                    raise MemoryError()
+                            acts = grown_i
+                        _add_cut(w, S, False)
+                        if _orth_row(w, w.k - 1, Q, nq, nP, v):
+                            acts[na] = w.k - 1
+                            na += 1
+                            nq += 1
+                            added += 1
+                        else:
+                            _drop_cut(w, w.k - 1)
+                    if added or near == 0 or fabs(t) * SEARCH_SHRINK < 1e3 * bar:
+                        break
+                    t *= SEARCH_SHRINK
+                if added:
+                    break
+            if not added:
+                break
+        memcpy(w.fidx, acts, na * sizeof(int))        # w.cap >= w.k >= na
+    finally:
+        free(block)
+        free(Q)
+        free(acts)
     return na
 
 
-cdef double _set_cut(const Work* w, u64 S) noexcept nogil:
-    """x(delta^-(S)) for the word set S (bit m - 1 for word m), summed afresh."""
-    cdef int N = w.N, m, h
-    cdef double cut = 0.0
-    for m in range(1, N):
-        if not ((S >> (m - 1)) & 1):
-            continue
-        for h in range(N):
-            if h == 0 or not ((S >> (h - 1)) & 1):
-                cut += w.XT[m * N + h]
-    return cut
+cdef void _remove_span(const double* Q, int nq, int nP, double* v) noexcept nogil:
+    """v minus its components along Q's nq orthonormal rows (of nP entries)."""
+    cdef int i, p
+    cdef double dot
+    for i in range(nq):
+        dot = 0.0
+        for p in range(nP):
+            dot += Q[<Py_ssize_t> i * nP + p] * v[p]
+        for p in range(nP):
+            v[p] -= dot * Q[<Py_ssize_t> i * nP + p]
 
 
-cdef int _orth_row(Work* w, int ci, u64 S, double* Q, int nq, int nP,
-                   double* v) noexcept nogil:
-    """The row of one cut on the support, centred per column (the cut held as
-    ``ci`` when it is >= 0, else the word set S, bit m - 1 for word m),
-    orthogonalised against Q's nq rows (twice, for round-off); appended to Q and 1
-    returned when what is left is not round-off, else 0."""
-    cdef int N = w.N, m, h, p = 0, p0, c, i, r
-    cdef double s, nrm0 = 0.0, nrm, dot
+cdef int _orth_row(Work* w, int ci, double* Q, int nq, int nP, double* v) noexcept nogil:
+    """The row of cut ci on the support, centred per column, orthogonalised against
+    Q's nq rows (twice, for round-off); appended to Q and 1 returned when what is
+    left is not round-off, else 0."""
+    cdef int N = w.N, m, h, p = 0, p0, c, i
+    cdef double s, nrm0 = 0.0, nrm
     cdef bint in_m, in_h
     for m in range(1, N):
         p0 = p
@@ -1954,12 +2121,8 @@ cdef int _orth_row(Work* w, int ci, u64 S, double* Q, int nq, int nP,
         for h in range(N):
             if not w.supp[m * N + h]:
                 continue
-            if ci >= 0:
-                in_m = _bit(w.inmask + m * w.W, ci)
-                in_h = _bit(w.inmask + h * w.W, ci)
-            else:
-                in_m = ((S >> (m - 1)) & 1) != 0
-                in_h = h > 0 and ((S >> (h - 1)) & 1) != 0
+            in_m = _bit(w.inmask + m * w.W, ci)
+            in_h = _bit(w.inmask + h * w.W, ci)
             v[p] = 1.0 if (in_m and not in_h) else 0.0
             s += v[p]
             p += 1
@@ -1970,13 +2133,8 @@ cdef int _orth_row(Work* w, int ci, u64 S, double* Q, int nq, int nP,
         nrm0 += v[i] * v[i]
     if nrm0 <= 0.0:
         return 0
-    for r in range(2):
-        for i in range(nq):
-            dot = 0.0
-            for p in range(nP):
-                dot += Q[i * nP + p] * v[p]
-            for p in range(nP):
-                v[p] -= dot * Q[i * nP + p]
+    _remove_span(Q, nq, nP, v)
+    _remove_span(Q, nq, nP, v)                       # again, for round-off
     nrm = 0.0
     for i in range(nP):
         nrm += v[i] * v[i]
@@ -1984,7 +2142,7 @@ cdef int _orth_row(Work* w, int ci, u64 S, double* Q, int nq, int nP,
         return 0
     nrm = sqrt(nrm)
     for p in range(nP):
-        Q[nq * nP + p] = v[p] / nrm
+        Q[<Py_ssize_t> nq * nP + p] = v[p] / nrm
     return 1
 
 
@@ -2092,53 +2250,63 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
 
     The Jacobian is the projection onto the null space of every constraint tight
     at u (docs/solvers.rst): the cuts with mu > 0, and also the tight ones with
-    mu = 0 that the dual left out (_held_rows, _brute_rows)."""
+    mu = 0 that the dual left out (_held_rows, _search_rows)."""
     cdef int N = w.N, k, W, m, h, i, j, na = 0, Wa, q
     cdef Py_ssize_t nnz = 0
     cdef int* act = w.fidx
     cdef double* diag0 = w.diag0
     cdef char* kept = w.kept
     cdef double* L
-    cdef double* Q
     cdef int* ints
     cdef int* heads
     cdef TreeHeader hd
     cdef TreeLayout lay
     cdef u64 b
-    cdef bint fresh, brute
-    cdef int k0 = w.k, room
+    cdef bint fresh
+    cdef char* block
+    cdef int k0 = w.k
     cdef double tol = _tight_tol(w)
-    # an arc whose x is round-off above 0 is at 0 (the constraint x >= 0 tight): in
-    # the Jacobian's support it would let J move an arc that stays at 0
+    cdef Ties ties
+    cdef bint tied = False
+    ties.bits = 1
+    while (1 << ties.bits) < 2 * N:
+        ties.bits += 1
+    ties.keys = <u64*> malloc((sizeof(u64) + sizeof(int)) << ties.bits)
+    if ties.keys == NULL:
+        with gil:
+            raise MemoryError()
+    ties.stamp = <int*> (ties.keys + (1 << ties.bits))
+    memset(ties.stamp, 0, sizeof(int) << ties.bits)
+    # An arc whose x is round-off above 0 is at 0 (the constraint x >= 0 tight): in
+    # the Jacobian's support it would let J move an arc that stays at 0. The same
+    # pass looks for a tie: two arcs into one word with equal x > 0 (equal scores
+    # on the support, as zero, integer or repeated scores give), when the search
+    # below runs.
     fresh = False
     for m in range(1, N):
         for h in range(N):
-            if w.supp[m * N + h] and w.XT[m * N + h] <= tol:
-                w.supp[m * N + h] = 0
-                fresh = True
+            if w.supp[m * N + h]:
+                if w.XT[m * N + h] <= tol:
+                    w.supp[m * N + h] = 0
+                    fresh = True
+                elif not tied:
+                    tied = _tied(&ties, m, w.XT[m * N + h])
             nnz += w.supp[m * N + h]
-    # Room for the cuts added below (the set of all words, and at most one per
-    # coordinate of the support), made now: growing the block moves the scratch that
-    # act points into, and does not keep H
-    brute = 3 <= w.n <= BRUTE_WORDS
-    room = w.k + 1 + (<int> nnz if brute else 0)
-    if room > w.cap:
-        _grow_cuts(w, room)
+    free(ties.keys)
+    # Room for the set of all words, made now: growing the block moves the scratch
+    # that act points into, and does not keep H
+    if w.k + 1 > w.cap:
+        _grow_cuts(w, w.k + 1)
         fresh = True
+    block = w.cutmem
+    na = _held_rows(w, w.fidx)
+    if w.n >= 3 and (w.n <= SEARCH_ALWAYS or tied or _zero_held(w, na)):
+        na = _search_rows(w, na)
+    # (the search may have grown the block, even when it kept no cut)
+    fresh = fresh or w.cutmem != block
     act = w.fidx
     diag0 = w.diag0
     kept = w.kept
-    na = _held_rows(w, act)
-    if brute:
-        Q = <double*> malloc((nnz + 1) * (nnz + 1) * sizeof(double))
-        if Q == NULL:
-            with gil:
-                raise MemoryError()
-        na = _brute_rows(w, act, na, Q, Q + nnz * nnz)
-        free(Q)
-        if na < 0:
-            with gil:
-                raise MemoryError()
     k = w.k
     W = w.W
     # rows added since the dual's last projection have no entries in its H, nor has

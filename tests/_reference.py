@@ -596,3 +596,47 @@ def factor_graph_qp(n_variables, factors, eta_u, eta_v=None, support=None, tol=1
             return dict(u=u, p=p, v=[Ns[f] @ p[f] for f in range(F)],
                         support=[np.flatnonzero(pf > 0) for pf in p], kkt=worst)
     raise RuntimeError("factor_graph_qp: no KKT-certified solution found")
+
+
+
+def tree_tight_rows(u, single_root, tol=1e-9, clear=None):
+    """Every constraint of the arborescence polytope tight at u, as rows over the
+    (n + 1)^2 arcs (flattened ``[h, m]``): each word's incoming arcs, the root's arcs
+    with single_root, and every set S of two or more words whose cut
+    ``x(delta^-(S))`` is within tol of 1, found by enumerating all 2^n word sets
+    (vectorised: fine to 18 words). With clear, None when a cut is within clear of
+    1 but not within tol (neither clearly tight nor clearly slack)."""
+    N = u.shape[0]
+    n = N - 1
+    x = u.copy()
+    x[:, 0] = 0.0
+    x[np.arange(N), np.arange(N)] = 0.0
+    codes = np.arange(1, 2 ** n, dtype=np.int64)
+    B = np.zeros((codes.size, N), dtype=bool)
+    B[:, 1:] = (codes[:, None] >> np.arange(n)) & 1
+    Bf = B.astype(float)
+    cut = Bf @ x.sum(axis=0) - (Bf * (Bf @ x)).sum(axis=1)
+    dev = np.abs(cut - 1.0)
+    if clear is not None and np.any((dev > tol) & (dev <= clear)):
+        return None
+    tight = B[(dev <= tol) & (B.sum(axis=1) >= 2)]
+    rows = []
+    for m in range(1, N):
+        r = np.zeros((N, N))
+        r[:, m] = 1
+        r[m, m] = 0
+        rows.append(r.ravel())
+    if single_root:
+        r = np.zeros((N, N))
+        r[0, 1:] = 1
+        rows.append(r.ravel())
+    for S in tight:
+        rows.append((~S[:, None] & S[None, :]).astype(float).ravel())
+    return np.array(rows)
+
+
+def null_space_projection(A, keep):
+    """Orthogonal projection onto {d : A d = 0, d = 0 off keep}, dense (NumPy)."""
+    n = A.shape[1]
+    B = np.vstack([A, np.eye(n)[~keep]])
+    return np.eye(n) - np.linalg.pinv(B) @ B

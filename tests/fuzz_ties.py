@@ -16,12 +16,23 @@ and certifies it by its Wolfe gap over every structure. Each solve is checked fo
   differences of the reference, forward and backward, at two steps, agree: ``u`` is
   piecewise affine, so they agree exactly unless a kink is crossed or lies at the
   point), ``jvp(d)`` within ``1e-6`` of them and ``vjp`` its transpose
-  (``<vjp(g), d> = <g, jvp(d)>``).
+  (``<vjp(g), d> = <g, jvp(d)>``);
+- for trees of at most 16 words solved on the facet side, at every instance (kinks
+  included), ``jvp(d)`` within ``1e-8`` of the rule of docs/solvers.rst: the
+  projection onto the null space of every constraint tight at ``u``, its tight cuts
+  found by enumerating all word sets (outcome ``rule``).
+
+Trees of more than 5 words (``--tree-sizes``: 11 to 20 for the facet side's tight-cut
+search at ties) are too many to enumerate: their reference ``u``, and the finite
+differences that decide differentiability, come from the vertex side
+(``method="vertex"``: the active set over trees, certified by its gap), which shares
+no code with the facet side's solver.
 
 Run by hand for long campaigns (the pytest module ``test_fuzz_ties.py`` keeps a fast
 sample)::
 
     python tests/fuzz_ties.py --n 100000 --seed 0 [--families tree matching sequence]
+    python tests/fuzz_ties.py --n 3000 --families tree --tree-sizes 11 20
 
 It prints the counts per family and method (instances, Jacobians checked, failures
 by kind) and the first failures in full.
@@ -41,7 +52,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsemap as sm  # noqa: E402
-from _reference import all_matchings  # noqa: E402
+from _reference import all_matchings, null_space_projection, tree_tight_rows  # noqa: E402
 
 METHODS = ("auto", "facet", "vertex")
 KINDS = ("zeros", "integers", "repeated", "gauss", "mask", "float32", "strided")
@@ -172,6 +183,8 @@ def simplex_qp(M, theta, tol=1e-13):
 class Reference:
     """The brute-force solution of one factor at any scores."""
 
+    relative_accuracy = 1e-8     # of u, relative to the scores' scale, times 1e-6
+
     def __init__(self, f):
         self.f = f
         self.S, self.M, self.N = columns(f)
@@ -184,6 +197,9 @@ class Reference:
         if self.N.shape[0] and ev is not None:
             allowed &= ~((self.N.T @ np.isneginf(ev).ravel()) > 0)
         return th, allowed
+
+    def feasible(self, eu, ev):
+        return bool(self.theta(eu, ev)[1].any())
 
     def u(self, eu, ev=None):
         th, allowed = self.theta(eu, ev)
@@ -211,10 +227,46 @@ class Reference:
         return uses
 
 
+class VertexReference:
+    """Trees too large to enumerate: u from the vertex side (certified by its gap)."""
+
+    # the vertex side's u at scores of scale s is exact to about 1e-11 s (at 2e7 its
+    # gap was 1e-4 and u was 3e-5 off the facet side's, whose gap was below 1e-7)
+    relative_accuracy = 1e-5
+
+    def __init__(self, f):
+        self.f = f
+
+    forbidden = Reference.forbidden
+
+    def feasible(self, eu, ev):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sm.solve(self.f, eu, method="vertex", max_iter=1)
+        except ValueError:              # no tree avoids the -inf arcs
+            return False
+        return True
+
+    def u(self, eu, ev=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = sm.solve(self.f, eu, method="vertex")
+        return r.u if r.converged else None
+
+
+def reference(f):
+    """The reference of a factor: enumeration where it is small, else the vertex side."""
+    if isinstance(f, sm.TreeFactor) and f.n_words > 5:
+        return VertexReference(f)
+    return Reference(f)
+
+
 # -- instances ---------------------------------------------------------------------------
-def random_factor(rng, family):
+def random_factor(rng, family, tree_sizes=(1, 5)):
     if family == "tree":
-        return sm.TreeFactor(int(rng.integers(1, 6)), single_root=bool(rng.integers(2)))
+        return sm.TreeFactor(int(rng.integers(tree_sizes[0], tree_sizes[1] + 1)),
+                             single_root=bool(rng.integers(2)))
     if family == "matching":
         return sm.MatchingFactor(int(rng.integers(1, 6)), int(rng.integers(1, 6)))
     while True:
@@ -276,16 +328,29 @@ def as_passed(rng, eu, kind):
 
 
 # -- one instance --------------------------------------------------------------------------
+def tree_rule_jvp(f, u, d, scale):
+    """J d for the rule of docs/solvers.rst at a tree's u: the projection onto the null
+    space of every constraint tight there (enumerated), within the arcs where u > 0;
+    None when a cut is neither clearly tight nor clearly slack (its value within
+    1e-7 (1 + scale) of 1 but not within 1e-12 (1 + scale), around the solver's
+    tolerance, 1e-12 (1 + max |mu|) and at least n (n + 1) units in the last place):
+    the rule is then a matter of round-off."""
+    rows = tree_tight_rows(u, f.single_root, 1e-12 * (1 + scale), 1e-7 * (1 + scale))
+    if rows is None:
+        return None
+    J = null_space_projection(rows, (u > 1e-12).ravel())
+    return (J @ np.asarray(d, dtype=np.float64).ravel()).reshape(u.shape)
+
+
 def check_instance(rng, f, eu, ev, kind, methods=METHODS, ref=None):
     """Solve with each method and check it; returns a list of records
     (method, outcome, detail) with outcome in 'ok', 'skip' (no feasible structure),
-    'u', 'converged', 'forbidden', 'jacobian', 'vjp', 'error', and whether the
-    Jacobian was checked."""
-    ref = ref or Reference(f)
+    'u', 'converged', 'forbidden', 'rule', 'jacobian', 'vjp', 'error', and whether
+    the Jacobian was checked against finite differences."""
+    ref = ref or reference(f)
     eu64 = np.asarray(eu, dtype=np.float64)
     ev64 = None if ev is None else np.asarray(ev, dtype=np.float64)
-    th, allowed = ref.theta(eu64, ev64)
-    if not allowed.any():
+    if not ref.feasible(eu64, ev64):
         return [(m, "skip", "no feasible structure", False) for m in methods]
     u0 = ref.u(eu64, ev64)
     if u0 is None:
@@ -320,7 +385,7 @@ def check_instance(rng, f, eu, ev, kind, methods=METHODS, ref=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 r = sm.solve(f, as_passed(rng, eu, kind), ev, method=method)
-                tol_u = 1e-6 * max(1.0, big * 1e-8)
+                tol_u = 1e-6 * max(1.0, big * ref.relative_accuracy)
                 if not np.all(np.isfinite(r.u)) or np.abs(r.u - u0).max() > tol_u:
                     out.append((method, "u", f"|u - ref| = {np.abs(r.u - u0).max():.3g} "
                                 f"(side {r.side})", False))
@@ -334,10 +399,18 @@ def check_instance(rng, f, eu, ev, kind, methods=METHODS, ref=None):
                                 f"{r.weights[[banned(s) for s in r.structures]]} side {r.side}",
                                 False))
                     continue
+                jd = r.jvp(du, dv)
+                rule = None
+                if isinstance(f, sm.TreeFactor) and f.n_words <= 16 and r.side == "facet":
+                    rule = tree_rule_jvp(f, r.u, du, big)
+                if rule is not None:
+                    err = np.abs(jd - rule).max()
+                    if err > 1e-8:
+                        out.append((method, "rule", f"|jvp - rule| = {err:.3g}", False))
+                        continue
                 if diff is None:
                     out.append((method, "ok", "", False))
                     continue
-                jd = r.jvp(du, dv)
                 err = np.abs(jd - diff).max()
                 if err > 1e-6:
                     out.append((method, "jacobian", f"|jvp - fd| = {err:.3g} side {r.side}", True))
@@ -364,7 +437,7 @@ def describe(f):
 
 
 def run(n, seed=0, families=("tree", "matching", "sequence"), methods=METHODS, verbose=True,
-        max_print=10, seconds=None):
+        max_print=10, seconds=None, tree_sizes=(1, 5)):
     """Draw and check n instances (round-robin over families); returns (counts, failures)
     with counts[(family, method)] a Counter of outcomes and failures a list of
     (family, method, outcome, detail, seed, index)."""
@@ -377,12 +450,12 @@ def run(n, seed=0, families=("tree", "matching", "sequence"), methods=METHODS, v
         if seconds is not None and time.time() - t0 > seconds:
             break
         family = families[i % len(families)]
-        f = random_factor(rng, family)
+        f = random_factor(rng, family, tree_sizes)
         kind = KINDS[int(rng.integers(len(KINDS)))]
         eu, ev = random_scores(rng, f, kind)
         key = (family, tuple(f.shape_u), getattr(f, "single_root", None))
         if key not in refs:
-            refs[key] = Reference(f)
+            refs[key] = reference(f)
         for method, outcome, detail, jac in check_instance(rng, f, eu, ev, kind, methods,
                                                             refs[key]):
             c = counts[(family, method)]
@@ -407,11 +480,14 @@ def main(argv=None):
                     choices=["tree", "matching", "sequence"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    ap.add_argument("--tree-sizes", type=int, nargs=2, default=[1, 5], metavar=("LO", "HI"),
+                    help="words of the trees drawn (more than 5: the vertex side is the "
+                         "reference)")
     ap.add_argument("--log", default=None, help="write every failure, with its scores, here")
     args = ap.parse_args(argv)
     t0 = time.time()
     counts, failures = run(args.n, args.seed, tuple(args.families), tuple(args.methods),
-                           seconds=args.seconds)
+                           seconds=args.seconds, tree_sizes=tuple(args.tree_sizes))
     if args.log:
         with open(args.log, "w") as fh:
             for family, method, outcome, detail, name, kind, eu, ev in failures:

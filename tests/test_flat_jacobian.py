@@ -492,6 +492,39 @@ def test_sequence_backward_at_tied_transitions_is_the_piece_along_r(n, m, scale)
     np.testing.assert_allclose(res.jvp(zero, r).ravel(), ups[0], atol=1e-5)
 
 
+
+def test_sequence_fiber_with_a_small_component_along_r():
+    """At eta_v = 0, two positions of 17 tags whose supports are two tags each: the tied
+    face holds the crossover of the two pairs, a fiber whose component along the tie
+    direction r is the smallest of the 17-tag crossovers (8.1e-5 for the fixed r), so
+    the probe moves its score by less than the tie tolerance. The vertex side's fiber
+    check must still see it (untie) and return the closed form of the piece along r
+    (it returned the tied face's backward set, off by up to 2.6)."""
+    from sparsemap.testing import tie_direction
+    f = sm.SequenceFactor(2, 17)
+    r = tie_direction(f)
+    R = r[0]
+    pairs = [(a, b) for a in range(17) for b in range(a + 1, 17)]
+    along = {(p, q): abs(R[p[0], q[0]] + R[p[1], q[1]] - R[p[0], q[1]] - R[p[1], q[0]])
+             for p in pairs for q in pairs}
+    (a, b), (c, d) = min(along, key=along.get)
+    assert along[(a, b), (c, d)] < 4e-4
+    rng = np.random.default_rng(17)
+    for _ in range(4):
+        eta_u = np.full(f.shape_u, -5.0)
+        eta_u[0, [a, b]] = 0.0, rng.uniform(-0.3, 0.3)
+        eta_u[1, [c, d]] = 0.0, rng.uniform(-0.3, 0.3)
+        u, jac = sequence_piece_jacobian(eta_u, r)
+        res = sm.solve(f, eta_u, method="vertex")
+        np.testing.assert_allclose(res.u, u, atol=1e-12)
+        for _ in range(2):
+            du, dv = rng.standard_normal(f.shape_u), rng.standard_normal(f.shape_v)
+            ref = jac(du, dv)
+            np.testing.assert_allclose(res.jvp(du, dv), ref, atol=1e-9)
+            g = rng.standard_normal(f.shape_u)
+            gu, gv = res.vjp(g)
+            assert np.sum(gu * du) + np.sum(gv * dv) == pytest.approx(np.sum(g * ref), abs=1e-9)
+
 def _affine_basis(M):
     """Indices of a maximal affinely independent subset of M's columns (greedy)."""
     keep = []

@@ -7,14 +7,14 @@ closed forms the facet side's rule for the Jacobian at ties must reproduce: the
 projection onto the null space of every constraint tight at ``u``.
 Long runs: ``python tests/fuzz_ties.py --n 100000``.
 """
-import itertools
 import warnings
 
 import numpy as np
 import pytest
 
 import sparsemap as sm
-from fuzz_ties import METHODS, Reference, run
+from _reference import null_space_projection, tree_tight_rows
+from fuzz_ties import METHODS, Reference, check_instance, run, tree_rule_jvp
 
 @pytest.mark.parametrize("family,n,seed", [("tree", 800, 0), ("tree", 800, 1),
                                            ("matching", 800, 0), ("matching", 800, 1)])
@@ -54,38 +54,6 @@ def test_matching_row_tight_with_zero_multiplier():
     np.testing.assert_allclose(r.jvp(d.T), expected.T, atol=1e-12)
 
 
-def _null_space_projection(A, keep):
-    """Orthogonal projection onto {d : A d = 0, d = 0 off keep}, dense (NumPy)."""
-    n = A.shape[1]
-    E = np.eye(n)[~keep]
-    B = np.vstack([A, E])
-    return np.eye(n) - np.linalg.pinv(B) @ B
-
-
-def _tight_tree_constraints(u, single_root):
-    """Every constraint of the arborescence polytope tight at u, by enumeration: the
-    words' in-degree rows, every word set's cut row with x(delta^-(S)) = 1 (the set
-    of all words among them; an equality with single_root), as rows over the
-    (n + 1)^2 arcs."""
-    N = u.shape[0]
-    n = N - 1
-    rows = []
-    for m in range(1, N):
-        r = np.zeros((N, N))
-        r[:, m] = 1
-        r[m, m] = 0
-        rows.append(r.ravel())
-    for k in range(2, n + 1):
-        for S in itertools.combinations(range(1, N), k):
-            r = np.zeros((N, N))
-            out = [h for h in range(N) if h not in S]
-            for m in S:
-                r[out, m] = 1
-            if abs((r * u).sum() - 1) < 1e-9 or (single_root and k == n):
-                rows.append(r.ravel())
-    return np.array(rows)
-
-
 @pytest.mark.parametrize("single_root", [False, True])
 @pytest.mark.parametrize("n", [2, 3, 4, 6, 9, 12, 16])
 def test_tree_zero_scores_closed_form(n, single_root):
@@ -106,7 +74,7 @@ def test_tree_zero_scores_closed_form(n, single_root):
     r = np.zeros((N, N))
     r[0, 1:] = 1
     A.append(r.ravel())
-    J = _null_space_projection(np.array(A), allowed.ravel())
+    J = null_space_projection(np.array(A), allowed.ravel())
     rng = np.random.default_rng(n)
     for method in ("auto", "facet"):
         r = sm.solve(f, eta, method=method)
@@ -140,7 +108,7 @@ def test_tree_jacobian_is_the_null_space_of_all_tight_constraints(single_root):
         if r.side != "facet":
             continue
         keep = (r.u > 1e-12).ravel()
-        J = _null_space_projection(_tight_tree_constraints(r.u, single_root), keep)
+        J = null_space_projection(tree_tight_rows(r.u, single_root), keep)
         Jr = np.array([r.jvp(e.reshape(eta.shape)).ravel() for e in np.eye(eta.size)]).T
         np.testing.assert_allclose(Jr, J, atol=1e-10)
         checked += 1
@@ -331,3 +299,103 @@ def test_vertex_side_spans_the_face_at_these_ties(case):
     gu = r.vjp(g)[0]
     for e, fwd in cols:
         np.testing.assert_allclose(np.sum(gu * e), np.sum(g * fwd), atol=1e-6)
+
+
+# -- tight cuts with zero multipliers in trees of more than 10 words -------------------
+# Four-word blocks of tied scores (found by the harness's tie kinds at four words) whose
+# solutions have tight cuts with zero multipliers besides the set of all words: words
+# 1 and 3, 2 and 3, 1 to 3, 2 to 4 for the first (the rows of the cuts the dual holds
+# do not span them). Trees of more than 10 words used to get no search for such cuts.
+TIED_BLOCKS = {
+    False: [[1.0, -np.inf, -np.inf, -1.0, -1.0], [1.0, -1.0, 0.0, -np.inf, -np.inf],
+            [-1.0, -1.0, 0.0, 1.0, -1.0], [1.0, 0.0, 1.0, -1.0, 1.0],
+            [-1.0, -np.inf, 1.0, 0.0, -1.0]],
+    True: [[0.0, -1.0, 0.0, 1.0, -1.0], [-1.0, 1.0, -1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0, 0.0],
+           [0.0, -1.0, -1.0, 1.0, 0.0], [0.0, -1.0, 1.0, 1.0, 0.0]],
+}
+
+
+def chained(block, n, by_masks):
+    """The block's scores on its words, and words k + 1 to n attached in a chain (word
+    j to word j - 1) that keeps the block's cuts as they were: by masks (the chain arc
+    the only one allowed, no arc from the chain into the block), or by scores (every
+    other arc 4 below the chain arc, which then carries all of its word's weight)."""
+    block = np.asarray(block)
+    k = block.shape[0] - 1
+    eta = np.full((n + 1, n + 1), -np.inf if by_masks else -4.0)
+    eta[:k + 1, :k + 1] = block
+    for j in range(k + 1, n + 1):
+        eta[j - 1, j] = 0.0
+    return eta
+
+
+@pytest.mark.parametrize("single_root", [False, True])
+@pytest.mark.parametrize("by_masks", [True, False])
+def test_tree_tight_cuts_with_zero_multipliers_past_ten_words(single_root, by_masks):
+    """A tied block in a 12-word tree: the facet side's Jacobian is the projection onto
+    the null space of every tight constraint (enumerated here), its tight cuts with
+    zero multipliers included (without them it was off by 1/3 in an entry)."""
+    n = 12
+    f = sm.TreeFactor(n, single_root=single_root)
+    eta = chained(TIED_BLOCKS[single_root], n, by_masks)
+    r = sm.solve(f, eta, method="facet")
+    assert r.side == "facet"
+    np.testing.assert_allclose(r.u, sm.solve(f, eta, method="vertex").u, atol=1e-12)
+    rows = tree_tight_rows(r.u, single_root)
+    # tight cuts of two to four words (the block's) besides the set of all words
+    cuts = rows[n + single_root:].reshape(-1, n + 1, n + 1)
+    words = [set(np.flatnonzero(c.any(axis=0))) for c in cuts]
+    assert any(2 <= len(s) <= 4 for s in words)
+    J = null_space_projection(rows, (r.u > 1e-12).ravel())
+    E = np.eye(eta.size)
+    Jr = np.array([r.jvp(e.reshape(eta.shape)).ravel() for e in E]).T
+    np.testing.assert_allclose(Jr, J, atol=1e-10)
+    Jt = np.array([r.vjp(e.reshape(eta.shape))[0].ravel() for e in E])
+    np.testing.assert_allclose(Jt, J, atol=1e-10)
+
+
+def tied_scores(rng, n, kind):
+    """Scores of n + 1 nodes with ties: zeros, small integers, a repeated row (every
+    head alike for a word) or column (every word alike for a head), optionally under
+    -inf masks."""
+    N = n + 1
+    if kind == "zeros":
+        eta = np.zeros((N, N))
+    elif kind == "integers":
+        eta = rng.integers(-1, 2, (N, N)).astype(float)
+    elif kind == "rows":
+        eta = np.tile(rng.integers(-2, 3, N).astype(float), (N, 1))
+    else:
+        eta = np.tile(rng.integers(-2, 3, (N, 1)).astype(float), (1, N)) \
+            + np.round(rng.standard_normal((1, N)), 1)
+    if rng.integers(2):
+        eta[rng.random((N, N)) < 0.2] = -np.inf
+    return eta
+
+
+@pytest.mark.parametrize("kind", ["zeros", "integers", "rows", "columns"])
+def test_tree_ties_eleven_to_sixteen_words(kind):
+    """Tied trees of 11 to 16 words (both root settings): the harness's check with the
+    vertex side as reference (u, the rule with every tight constraint enumerated, and
+    both sides' jvp against one-sided differences where they agree along a random
+    direction, rare at ties); and along a direction of the smallest face holding u
+    (the rule's J g), where u moves with the scores on both sides, one-sided
+    differences of the vertex side's u and both sides' jvp all return it."""
+    rng = np.random.default_rng(["zeros", "integers", "rows", "columns"].index(kind))
+    for i, n in enumerate((11, 13, 16)):
+        f = sm.TreeFactor(n, single_root=bool(i % 2))
+        eta = tied_scores(rng, n, kind)
+        records = check_instance(rng, f, eta, None, kind, ("facet", "vertex"))
+        bad = [rec for rec in records if rec[1] not in ("ok", "skip")]
+        assert not bad, (n, eta.tolist(), bad)
+        if records[0][1] == "skip":
+            continue
+        r = sm.solve(f, eta, method="facet")
+        v = sm.solve(f, eta, method="vertex")
+        d = tree_rule_jvp(f, r.u, rng.standard_normal(eta.shape) * np.isfinite(eta), 2.0)
+        h = 1e-5
+        for t in (h, -h):
+            np.testing.assert_allclose((sm.solve(f, eta + t * d, method="vertex").u - v.u) / t,
+                                       d, atol=1e-6)
+        np.testing.assert_allclose(r.jvp(d), d, atol=1e-10)
+        np.testing.assert_allclose(v.jvp(d), d, atol=1e-7)
