@@ -22,7 +22,9 @@ of ``z_i``; a forest of several trees is a kink of ``OT`` where ``u`` is held.
 
 The solver follows ``u`` along ``eta_v(t) = t eta_v`` from ``t = 0`` (where
 ``u_i = sparsemax(eta_u[i])`` and the forests are the optimal transport bases
-for ``eta_v``, ties broken by the tie direction ``r``) to ``t = 1``. On a fixed
+for ``eta_v``, ties broken by the tie direction ``r``: a greedy basis, then
+network-simplex pivots, each of which moves the flows around its cycle and re-roots
+only the subtree the leaving arc cuts off) to ``t = 1``. On a fixed
 structure ``u`` is affine in ``t``; the structure changes at events:
 
 * an arc's flow reaches 0: it leaves (its tree splits in two, a balance
