@@ -22,7 +22,9 @@ of ``z_i``; a forest of several trees is a kink of ``OT`` where ``u`` is held.
 
 The solver follows ``u`` along ``eta_v(t) = t eta_v`` from ``t = 0`` (where
 ``u_i = sparsemax(eta_u[i])`` and the forests are the optimal transport bases
-for ``eta_v``, ties broken by the tie direction ``r``) to ``t = 1``. On a fixed
+for ``eta_v``, ties broken by the tie direction ``r``: a greedy basis, then
+network-simplex pivots, each of which moves the flows around its cycle and re-roots
+only the subtree the leaving arc cuts off) to ``t = 1``. On a fixed
 structure ``u`` is affine in ``t``; the structure changes at events:
 
 * an arc's flow reaches 0: it leaves (its tree splits in two, a balance
@@ -1307,6 +1309,7 @@ cdef int _start(_W* w, const double* eta_u, const double* eta_v, const double* r
     transport bases for eta_v (ties broken by r). 0, or 1 (the solver declines)."""
     cdef int i, SS = w.S * w.S, status = 0
     cdef int* order = NULL
+    cdef int* tr = NULL
     cdef bint valid = False
     for i in range(w.n):
         if _sparsemax(eta_u + i * w.S, w.S, w.uA + i * w.S, w.inP + i * w.S, w.pot):
@@ -1325,10 +1328,16 @@ cdef int _start(_W* w, const double* eta_u, const double* eta_v, const double* r
             if order != NULL:
                 _sort_cells(w, eta_v + i * SS, r + i * SS, order)
                 valid = True
-        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v, order if valid else NULL):
+        if tr == NULL:
+            tr = <int*> malloc(7 * w.L * sizeof(int))
+            if tr == NULL:
+                status = 1
+                break
+        if _transport(w, i, w.uA, eta_v, r, 1e-12 * scale_v, tr, order if valid else NULL):
             status = 1
             break
     free(order)
+    free(tr)
     return status
 
 
@@ -1422,6 +1431,201 @@ cdef void _greedy_heap(_W* w, int i, int nr, int nc, const int* rows, const int*
                 break
 
 
+cdef inline int _other(_W* w, int i, int e, int x) noexcept nogil:
+    """The node at the other end of transition i's arc e from node x."""
+    return (w.S + w.arc_b[i * w.cap + e]) if x < w.S else w.arc_a[i * w.cap + e]
+
+
+cdef void _shift_pots(_W* w, int i, int x, double d, double* F, double* G) noexcept nogil:
+    """Node x's potential += d (F at rows, G at columns, as _pots stores them)."""
+    if x < w.S:
+        F[i * w.S + x] += d
+    else:
+        G[(i + 1) * w.S + x - w.S] += d
+
+
+cdef int _tree_init(_W* w, int i, const double* C, const double* R, const double* lf,
+                    const double* u, int* tr) noexcept nogil:
+    """Transition i's spanning tree for _tree_pivot: its tree data (par, depth), the
+    potentials of C, R and (lf non-NULL) lf, the flows with marginals u, and in tr
+    (7 L ints) each node's parent node, a preorder and each node's position in it and
+    subtree size. 0, or 1 when the arcs are not a spanning tree of the supports."""
+    cdef int L = w.L, j, x, y, e, top, cnt = 0
+    cdef int* pnode = tr
+    cdef int* pre = tr + L
+    cdef int* pos = tr + 2 * L
+    cdef int* size = tr + 3 * L
+    cdef int* stack = tr + 6 * L
+    cdef int* pr = w.par + i * L
+    if _bfs(w, i) or w.ncomp[i] != 1:
+        return 1
+    _pots(w, i, C, w.F0, w.G0)
+    _pots(w, i, R, w.F1, w.G1)
+    if lf != NULL:
+        _pots(w, i, lf, w.fA, w.gA)
+    _flows(w, i, u, w.flA)
+    # a preorder (each subtree contiguous) from _bfs's adjacency, still in w.adj
+    stack[0] = w.order[i * L]
+    top = 1
+    pnode[stack[0]] = -1
+    while top > 0:
+        top -= 1
+        x = stack[top]
+        pos[x] = cnt
+        pre[cnt] = x
+        size[x] = 1
+        cnt += 1
+        for j in range(w.adj_off[x], w.adj_off[x + 1]):
+            e = w.adj[j]
+            if e != pr[x]:
+                y = _other(w, i, e, x)
+                pnode[y] = x
+                stack[top] = y
+                top += 1
+    for j in range(cnt - 1, 0, -1):
+        size[pnode[pre[j]]] += size[pre[j]]
+    return 0
+
+
+cdef void _tree_pivot(_W* w, int i, int a, int b, int k, const double* C, const double* R,
+                      const double* lf, int* tr) noexcept nogil:
+    """Arc (a, b) enters transition i's spanning tree (as _tree_init leaves it) and its
+    arc k, on the cycle (a, b) closes, leaves: the flows move around the cycle by k's,
+    and only the subtree k cut off changes its parents, depths and potentials (by one
+    constant per cost), so a pivot costs the cycle and that subtree, not a rebuild."""
+    cdef int S = w.S, L = w.L, cap = w.cap, x, y, e, q, xin, yout, j, m, cnt, prev
+    cdef int sx = 0, sy = 0, prev_arc, nxt, new_size, seg, n_path
+    cdef int* pnode = tr
+    cdef int* pre = tr + L
+    cdef int* pos = tr + 2 * L
+    cdef int* size = tr + 3 * L
+    cdef int* buf = tr + 4 * L        # the cut subtree's new preorder
+    cdef int* out = tr + 5 * L        # the whole new preorder
+    cdef int* path = tr + 6 * L       # the path from xin up to q
+    cdef int* pr = w.par + i * L
+    cdef int* dp = w.depth + i * L
+    cdef int* end
+    cdef int* parity
+    cdef double theta = w.flA[i * cap + k], d, sgn
+    # flows: around the cycle, decreasing from both ends of (a, b) first, alternating
+    x = a
+    y = S + b
+    while x != y:
+        if dp[x] >= dp[y]:
+            end, parity = &x, &sx
+        else:
+            end, parity = &y, &sy
+        e = pr[end[0]]
+        w.flA[i * cap + e] += -theta if parity[0] == 0 else theta
+        parity[0] ^= 1
+        end[0] = _other(w, i, e, end[0])
+    # the subtree k cuts off hangs from q, and holds one end of (a, b): xin
+    q = w.arc_a[i * cap + k]
+    if pr[q] != k:
+        q = S + w.arc_b[i * cap + k]
+    if pos[q] <= pos[a] < pos[q] + size[q]:
+        xin, yout = a, S + b
+    else:
+        xin, yout = S + b, a
+    seg = size[q]
+    # its new preorder, rooted at xin: for each node p_j of the path xin = p_0 .. p_m
+    # = q, p_j and its old subtree less p_{j-1}'s
+    cnt = 0
+    prev = -1
+    x = xin
+    n_path = 0
+    while True:
+        path[n_path] = x
+        n_path += 1
+        if prev < 0:
+            for j in range(pos[x], pos[x] + size[x]):
+                buf[cnt] = pre[j]
+                cnt += 1
+        else:
+            for j in range(pos[x], pos[prev]):
+                buf[cnt] = pre[j]
+                cnt += 1
+            for j in range(pos[prev] + size[prev], pos[x] + size[x]):
+                buf[cnt] = pre[j]
+                cnt += 1
+        if x == q:
+            break
+        prev = x
+        x = pnode[x]
+    # sizes: the old ancestors of q lose the subtree
+    y = pnode[q]
+    while y >= 0:
+        size[y] -= seg
+        y = pnode[y]
+    # along the path, p_j now holds p_{j+1}'s new subtree and its old one less p_{j-1}'s
+    new_size = 0
+    for j in range(n_path - 1, 0, -1):
+        new_size += size[path[j]] - size[path[j - 1]]
+        size[path[j]] = new_size
+    size[xin] = seg
+    # the path's parents reverse (xin hangs from yout by the new arc, which _add_arc
+    # puts last once k is gone)
+    _del_arc(w, i, k)
+    m = w.na[i]
+    if m != k:
+        # the arc that was last moved into k's slot
+        x = w.arc_a[i * cap + k]
+        if pr[x] != m:
+            x = S + w.arc_b[i * cap + k]
+        pr[x] = k
+        w.flA[i * cap + k] = w.flA[i * cap + m]
+    _add_arc(w, i, a, b)
+    w.flA[i * cap + m] = theta
+    x = xin
+    y = yout
+    prev_arc = m
+    while True:
+        nxt = pnode[x]
+        e = pr[x]
+        pnode[x] = y
+        pr[x] = prev_arc
+        if x == q:
+            break
+        prev_arc = e
+        y = x
+        x = nxt
+    y = yout
+    while y >= 0:
+        size[y] += seg
+        y = pnode[y]
+    # the whole preorder: the old one without the subtree, which follows yout
+    cnt = 0
+    for j in range(w.nord[i]):
+        x = pre[j]
+        if pos[q] <= j < pos[q] + seg:
+            continue
+        out[cnt] = x
+        cnt += 1
+        if x == yout:
+            memcpy(out + cnt, buf, seg * sizeof(int))
+            cnt += seg
+    memcpy(pre, out, cnt * sizeof(int))
+    for j in range(cnt):
+        pos[pre[j]] = j
+    # depths and potentials over the subtree (parents first): the new arc's reduced
+    # cost is made 0 by shifting its side's rows by d and columns by -d
+    sgn = 1.0 if xin < S else -1.0
+    d = C[a * S + b] - w.F0[i * S + a] - w.G0[(i + 1) * S + b]
+    for j in range(seg):
+        x = buf[j]
+        dp[x] = dp[pnode[x]] + 1
+        _shift_pots(w, i, x, d * sgn if x < S else -d * sgn, w.F0, w.G0)
+    d = R[a * S + b] - w.F1[i * S + a] - w.G1[(i + 1) * S + b]
+    for j in range(seg):
+        x = buf[j]
+        _shift_pots(w, i, x, d * sgn if x < S else -d * sgn, w.F1, w.G1)
+    if lf != NULL:
+        d = lf[a * S + b] - w.fA[i * S + a] - w.gA[(i + 1) * S + b]
+        for j in range(seg):
+            x = buf[j]
+            _shift_pots(w, i, x, d * sgn if x < S else -d * sgn, w.fA, w.gA)
+
+
 cdef void _sort_cells(_W* w, const double* C, const double* R, int* order) noexcept nogil:
     """order <- the S^2 cells (a S + b) of one transition's costs by decreasing (C, R)."""
     cdef int S = w.S, k, heap
@@ -1443,7 +1647,7 @@ cdef void _sort_cells(_W* w, const double* C, const double* R, int* order) noexc
 
 
 cdef int _transport(_W* w, int i, const double* u, const double* C, const double* R,
-                    double tolC, const int* order=NULL) noexcept nogil:
+                    double tolC, int* tr, const int* order=NULL) noexcept nogil:
     """Transition i's forest <- an optimal basis of the transport problem max <C, V>
     over couplings of u_i and u_{i+1} that avoid the forbidden cells (C = -inf), ties
     in C broken by R: lexicographic costs (-[forbidden], C, R), a greedy start, then
@@ -1451,7 +1655,8 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
     The forest is the basis (a spanning tree) less its forbidden arcs. 0; 2 when every
     coupling uses a forbidden cell; 1 on a failure. order: NULL, or all S^2 cells
     (a S + b) by decreasing (C, R), for a transition without forbidden cells (_start
-    sorts them once for transitions that share their costs)."""
+    sorts them once for transitions that share their costs). tr: 7 L ints of scratch
+    (the tree's preorder; see _tree_init)."""
     cdef int S = w.S, cap = w.cap, a, b, ia, ib, k, j, ra, best_a, best_b, tier, n_degen = 0
     cdef int nr = 0, nc = 0, it
     cdef int* rows = w.rows
@@ -1510,14 +1715,9 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
                     break
     else:
         _greedy_heap(w, i, nr, nc, rows, cols, u, Ci, Ri, lf, forbidden, pr, pc, &ra)
+    if _tree_init(w, i, Ci, Ri, lf if forbidden else NULL, u, tr):
+        return 1
     for it in range(100000):
-        if _bfs(w, i):
-            return 1
-        _pots(w, i, Ci, w.F0, w.G0)
-        _pots(w, i, Ri, w.F1, w.G1)
-        if forbidden:
-            _pots(w, i, lf, w.fA, w.gA)
-        _flows(w, i, u, w.flA)
         bland = n_degen > 2 * S
         tier = 3
         best = 0.0
@@ -1567,8 +1767,7 @@ cdef int _transport(_W* w, int i, const double* u, const double* C, const double
             n_degen += 1
         else:
             n_degen = 0
-        _del_arc(w, i, k)
-        _add_arc(w, i, best_a, best_b)
+        _tree_pivot(w, i, best_a, best_b, k, Ci, Ri, lf if forbidden else NULL, tr)
     else:
         return 1
     if forbidden:

@@ -122,6 +122,32 @@ def test_against_brute_force(n, S, scale, rel):
     np.testing.assert_allclose(sol.u, brute_force(eta_u, eta_v), atol=1e-6 * scale)
 
 
+@pytest.mark.parametrize("kind", ["zeros", "small", "forbidden"])
+def test_transport_start_with_many_pivots(kind):
+    """Wide supports (9 tags of similar scores), where the start's transport bases take
+    many network-simplex pivots, each re-rooting a subtree: u against the vertex side,
+    and at eta_v = 0 (bases for the tie direction alone) the Jacobian along (0, r)
+    against one-sided differences of the vertex side."""
+    n, S = 4, 9
+    rng = np.random.default_rng(["zeros", "small", "forbidden"].index(kind))
+    f = sm.SequenceFactor(n, S)
+    eta_u = 0.02 * rng.standard_normal((n, S))
+    eta_v = np.zeros((n - 1, S, S))
+    if kind != "zeros":
+        eta_v = 1e-3 * rng.standard_normal((n - 1, S, S))
+    if kind == "forbidden":
+        eta_v[:, np.arange(S), (np.arange(S) + 1) % S] = -np.inf
+    sol = SequenceFacetSolver(f, decline_peaked=False).solve(eta_u, eta_v)
+    assert sol.status == SOLVED
+    check_kkt(eta_u, eta_v, sol.u, sol.v)
+    np.testing.assert_allclose(sol.u, sm.solve(f, eta_u, eta_v, method="vertex").u, atol=1e-10)
+    if kind == "zeros":
+        t = 1e-7
+        r = tie_direction(f)
+        one_sided = (sm.solve(f, eta_u, t * r, method="vertex").u - sol.u) / t
+        np.testing.assert_allclose(sol.jvp(np.zeros((n, S)), r), one_sided, atol=1e-5)
+
+
 KINDS = ["flat", "tiny_v", "binned_v", "tied_u", "zeros", "peaked", "masked_u"]
 
 
