@@ -1050,30 +1050,42 @@ cdef int _leaving_arc(_W* w, int i, int a, int b, double t, bint lowest_on_ties)
     flow (flA + t flB) decreases and is least (on ties the first met on the walk, or the
     lowest index), or -1 when a and b are not connected. Both ends walk up to their
     common ancestor; the first arc from each end decreases, then they alternate."""
-    cdef int S = w.S, cap = w.cap, x = a, y = S + b, e, leave = -1, sx = 0, sy = 0
+    cdef int cap = w.cap, x = a, y = w.S + b, e, leave = -1, sx = 0, sy = 0, parity
     cdef int* pr = w.par + i * w.L
     cdef int* dp = w.depth + i * w.L
-    cdef int* end
-    cdef int* parity
     cdef double fl, best = INFINITY
     while x != y:
-        if dp[x] >= dp[y]:
-            end, parity = &x, &sx
-        else:
-            end, parity = &y, &sy
-        e = pr[end[0]]
+        e = _cycle_step(w, i, pr, dp, &x, &y, &sx, &sy, &parity)
         if e < 0:
             return -1
-        if parity[0] == 0:
+        if parity == 0:
             fl = w.flA[i * cap + e]
             if t != 0.0:
                 fl += t * w.flB[i * cap + e]
             if fl < best or (lowest_on_ties and fl == best and e < leave):
                 best = fl
                 leave = e
-        parity[0] ^= 1
-        end[0] = (S + w.arc_b[i * cap + e]) if end[0] < S else w.arc_a[i * cap + e]
     return leave
+
+
+cdef inline int _cycle_step(_W* w, int i, const int* pr, const int* dp, int* x, int* y,
+                            int* sx, int* sy, int* parity) noexcept nogil:
+    """One step of the walk around the cycle that an arc between nodes x and y closes
+    in transition i's tree (parents pr, depths dp): the deeper end moves up to its
+    parent. Returns the arc crossed, with its parity along the walk in parity (0 for
+    the first arc from each end, then alternating), or -1 past a root (nothing moves)."""
+    cdef int* end = x
+    cdef int* par = sx
+    cdef int e
+    if dp[x[0]] < dp[y[0]]:
+        end, par = y, sy
+    e = pr[end[0]]
+    if e < 0:
+        return -1
+    parity[0] = par[0]
+    par[0] ^= 1
+    end[0] = _other(w, i, e, end[0])
+    return e
 
 
 cdef inline int _cycle_min(_W* w, int i, int a, int b) noexcept nogil:
@@ -1494,7 +1506,7 @@ cdef void _tree_pivot(_W* w, int i, int a, int b, int k, const double* C, const 
     and only the subtree k cut off changes its parents, depths and potentials (by one
     constant per cost), so a pivot costs the cycle and that subtree, not a rebuild."""
     cdef int S = w.S, L = w.L, cap = w.cap, x, y, e, q, xin, yout, j, m, cnt, prev
-    cdef int sx = 0, sy = 0, prev_arc, nxt, new_size, seg, n_path
+    cdef int sx = 0, sy = 0, par_e = 0, prev_arc, nxt, new_size, seg, n_path
     cdef int* pnode = tr
     cdef int* pre = tr + L
     cdef int* pos = tr + 2 * L
@@ -1504,21 +1516,13 @@ cdef void _tree_pivot(_W* w, int i, int a, int b, int k, const double* C, const 
     cdef int* path = tr + 6 * L       # the path from xin up to q
     cdef int* pr = w.par + i * L
     cdef int* dp = w.depth + i * L
-    cdef int* end
-    cdef int* parity
     cdef double theta = w.flA[i * cap + k], d, sgn
     # flows: around the cycle, decreasing from both ends of (a, b) first, alternating
     x = a
     y = S + b
     while x != y:
-        if dp[x] >= dp[y]:
-            end, parity = &x, &sx
-        else:
-            end, parity = &y, &sy
-        e = pr[end[0]]
-        w.flA[i * cap + e] += -theta if parity[0] == 0 else theta
-        parity[0] ^= 1
-        end[0] = _other(w, i, e, end[0])
+        e = _cycle_step(w, i, pr, dp, &x, &y, &sx, &sy, &par_e)
+        w.flA[i * cap + e] += -theta if par_e == 0 else theta
     # the subtree k cuts off hangs from q, and holds one end of (a, b): xin
     q = w.arc_a[i * cap + k]
     if pr[q] != k:
