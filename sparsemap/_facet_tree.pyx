@@ -1749,17 +1749,13 @@ cdef int _seed_cuts(Work* w, const FacetState* prev) except -1 nogil:
     cdef TreeHeader hd
     cdef TreeLayout lay
     cdef int N = w.N, r, m, q, c
-    cdef const int* kept_i
     cdef const int* masks
     cdef char* S = w.cscratch
     if prev.n_ints == 0:
         return 0
     _view(prev, N, &hd, &lay)
-    kept_i = prev.ints + lay.kept
     masks = prev.ints + lay.masks
     for r in range(hd.na):
-        if not kept_i[r]:
-            continue
         # bit r of node m's mask: word r >> 6, two ints a word (low, then high)
         q = 2 * (r >> 6) + ((r >> 5) & 1)
         S[0] = 0
@@ -1822,11 +1818,6 @@ cdef double _threshold_residual(Work* w) noexcept nogil:
     return r
 
 
-cdef double _tight_tol(const Work* w) noexcept nogil:
-    """Tolerance of 'tight' for the backward pass: the solver's residual bar."""
-    return _tolerance(w)
-
-
 cdef int _held_rows(Work* w, int* act) except -1 nogil:
     """The cuts the Jacobian holds at first (their indices into act, in order): the
     root equality and the cuts with mu > 0, tight by complementary slackness; then,
@@ -1854,7 +1845,7 @@ cdef int _held_rows(Work* w, int* act) except -1 nogil:
                 return na
     for m in range(1, N):
         rsum += w.XT[m * N]
-    if fabs(rsum - 1.0) <= _tight_tol(w):
+    if fabs(rsum - 1.0) <= _tolerance(w):
         if root < 0:
             S[0] = 0
             for m in range(1, N):
@@ -1974,7 +1965,7 @@ cdef int _search_rows(Work* w, int na) except -1 nogil:
     of less than 1e-7 n^2 and is left out (docs/solvers.rst)."""
     cdef int N = w.N, m, h, p, i, j, nP = 0, nq = 0, capq, capa, sgn, added, near
     cdef Py_ssize_t NN = <Py_ssize_t> N * N
-    cdef double tol = _tight_tol(w), bar, step, t, dmax, best
+    cdef double tol = _tolerance(w), bar, step, t, dmax, best
     cdef char* block
     cdef int* pidx
     cdef int* colp
@@ -2265,7 +2256,7 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
     cdef bint fresh
     cdef char* block
     cdef int k0 = w.k
-    cdef double tol = _tight_tol(w)
+    cdef double tol = _tolerance(w)
     cdef Ties ties
     cdef bint tied = False
     ties.bits = 1
@@ -2346,14 +2337,16 @@ cdef int _write_state(Work* w, FacetState* st) except -1 nogil:
                 heads[nnz] = h
                 nnz += 1
         ints[m + 1] = <int> nnz
-    # each node's mask over the active cuts, renumbered as the rows of L (dropped
-    # rows left out), as Wa u64 words of two ints each (low, high)
+    # each node's mask over the active cuts, renumbered as the rows of L, as Wa u64
+    # words of two ints each (low, high). Rows that L dropped as dependent keep their
+    # bits: _chol_solve gives them y = 0, so J does not see them, and a warm start
+    # (_seed_cuts) holds every cut the solve held, not only the independent ones
     ints = st.ints + lay.masks
     for m in range(N):
         for q in range(Wa):
             b = 0
             for j in range(q << 6, min(na, (q + 1) << 6)):
-                if kept[j] and _bit(w.inmask + m * W, act[j]):
+                if _bit(w.inmask + m * W, act[j]):
                     b |= (<u64> 1) << (j & 63)
             ints[2 * (m * Wa + q)] = <int> <unsigned int> b
             ints[2 * (m * Wa + q) + 1] = <int> (b >> 32)

@@ -399,3 +399,7 @@ def test_tree_ties_eleven_to_sixteen_words(kind):
                                        d, atol=1e-6)
         np.testing.assert_allclose(r.jvp(d), d, atol=1e-10)
         np.testing.assert_allclose(v.jvp(d), d, atol=1e-7)
+        # d lies in J's range, which a J missing tight cuts contains too: J itself on
+        # a direction off the face is what tells them apart
+        g = rng.standard_normal(eta.shape) * np.isfinite(eta)
+        np.testing.assert_allclose(r.jvp(g), tree_rule_jvp(f, r.u, g, 2.0), atol=1e-10)
