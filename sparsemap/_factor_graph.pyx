@@ -32,10 +32,8 @@ from sparsemap._factors._base import (SCAN_BAD, _as_float_array, _real_array, _t
 from sparsemap._fg_admm import ENGINE_CONVERGED, ENGINE_INFEASIBLE, _MESSAGES
 from sparsemap._fg_backward import _Engine
 from sparsemap._fg_structure import _Structure, _count_conflict
-# Pickles of results written while these lived in this module name them here.
+# Pickles of results written while it lived in this module name it here.
 from sparsemap._fg_backward import _engine_from_state
-from sparsemap._fg_structure import _Faces
-from sparsemap._fg_whole import _Blocks, _Whole
 
 DEFAULT_MAX_ITER = 10_000
 # Untying ties in eta_v (FactorGraphResult._untie): the first delta, relative to the
@@ -1181,15 +1179,6 @@ class FactorGraphResult:
                 gv.append(np.zeros(factor.shape_v))
         return y, gv
 
-
-# -- known polytopes solved whole ----------------------------------------------------------
-# A graph that is exactly one factor's polytope (same variables, same constraints, hence
-# the same QP) is solved as that factor by sparsemap.solve, which picks the cheaper side
-# (a matching's facet solver, a chain's Viterbi active set) and certifies its answer by a
-# duality gap: 50 to 500 times faster than ADMM and its polish on those graphs. Recognised
-# once per graph structure (_Structure.whole); _WholeResult maps u, v, the support and
-# the Jacobian products back. This half of the module (FactorGraph and its results) is
-# the layer of sparsemap.solve, whose import is therefore local.
 
 # -- known polytopes solved whole ----------------------------------------------------------
 # A graph that is exactly one factor's polytope is solved as that factor (recognised once

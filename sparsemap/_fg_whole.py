@@ -227,7 +227,7 @@ class _Blocks:
     everywhere; its Jacobian keeps the row sums, and the column sums when r == c (then
     the rows fill the columns: they sum to one whatever the scores)."""
 
-    def __init__(self, whole, blocks, results, eta_u):
+    def __init__(self, whole, blocks, results):
         self.whole, self.blocks, self.results = whole, blocks, results
         nr, nc = whole.factor.n_rows, whole.factor.n_cols
         self.u = np.zeros((nr, nc))
@@ -288,7 +288,7 @@ def solve_whole(whole, eu, ev, max_iter, fixed=None, soft=None):
             r = _Blocks(whole, blocks, [
                 _solve_unwarned(MatchingFactor(rows.size, cols.size), eta_u[_ix(rows, cols)],
                                 None, max_iter) if kind == "solve" else None
-                for rows, cols, kind in blocks], eta_u)
+                for rows, cols, kind in blocks])
     except ValueError:
         return None
     if not r.converged:

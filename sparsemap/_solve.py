@@ -40,6 +40,7 @@ from sparsemap._facet import facet_solver
 from sparsemap._factors._base import (SCAN_BAD, Factor, _NoAllowedStructure, _real_array,
                                      check_real, scan_values)
 from sparsemap._factors._generic import OracleFactor
+from sparsemap._factors._logic import SequenceBudgetFactor
 from sparsemap._factors._sequence import SequenceFactor
 
 METHODS = ("auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg")
@@ -85,9 +86,7 @@ _AT_CAP = ("u converged, but the backward set reached its cap of {} structures "
 # side, from the facet solver's status (_Solution.fallback). The solvers report every
 # decline with one status, so a decline is told apart only by whether it had spent
 # its iteration budget.
-_FALLBACK_NAMES = ("none", "declined", "budget", "gap")
-_FALLBACK_CODES = {FALLBACK_STATUS_NONE: 0, FALLBACK_STATUS_DECLINED: 1,
-                   FALLBACK_STATUS_BUDGET: 2, FALLBACK_STATUS_GAP: 3}
+_FALLBACK_NAMES = ("none", "declined", "budget", "gap")   # by FALLBACK_STATUS_* (0 to 3)
 _FALLBACK_MESSAGES = {
     FALLBACK_STATUS_DECLINED: "the facet solver declined after {it} iterations (a limit "
                               "of its own, such as pieces projected past max_iter, masks "
@@ -614,9 +613,10 @@ def solve(factor, eta_u, eta_v=None, method="auto", max_iter=None, tol=DEFAULT_T
         support uses it, so ``u`` and the Jacobian are 0 there.
     eta_v : array_like, shape ``factor.shape_v``, optional
         Additional scores (zeros when omitted); ``-inf`` forbids a part too.
-        For a :class:`SequenceFactor`, an ``(S, S)`` matrix is one transition
-        matrix shared by the positions (as in a CRF): ``vjp`` then returns its
-        ``(S, S)`` gradient and ``jvp`` takes an ``(S, S)`` ``d_eta_v``.
+        For a :class:`SequenceFactor` (or :class:`SequenceBudgetFactor`), an
+        ``(S, S)`` matrix is one transition matrix shared by the positions (as
+        in a CRF): ``vjp`` then returns its ``(S, S)`` gradient and ``jvp``
+        takes an ``(S, S)`` ``d_eta_v``.
     method : {"auto", "vertex", "facet", "active_set", "cg", "away_cg", "pairwise_cg", "bpcg"}
         ``"auto"`` (the default) runs the exact solver on the cheaper of two
         representations of the solution, per problem: the vertex side
@@ -1084,7 +1084,8 @@ def solve_batch(factors, etas_u, etas_v=None, *, n_jobs=None, executor=None, **s
         same shape). ``-inf`` forbids a part, as in :func:`solve`.
     etas_v : None, sequence or ndarray, optional
         The additional scores, likewise; entries of a sequence may be None
-        (zeros). For a :class:`SequenceFactor` an entry may be one ``(S, S)``
+        (zeros). For a :class:`SequenceFactor` (or
+        :class:`SequenceBudgetFactor`) an entry may be one ``(S, S)``
         transition matrix shared by the positions (a stacked array is then
         ``(B, S, S)``), as in :func:`solve`: that result's ``vjp`` returns its
         ``(S, S)`` gradient.
@@ -1232,20 +1233,27 @@ def _check_results(results):
     return rs
 
 
+def _takes_shared(factor):
+    """Whether ``factor`` takes one transition matrix shared by its positions: a chain
+    whose ``eta_v`` is one block per transition, a :class:`SequenceFactor` or a
+    :class:`SequenceBudgetFactor` (exactly those types: another factor with a 3-d
+    ``shape_v`` need not be a chain). NumPy and torch ask this alike."""
+    return type(factor) in (SequenceFactor, SequenceBudgetFactor) and factor.n_v > 0
+
+
 def _is_shared(factor, eta_v):
-    """Whether ``eta_v`` is one (S, S) transition matrix shared by the positions of a
-    :class:`SequenceFactor` (its per-position form is (n - 1, S, S))."""
-    return (type(factor) is SequenceFactor and eta_v is not None
-            and np.ndim(eta_v) == 2 and factor.n_v > 0)
+    """Whether ``eta_v`` is one transition matrix shared by the positions of a chain
+    (_takes_shared; its per-position form is ``factor.shape_v``, (n - 1, S, S))."""
+    return eta_v is not None and np.ndim(eta_v) == 2 and _takes_shared(factor)
 
 
 def _broadcast_shared(factor, x, name):
     """A shared (S, S) matrix repeated at every transition (validated as ``name``)."""
     arr = _real_array(x, name)
-    S = factor.n_states
-    if arr.shape != (S, S):
+    block = factor.shape_v[1:]
+    if arr.shape != block:
         raise ValueError(f"{name}: expected shape {factor.shape_v} (per transition) or "
-                         f"{(S, S)} (shared by the positions), got {arr.shape}")
+                         f"{block} (shared by the positions), got {arr.shape}")
     return np.broadcast_to(arr, factor.shape_v)
 
 
@@ -1269,23 +1277,25 @@ def _centre(on, d):
     return np.where(on, d - d.sum(-1, keepdims=True) / count, 0.0)
 
 
+def _summed_shared(rs, out):
+    """vjp outputs with each shared (S, S) transition matrix's gradient summed over the
+    positions."""
+    return [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
+            for r, (g_u, g_v) in zip(rs, out)]
+
+
 def _backward_batch(rs, ins_u, ins_v, transpose, n_jobs):
     pp = [i for i, r in enumerate(rs) if getattr(r, "_per_position", False)]
     if not pp:
         out = _backward_core(rs, ins_u, ins_v, transpose, n_jobs)
-        if transpose and any(getattr(r, "_shared_v", False) for r in rs):
-            out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
-                   for r, (g_u, g_v) in zip(rs, out)]
-        return out
+        return _summed_shared(rs, out) if transpose else out
     # solved without eta_v: the eta_u part in closed form (_per_position); the backward
     # set runs only for the eta_v part (a jvp without d_eta_v needs none: no untying)
     B = len(rs)
     in_pp = set(pp)
     shape = [r.factor.shape_u for r in rs]
     if transpose:
-        out = _backward_core(rs, ins_u, None, True, n_jobs)
-        out = [(g_u, g_v.sum(0)) if getattr(r, "_shared_v", False) else (g_u, g_v)
-               for r, (g_u, g_v) in zip(rs, out)]
+        out = _summed_shared(rs, _backward_core(rs, ins_u, None, True, n_jobs))
         for i in pp:
             out[i] = (_centre(rs[i].u > 0, np.reshape(ins_u[i], shape[i])), out[i][1])
         return out
@@ -1563,7 +1573,7 @@ def _padded_info(handles):
             np.array([s.n_iter for s in sols], dtype=np.int64),
             np.array([_STATUS_CODES[s.status] for s in sols], dtype=np.int64),
             np.array([s.gap for s in sols], dtype=np.float64), facet,
-            np.array([0 if f else _FALLBACK_CODES[s.fallback[0]] for s, f in zip(sols, facet)],
+            np.array([0 if f else s.fallback[0] for s, f in zip(sols, facet)],
                      dtype=np.int64))
 
 
@@ -1601,16 +1611,16 @@ def _backward_padded(handles, ins_u, ins_v, transpose, n_jobs, out_u, out_v=None
         # solved without eta_v: per-position sparsemax's Jacobian for the eta_u part of
         # those problems (_per_position); the backward sets give the eta_v part
         pp = handles.pp
-        if pp.all() and (out_v is None if transpose else ins_v is None):
-            # nothing asks for an eta_v part: no backward set (no untying) at all
-            out_u[...] = 0.0
-            out_u[pp] = _centre(handles.on, np.where(handles.on, ins_u[pp], 0.0))
-            return None
         bad = ~np.isfinite(np.where(handles.on, ins_u[pp], 0.0)).reshape(pp.sum(), -1).all(1)
         if bad.any():
             i = int(np.flatnonzero(pp)[bad][0])
             raise ValueError(f"{'dus' if transpose else 'd_etas_u'}[{i}]: contains non-finite "
                              f"values (nan or inf)")
+        if pp.all() and (out_v is None if transpose else ins_v is None):
+            # nothing asks for an eta_v part: no backward set (no untying) at all
+            out_u[...] = 0.0
+            out_u[pp] = _centre(handles.on, np.where(handles.on, ins_u[pp], 0.0))
+            return None
         inner = ins_u
         if not transpose:
             inner = ins_u.copy()

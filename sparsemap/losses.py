@@ -215,9 +215,10 @@ def sparsemap_loss(factor, eta_u, target, eta_v=None, margin=0.0, **solve_kwargs
         ``Omega(y_t) = 1/2 ||m_t||^2`` (and ``rho`` its expected Hamming cost;
         for soft targets ``loss >= plain loss`` is not guaranteed).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
-        an ``(S, S)`` matrix is one transition matrix shared by the positions
-        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`
+        (or :class:`SequenceBudgetFactor`), an ``(S, S)`` matrix is one
+        transition matrix shared by the positions (as in a CRF), and
+        ``grad_eta_v`` is then its ``(S, S)`` gradient.
     margin : float, default 0
         Scale of the Hamming cost; 0 gives the plain SparseMAP loss.
     **solve_kwargs
@@ -282,9 +283,10 @@ def perceptron_loss(factor, eta_u, target, eta_v=None):
     target : structure, or (structures, weights), dict, or SparseMAPResult
         As in :func:`sparsemap_loss` (compact or dense structures).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
-        an ``(S, S)`` matrix is one transition matrix shared by the positions
-        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`
+        (or :class:`SequenceBudgetFactor`), an ``(S, S)`` matrix is one
+        transition matrix shared by the positions (as in a CRF), and
+        ``grad_eta_v`` is then its ``(S, S)`` gradient.
 
     Returns
     -------
@@ -341,9 +343,10 @@ def structured_svm_loss(factor, eta_u, target, eta_v=None, margin=1.0):
     target : structure, or (structures, weights), dict, or SparseMAPResult
         As in :func:`sparsemap_loss` (compact or dense structures).
     eta_v : array_like, shape ``factor.shape_v``, optional
-        Additional scores; zeros when omitted. For a :class:`SequenceFactor`,
-        an ``(S, S)`` matrix is one transition matrix shared by the positions
-        (as in a CRF), and ``grad_eta_v`` is then its ``(S, S)`` gradient.
+        Additional scores; zeros when omitted. For a :class:`SequenceFactor`
+        (or :class:`SequenceBudgetFactor`), an ``(S, S)`` matrix is one
+        transition matrix shared by the positions (as in a CRF), and
+        ``grad_eta_v`` is then its ``(S, S)`` gradient.
     margin : float, default 1
         Scale of the Hamming cost (non-negative), as in :func:`sparsemap_loss`;
         0 gives the perceptron.
@@ -403,9 +406,9 @@ def batch_loss(loss_fn, factor, etas_u, targets, etas_v=None, reduction="mean", 
         One target per example, in any form the loss accepts.
     etas_v : sequence of (array_like or None), ndarray, or None
         Additional scores per example; ``None`` means zeros for every example.
-        For a :class:`SequenceFactor` an entry may be one ``(S, S)`` transition
-        matrix shared by the positions (a stacked array is then ``(B, S, S)``),
-        as in ``loss_fn``.
+        For a :class:`SequenceFactor` (or :class:`SequenceBudgetFactor`) an
+        entry may be one ``(S, S)`` transition matrix shared by the positions
+        (a stacked array is then ``(B, S, S)``), as in ``loss_fn``.
     reduction : {"mean", "sum", "none"}, default "mean"
         What to return as the loss: the mean over the batch, the sum, or the
         per-example losses. The gradients are those *of the returned value*:

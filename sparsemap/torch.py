@@ -59,7 +59,8 @@ from sparsemap import Factor
 from sparsemap._checks import check_per_factor
 from sparsemap._factors._base import check_bool
 from sparsemap._solve import (_FALLBACK_NAMES, _STATUS_NAMES, _backward_padded, _check_n_jobs,
-                              _helpers, _order, _padded_info, _solve_batch, _solve_padded)
+                              _helpers, _order, _padded_info, _solve_batch, _solve_padded,
+                              _takes_shared)
 from sparsemap._solve import _element as _batch_element
 from sparsemap.losses import _check_nonneg, _check_reduction, _loss_padded, _target_rows
 
@@ -91,8 +92,9 @@ def _expand_transitions(factor, eta_u, eta_v, length=None):
     """``eta_v`` with a transition matrix shared by the positions expanded to one per
     position, as a view (autograd then sums its gradient over the positions).
 
-    For factors whose ``shape_v`` is ``(L, a, b)``, one ``(a, b)`` block per position
-    of a chain (sequences, budgeted sequences): ``eta_v`` of shape ``(a, b)``, or with
+    For :class:`~sparsemap.SequenceFactor` factors (``shape_v`` ``(L, a, b)``, one
+    ``(a, b)`` block per transition; the factors that ``sparsemap.solve`` takes a
+    shared matrix for, see ``_solve._takes_shared``): ``eta_v`` of shape ``(a, b)``, or with
     leading dims that broadcast to the batch dims but no position axis, is shared; a
     tensor with the position axis (``(*batch, L, a, b)``) is returned as it is, and
     every other shape too (the layout's checks name what is wrong). ``length``: the
@@ -107,7 +109,7 @@ def _expand_transitions(factor, eta_u, eta_v, length=None):
     except (TypeError, AttributeError):
         return eta_v                   # not factors: the layout raises
     blocks = {sv[1:] for sv in shapes}
-    if not shapes or len(blocks) != 1 or any(len(sv) != 3 for sv in shapes):
+    if not shapes or len(blocks) != 1 or not all(_takes_shared(f) for f in fs):
         return eta_v
     block = blocks.pop()
     n_batch = (eta_u.dim() - len(fs[0].shape_u)) if isinstance(factor, Factor) else 1
@@ -1844,10 +1846,7 @@ class _GraphJacobian:
 class _FactorGraphFunction(_JacobianFunction):
     @staticmethod
     def forward(layout, n_jobs, solve_kw, eta_u, *tensors):
-        report = solve_kw.pop("_report", None)
         results = _graph_solve(layout, eta_u, tensors, n_jobs, solve_kw)
-        if report is not None:      # sparsemap.lpsmap's verbose reads how the solves went
-            report.extend(results)
         layout.jac = _GraphJacobian(layout, results, n_jobs, eta_u, tensors)
         return _like(layout.join_u([r.u for r in results]), _spec(eta_u))
 
@@ -1930,7 +1929,7 @@ def factor_graph(graph, eta_u, eta_v=None, *, n_jobs=None, **solve_kw):
     tensor([ 0.3333, -0.3333,  0.3333])
     """
     for k in solve_kw:
-        if k not in _GRAPH_SOLVE_KW and k != "_report":
+        if k not in _GRAPH_SOLVE_KW:
             raise ValueError(f"{k}: not an option of FactorGraph.solve (expected one of "
                              f"{', '.join(_GRAPH_SOLVE_KW)})")
     layout = _GraphLayout(graph, eta_u, eta_v)

@@ -13,6 +13,9 @@ import pytest
 import sparsemap as sm
 from sparsemap.testing import tie_direction
 
+import torch
+
+import sparsemap.torch as smt
 from _reference import sparsemax, sparsemax_jacobian
 
 METHODS = ["auto", "facet", "vertex"]
@@ -155,8 +158,6 @@ def test_batches_match_single_solves():
 
 @pytest.mark.parametrize("method", METHODS + ["pairwise_cg"])
 def test_torch_layer(method):
-    import torch
-    import sparsemap.torch as smt
     rng = np.random.default_rng(4)
     n, S, B = 6, 4, 3
     f = sm.SequenceFactor(n, S)
@@ -183,3 +184,14 @@ def test_torch_layer(method):
     ref = closed_form_jacobian(etas[1, :n - 2]) @ g[1, :n - 2].ravel()
     np.testing.assert_allclose(x.grad[1, :n - 2].numpy().ravel(), ref, atol=1e-9)
     assert np.all(x.grad[1, n - 2:].numpy() == 0)
+
+
+def test_torch_backward_refuses_a_nonfinite_gradient():
+    """Per-position sparsemax in the torch layer checks the incoming gradient as every
+    other backward pass does, also when no problem has transitions."""
+    x = torch.zeros(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    u = smt.sparsemap(sm.SequenceFactor(4, 3), x)
+    g = torch.zeros_like(u)
+    g[1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the gradient of u: contains non-finite .*batch element 1"):
+        u.backward(g)

@@ -154,3 +154,20 @@ def test_numpy_losses_take_a_shared_matrix(loss):
     assert G_v.shape == (2, 4, 4)
     np.testing.assert_array_equal(G_v[0], g_v)
     assert tot == val + loss(f, -eu, y, eta_v=-T)[0]
+
+
+def test_a_budgeted_sequence_takes_a_shared_matrix_in_numpy_as_in_torch():
+    """SequenceBudgetFactor's eta_v is one block per transition too: NumPy's solve, losses
+    and batches take one shared matrix for it, as sparsemap.torch does."""
+    rng = np.random.default_rng(3)
+    fb = sm.SequenceBudgetFactor(6, 2)
+    eu, T = rng.standard_normal(6), rng.standard_normal((2, 2))
+    full = np.broadcast_to(T, fb.shape_v).copy()
+    r, rb = sm.solve(fb, eu, T), sm.solve(fb, eu, full)
+    np.testing.assert_array_equal(r.u, rb.u)
+    g = rng.standard_normal(6)
+    np.testing.assert_allclose(r.vjp(g)[1], rb.vjp(g)[1].sum(0), atol=1e-13)
+    (q,) = sm.solve_batch(fb, eu[None], T[None])
+    np.testing.assert_array_equal(q.u, r.u)
+    with pytest.raises(ValueError, match=r"\(2, 2\) \(shared"):
+        sm.solve(fb, eu, np.zeros((2, 3)))
