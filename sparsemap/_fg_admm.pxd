@@ -29,7 +29,6 @@ cdef class _FacetSlot:
     cdef double* jv
     cdef object _block           # the NumPy array behind the pointers above
     cdef unsigned long long hash  # of the state's ints (the piece)
-    cdef Py_ssize_t n_solve, n_declined
     cdef void _swap(self) noexcept nogil
 
 

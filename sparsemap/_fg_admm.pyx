@@ -32,10 +32,10 @@ public ``FactorGraph`` uses). The state is declared in ``_fg_admm.pxd``.
 
 import numpy as np
 
-from libc.math cimport fabs, sqrt, INFINITY
-from libc.string cimport memcpy, memset
+from libc.math cimport fabs, INFINITY
+from libc.string cimport memcpy
 
-from sparsemap._active_set cimport _dot, _iterate
+from sparsemap._active_set cimport _hash_structure, _iterate
 from sparsemap._active_set import STATUS_CONVERGED
 from sparsemap._facet cimport FACET_SOLVED, FacetState, state_clear
 from sparsemap._facet import facet_solver
@@ -130,16 +130,7 @@ cdef class _FacetSlot:
         p = self.v
         self.v = self.v2
         self.v2 = p
-        self.hash = _state_hash(&self.st)
-
-
-cdef unsigned long long _state_hash(const FacetState* st) noexcept nogil:
-    """FNV-1a over the state's ints: the piece (positive coordinates, active rows)."""
-    cdef Py_ssize_t i
-    cdef unsigned long long h = 1469598103934665603ULL
-    for i in range(st.n_ints):
-        h = (h ^ <unsigned int> st.ints[i]) * 1099511628211ULL
-    return h
+        self.hash = _hash_structure(self.st.ints, self.st.n_ints)
 
 
 def _facet_slot(factor):
@@ -324,7 +315,6 @@ cdef class _Admm:
         cdef Py_ssize_t n_it = 0
         cdef double res[2]
         cdef FacetState t = s.st
-        s.n_solve += 1
         # warm started from the last step's state (moved to st2, the polish check's scratch
         # until the next check: st2 always holds a state of this solver, or none)
         s.st = s.st2
@@ -332,9 +322,8 @@ cdef class _Admm:
         if s.solver.c_solve_warm(self.scores + self.uoff[f],
                                  self.evs + self.voff[f] if s.n_v else NULL, s.u, s.v, &s.st,
                                  &s.st2, FACET_BUDGET, &n_it, res) != FACET_SOLVED:
-            s.n_declined += 1
             return False
-        s.hash = _state_hash(&s.st)
+        s.hash = _hash_structure(s.st.ints, s.st.n_ints)
         return True
 
     cdef double* _point(self, _Workspace ws, Py_ssize_t f) noexcept nogil:
@@ -486,14 +475,6 @@ cdef class _Admm:
         S, y, _ = ws._export()
         return v, S, y
 
-    def facet_counts(self):
-        """Per factor, its facet-side steps tried and declined (zeros without a solver)."""
-        out = np.zeros((self.F, 2), dtype=np.intp)
-        for f, s in enumerate(self.slots):
-            if s is not None:
-                out[f] = (<_FacetSlot> s).n_solve, (<_FacetSlot> s).n_declined
-        return out
-
     def factor_sides(self):
         """Per factor, the side of its last step: True where the facet side."""
         return np.asarray(self._arrays["side"][:self.F]) == FACET
@@ -541,5 +522,5 @@ _MESSAGES = {
 
 # The statuses as Python ints, for the API module (FactorGraph reads engine.status and
 # sets it when a graph is infeasible by counting).
-ENGINE_CONVERGED, ENGINE_MAX_ITER, ENGINE_INFEASIBLE = CONVERGED, MAX_ITER, INFEASIBLE
+ENGINE_CONVERGED, ENGINE_INFEASIBLE = CONVERGED, INFEASIBLE
 

@@ -250,21 +250,24 @@ def _engine_from_state(factors, variables, negated, n_variables, eta_u, eta_v, r
 
 
 cdef tuple _slot_state(_FacetSlot s):
-    """A facet slot's point (u, v), its state's ints and doubles, and its counters."""
+    """A facet slot's point (u, v), its state's ints and doubles, and its piece's hash."""
     u = np.array(<double[:s.n_u]> s.u) if s.n_u else np.zeros(0)
     v = np.array(<double[:s.n_v]> s.v) if s.n_v else np.zeros(0)
     ints = np.array(<int[:s.st.n_ints]> s.st.ints) if s.st.n_ints else np.zeros(0, np.intc)
     reals = np.array(<double[:s.st.n_reals]> s.st.reals) if s.st.n_reals else np.zeros(0)
-    return (u, v, ints, reals, s.hash, s.n_solve, s.n_declined)
+    return (u, v, ints, reals, s.hash)
 
 
 cdef int _slot_restore(_FacetSlot s, tuple state) except -1:
-    u, v, ints, reals, h, n_solve, n_declined = state
+    u, v, ints, reals, h = state
     cdef const double[::1] uv = np.ascontiguousarray(u, dtype=np.float64)
     cdef const double[::1] vv = np.ascontiguousarray(v, dtype=np.float64)
     cdef const int[::1] iv = np.ascontiguousarray(ints, dtype=np.intc)
     cdef const double[::1] rv = np.ascontiguousarray(reals, dtype=np.float64)
     cdef Py_ssize_t j
+    if uv.shape[0] != s.n_u or vv.shape[0] != s.n_v:
+        raise ValueError(f"a facet slot's state holds {uv.shape[0]} and {vv.shape[0]} "
+                         f"values, its factor {s.n_u} and {s.n_v}")
     for j in range(s.n_u):
         s.u[j] = uv[j]
     for j in range(s.n_v):
@@ -274,7 +277,7 @@ cdef int _slot_restore(_FacetSlot s, tuple state) except -1:
         s.st.ints[j] = iv[j]
     for j in range(rv.shape[0]):
         s.st.reals[j] = rv[j]
-    s.hash, s.n_solve, s.n_declined = h, n_solve, n_declined
+    s.hash = h
     return 0
 
 

@@ -24,7 +24,6 @@ from libc.math cimport fabs, sqrt, INFINITY
 from libc.string cimport memcpy, memset
 
 from sparsemap._active_set cimport _dot, _maxabs
-from sparsemap._factors._base cimport Factor
 from sparsemap._facet cimport FACET_SOLVED
 from sparsemap._fg_admm cimport INFEASIBLE, FACET, _FacetSlot
 

@@ -122,6 +122,8 @@ def test_jvp_and_vjp_are_the_derivative(name, scale):
     rng = np.random.default_rng(7)
     eta, eta_v = scores(fg, scale, 1)
     r = fg.solve(eta, eta_v)
+    if scale in FLAT and (name != "sequence" or scale < 0.1):
+        assert r._engine.factor_sides()[0]     # the products below are c_apply's
     d, g = rng.standard_normal(fg.n_variables), rng.standard_normal(fg.n_variables)
     dv = [rng.standard_normal(f.shape_v) if f.n_v else None for f in fg.factors]
     h = 1e-6 * max(1.0, scale)
