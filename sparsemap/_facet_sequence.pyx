@@ -698,11 +698,7 @@ cdef int _factor_range(_W* w, int lo, int hi) noexcept nogil:
                         for k in range(mp):
                             d += Bk[r + k * m] * Bk[c + k * m]
                         A[r + c * m] -= d
-        if m == 1:
-            if not A[0] > 0.0:
-                return 1
-            A[0] = sqrt(A[0])
-        elif _chol(A, m):
+        if _chol(A, m):
             return 1
     return 0
 
@@ -724,10 +720,7 @@ cdef void _solve_range(_W* w, double* x, int lo, int hi) noexcept nogil:
                     d = x[(i - 1) * S + c]
                     for r in range(m):
                         xi[r] -= K[r + c * m] * d
-        if m == 1:
-            xi[0] /= w.Kd[i * SS]
-        else:
-            _lower_solve(w.Kd + i * SS, m, xi, 1, False)
+        _lower_solve(w.Kd + i * SS, m, xi, 1, False)
     for i in range(hi, lo - 1, -1):
         m = _m(w, i)
         xi = x + i * S
@@ -740,10 +733,7 @@ cdef void _solve_range(_W* w, double* x, int lo, int hi) noexcept nogil:
                     for r in range(mp):
                         d += K[r + c * mp] * x[(i + 1) * S + r]
                     xi[c] -= d
-        if m == 1:
-            xi[0] /= w.Kd[i * SS]
-        else:
-            _lower_solve(w.Kd + i * SS, m, xi, 1, True)
+        _lower_solve(w.Kd + i * SS, m, xi, 1, True)
 
 
 cdef inline double _gauge(_W* w, const double* lam, int i, int k) noexcept nogil:

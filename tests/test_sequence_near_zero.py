@@ -26,14 +26,20 @@ def near_zero(n, S, su, sv, seed=0, tied_rows=False):
     return eu, sv * rng.standard_normal((n - 1, S, S))
 
 
+# warm=False: the path from per-position sparsemax, whose start is degenerate here (the
+# default, warm=None, takes the warm path at these scores and never meets that start)
+WARM = [None, False]
+
+
+@pytest.mark.parametrize("warm", WARM)
 @pytest.mark.parametrize("n, S", [(30, 8), (100, 17)])
 @pytest.mark.parametrize("sv", [1e-9, 1e-6, 0.1])
-def test_near_zero_cases_converge_certified(n, S, sv):
+def test_near_zero_cases_converge_certified(n, S, sv, warm):
     """eta_u = 0, eta_v = sv randn (seed 0): solved on the facet side, on the default and
     the "facet" methods, with gap <= 1e-10 (checked here by an independent Viterbi)."""
     eu, ev = near_zero(n, S, 0.0, sv)
     f = sm.SequenceFactor(n, S)
-    sol = SequenceFacetSolver(f, decline_peaked=False).solve(eu, ev, budget=10000)
+    sol = SequenceFacetSolver(f, decline_peaked=False, warm=warm).solve(eu, ev, budget=10000)
     assert sol.status == SOLVED
     assert check_kkt(eu, ev, sol.u, sol.v, tol=1e-10) <= 1e-10
     for method in ("facet",) + (("auto",) if sv < 0.01 else ()):
@@ -42,29 +48,31 @@ def test_near_zero_cases_converge_certified(n, S, sv):
         np.testing.assert_allclose(r.u, sol.u, atol=1e-14)
 
 
+@pytest.mark.parametrize("warm", WARM)
 @pytest.mark.parametrize("n, S", [(2, 3), (3, 3), (4, 2), (5, 2), (3, 4)])
 @pytest.mark.parametrize("su, sv", [(0.0, 1e-9), (0.0, 1e-4), (0.0, 0.1), (0.0, 1.0),
                                     (1e-9, 1e-9), (1e-4, 1e-4), (0.3, 0.1), (0.3, 1.0)])
-def test_degenerate_starts_against_brute_force(n, S, su, sv):
+def test_degenerate_starts_against_brute_force(n, S, su, sv, warm):
     """Tied rows of eta_u (eta_u = 0 when su = 0) make the start degenerate. (The
     reference needs scores of one scale: SciPy cannot certify 0.3 against 1e-9.)"""
     eu, ev = near_zero(n, S, su, sv, seed=n * 10 + S, tied_rows=True)
     f = sm.SequenceFactor(n, S)
-    sol = SequenceFacetSolver(f, decline_peaked=False).solve(eu, ev, budget=10000)
+    sol = SequenceFacetSolver(f, decline_peaked=False, warm=warm).solve(eu, ev, budget=10000)
     assert sol.status == SOLVED
     check_kkt(eu, ev, sol.u, sol.v)
     np.testing.assert_allclose(sol.u, brute_force(eu, ev), atol=1e-6 * max(su, sv, 1e-3))
 
 
+@pytest.mark.parametrize("warm", WARM)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("su, sv", [(0.0, 1e-3), (0.3, 0.1), (0.0, 0.5)])
-def test_degenerate_start_jacobian_against_finite_differences(seed, su, sv):
+def test_degenerate_start_jacobian_against_finite_differences(seed, su, sv, warm):
     """At tied rows with random transitions u is differentiable (almost surely): the
     Jacobian (jvp and vjp) against central differences of certified solves."""
     n, S = 6, 4
     eu, ev = near_zero(n, S, su, sv, seed=seed, tied_rows=True)
     f = sm.SequenceFactor(n, S)
-    solver = SequenceFacetSolver(f, decline_peaked=False)
+    solver = SequenceFacetSolver(f, decline_peaked=False, warm=warm)
     sol = solver.solve(eu, ev)
     assert sol.status == SOLVED
     rng = np.random.default_rng(100 + seed)
