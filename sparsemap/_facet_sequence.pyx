@@ -180,6 +180,12 @@ cdef double WARM_MARGIN = 1e-6
 # 0.1; at a tagger's initialisation (about 1) 0.1 to 0.3.
 cdef double WARM_RHO = 0.05
 
+
+cdef inline double _tol_d(double scale) noexcept nogil:
+    """The tie tolerance of reduced costs and paths' scores, for scores of that scale."""
+    return TOL_D * scale + TOL_D0
+
+
 cdef enum:
     EV_NONE = 0
     EV_LEAVE = 1    # a forest arc's flow reaches 0
@@ -2015,10 +2021,17 @@ cdef bint _warm(_W* w, const double* eta_u, const double* eta_v, double scale,
     w.t_start = max(1e-9, START_ROUNDOFF / dmax) if dmax > 0.0 else 1e-9
     if _follow_costs(w, euh, vh, dv, 1.0, False, budget, n_iter, stack) == RUN_OK:
         w.eub = NULL
-        ok = _update(w, eta_u, NULL, eta_v, True) == 0 and not _violated(w, eta_u, NULL, eta_v, 1.0)
+        ok = _optimal_at(w, eta_u, eta_v)
     w.eub = NULL
     free(buf)
     return ok
+
+
+cdef bint _optimal_at(_W* w, const double* eta_u, const double* eta_v) noexcept nogil:
+    """Whether w's structure, reached on a path to other scores, is the solution's at
+    (eta_u, eta_v): its u, flows and potentials recomputed there (_update) hold, and no
+    arc, flow or path violates optimality."""
+    return _update(w, eta_u, NULL, eta_v, True) == 0 and not _violated(w, eta_u, NULL, eta_v, 1.0)
 
 
 cdef double _pooled_std(const double* x, Py_ssize_t n_groups, Py_ssize_t size,
@@ -2355,6 +2368,14 @@ cdef class SequenceFacetSolver(FacetSolver):
             _free(&w)
         return status
 
+    cdef int _restart(self, _W* w, double scale) except -1 nogil:
+        """w emptied for another path from a start (its structure and events dropped),
+        at the tolerances of scores of that scale."""
+        _free(w)
+        _alloc(w, self.n, self.S, self.factor.work_bytes)
+        w.tol_d = _tol_d(scale)
+        return 0
+
     cdef int _solve(self, _W* w, const double* eta_u, const double* eta_v, double* u,
                     double* v, FacetState* st, Py_ssize_t budget, Py_ssize_t* n_iter,
                     double* residuals, double scale_u, double scale_v,
@@ -2365,15 +2386,13 @@ cdef class SequenceFacetSolver(FacetSolver):
         cdef bint phase2 = False, solved = False
         cdef int attempt
         cdef double* shifted = NULL
-        w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+        w.tol_d = _tol_d(scale_u + scale_v)
         # phase 1: eta_v(t) = t eta_v
         if warm and scale_v > 0.0 and not _any_forbidden(eta_v, T * S * S):
             solved = (_start(w, eta_u, eta_v, self.r, scale_v) == 0
                       and _warm(w, eta_u, eta_v, scale_u + scale_v, budget, n_iter, stack))
             if not solved:
-                _free(w)
-                _alloc(w, n, S, self.factor.work_bytes)
-                w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+                self._restart(w, scale_u + scale_v)
         if not solved and _start(w, eta_u, eta_v, self.r, scale_v):
             return FACET_DECLINED
         if scale_v > 0.0:
@@ -2394,24 +2413,19 @@ cdef class SequenceFacetSolver(FacetSolver):
                         x = (SHIFT_FIRST if attempt == 0 else SHIFT_NEXT) * max(scale_u, scale_v)
                         for j in range(n * S):
                             shifted[j] = eta_u[j] + x * self.r[j]
-                        _free(w)
-                        _alloc(w, n, S, self.factor.work_bytes)
-                        w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+                        self._restart(w, scale_u + scale_v)
                         if _start(w, shifted, eta_v, self.r, scale_v):
                             break
                         if not _phase1(w, shifted, eta_v, scale_v, budget, n_iter, stack):
                             continue
-                        if (_update(w, eta_u, NULL, eta_v, True) == 0
-                                and not _violated(w, eta_u, NULL, eta_v, 1.0)):
+                        if _optimal_at(w, eta_u, eta_v):
                             solved = True
                             break
                 finally:
                     free(shifted)
                 if not solved:
                     # the path from eta_u itself
-                    _free(w)
-                    _alloc(w, n, S, self.factor.work_bytes)
-                    w.tol_d = TOL_D * (scale_u + scale_v) + TOL_D0
+                    self._restart(w, scale_u + scale_v)
                     if _start(w, eta_u, eta_v, self.r, scale_v):
                         return FACET_DECLINED
             if not solved and not _phase1(w, eta_u, eta_v, scale_v, budget, n_iter, stack):
